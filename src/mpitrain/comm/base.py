@@ -1,0 +1,225 @@
+"""The Communicator interface: in-place collectives, point-to-point and split on torch tensors."""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["Communicator", "Request", "CommError", "OPS", "DTYPES", "split_sizes"]
+
+#: Reduction ops every backend implements. "avg" is sum divided by the size (floating dtypes only).
+OPS = ("sum", "avg", "max", "min", "prod")
+
+#: Dtypes every backend moves and reduces. MPI has no bfloat16: the MPI backend reduces it in a
+#: float32 staging buffer (one copy each way), so the result is fp32-accumulate then round.
+DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64)
+
+
+class CommError(RuntimeError):
+    """A communicator was used wrongly: bad argument, closed communicator, unsupported combination."""
+
+
+def split_sizes(n: int, parts: int) -> list[int]:
+    """Sizes of `parts` contiguous blocks of `n` items; the first ``n % parts`` blocks get one extra.
+
+    This is the one blocking rule of the project (reduce_scatter, batch slicing, spatial splits).
+    """
+    base, extra = divmod(n, parts)
+    return [base + (1 if i < extra else 0) for i in range(parts)]
+
+
+class Request(abc.ABC):
+    """A nonblocking operation in flight. ``wait()`` returns its output tensor (or None for sends)."""
+
+    @abc.abstractmethod
+    def wait(self) -> torch.Tensor | None:
+        """Block until complete; idempotent. Output buffers are valid only after this returns."""
+
+    @abc.abstractmethod
+    def test(self) -> bool:
+        """True once complete (then ``wait()`` returns at once). Never blocks."""
+
+    @staticmethod
+    def wait_all(requests: Sequence[Request]) -> list[torch.Tensor | None]:
+        return [r.wait() for r in requests]
+
+
+class Communicator(abc.ABC):
+    """A group of ranks that run collectives together.
+
+    Every rank of the group must call each collective, with tensors of the same shape and dtype,
+    in the same order. Tensors are worked on in place where the signature returns its argument.
+    Inputs must be contiguous; a bad argument raises :class:`CommError` naming it, on the calling
+    rank, before any message is sent. Methods ending in ``_object`` pickle: never on a hot path.
+    """
+
+    backend: str = "?"
+
+    # -- identity -------------------------------------------------------------------------
+    @property
+    @abc.abstractmethod
+    def rank(self) -> int: ...
+
+    @property
+    @abc.abstractmethod
+    def size(self) -> int: ...
+
+    # -- collectives (in place where they return their argument) --------------------------------
+    @abc.abstractmethod
+    def allreduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """Reduce `t` over all ranks, in place; returns `t`."""
+
+    @abc.abstractmethod
+    def broadcast(self, t: torch.Tensor, root: int = 0) -> torch.Tensor:
+        """Overwrite `t` on every rank with root's `t`, in place; returns `t`."""
+
+    @abc.abstractmethod
+    def allgather(self, t: torch.Tensor) -> torch.Tensor:
+        """New tensor: every rank's `t` (same shape everywhere) concatenated on dim 0 in rank order.
+
+        A 0-d tensor is treated as shape (1,)."""
+
+    @abc.abstractmethod
+    def reduce_scatter(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """New tensor: block `rank` of the reduction of `t`, blocks along dim 0 by :func:`split_sizes`."""
+
+    @abc.abstractmethod
+    def alltoallv(self, send: torch.Tensor, send_counts: Sequence[int], recv_counts: Sequence[int]) -> torch.Tensor:
+        """Rows of `send` (dim 0) go out in rank order, ``send_counts[r]`` rows to rank r; returns the
+        received rows concatenated in rank order (``recv_counts[r]`` rows from rank r)."""
+
+    @abc.abstractmethod
+    def barrier(self) -> None: ...
+
+    # -- point to point --------------------------------------------------------------------------
+    @abc.abstractmethod
+    def send(self, t: torch.Tensor, dest: int, tag: int = 0) -> None: ...
+
+    @abc.abstractmethod
+    def recv(self, t: torch.Tensor, source: int, tag: int = 0) -> torch.Tensor:
+        """Receive into `t` (shape and dtype must match the sender's); returns `t`."""
+
+    @abc.abstractmethod
+    def sendrecv(self, send: torch.Tensor, dest: int, recv: torch.Tensor, source: int,
+                 sendtag: int = 0, recvtag: int = 0) -> torch.Tensor:
+        """Send `send` to `dest` while receiving into `recv` from `source` (deadlock-free); returns `recv`."""
+
+    # -- nonblocking -----------------------------------------------------------------------------
+    @abc.abstractmethod
+    def iallreduce(self, t: torch.Tensor, op: str = "sum") -> Request:
+        """Start an in-place allreduce; `t` must not be touched until the request completes."""
+
+    @abc.abstractmethod
+    def ibroadcast(self, t: torch.Tensor, root: int = 0) -> Request: ...
+
+    @abc.abstractmethod
+    def isend(self, t: torch.Tensor, dest: int, tag: int = 0) -> Request: ...
+
+    @abc.abstractmethod
+    def irecv(self, t: torch.Tensor, source: int, tag: int = 0) -> Request: ...
+
+    # -- groups and objects ----------------------------------------------------------------------
+    @abc.abstractmethod
+    def split(self, color: int | None, key: int = 0) -> Communicator | None:
+        """Collective over this communicator: ranks with equal `color` form a new communicator, ordered
+        by (key, rank). ``color=None`` joins none and gets None."""
+
+    @abc.abstractmethod
+    def allgather_object(self, obj: Any) -> list[Any]:
+        """Pickled allgather of a small Python object (control messages, validation)."""
+
+    @abc.abstractmethod
+    def broadcast_object(self, obj: Any, root: int = 0) -> Any:
+        """Pickled broadcast of a small Python object."""
+
+    @abc.abstractmethod
+    def abort(self, code: int = 1) -> None:
+        """End the whole job (every rank of the world) with exit status `code` (never 0)."""
+
+    @abc.abstractmethod
+    def free(self) -> None:
+        """Release the communicator; any later call raises CommError."""
+
+    # -- shared argument checks ------------------------------------------------------------------
+    _closed: bool = False
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CommError(f"{self!r} was freed/finalized and cannot be used any more")
+
+    def _check(self, t: Any, name: str, op: str | None = None, devices: tuple[str, ...] = ("cpu",)) -> None:
+        """Refuse what no backend can do, naming argument and reason (raises before any message)."""
+        self._check_open()
+        if not isinstance(t, torch.Tensor):
+            raise CommError(f"argument '{name}' must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in DTYPES:
+            raise CommError(f"argument '{name}' has dtype {t.dtype}; supported: {[str(d) for d in DTYPES]}")
+        if t.device.type not in devices:
+            raise CommError(f"argument '{name}' is on device {t.device}; the {self.backend} backend takes "
+                            f"tensors on {devices}")
+        if not t.is_contiguous():
+            raise CommError(f"argument '{name}' is not contiguous; pass t.contiguous() (a copy) explicitly")
+        if op is not None:
+            if op not in OPS:
+                raise CommError(f"argument 'op' is {op!r}; supported ops: {OPS}")
+            if op == "avg" and not t.is_floating_point():
+                raise CommError(f"op 'avg' needs a floating dtype, argument '{name}' is {t.dtype}")
+
+    def _check_rank(self, r: int, name: str) -> None:
+        if not isinstance(r, int) or not 0 <= r < self.size:
+            raise CommError(f"argument '{name}'={r!r} is not a rank of this communicator (size {self.size})")
+
+    def _check_counts(self, counts: Sequence[int], name: str, rows: int | None = None) -> list[int]:
+        counts = [int(c) for c in counts]
+        if len(counts) != self.size or any(c < 0 for c in counts):
+            raise CommError(f"argument '{name}' must hold {self.size} non-negative counts, got {counts}")
+        if rows is not None and sum(counts) != rows:
+            raise CommError(f"argument '{name}' sums to {sum(counts)} but 'send' has {rows} rows on dim 0")
+        return counts
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} backend={self.backend} rank={self.rank} size={self.size}>"
+
+
+class _DoneRequest(Request):
+    """A request that completed at creation (zero-size tensors, size-1 groups)."""
+
+    def __init__(self, out: torch.Tensor | None) -> None:
+        self._out = out
+
+    def wait(self) -> torch.Tensor | None:
+        return self._out
+
+    def test(self) -> bool:
+        return True
+
+
+class _CallbackRequest(Request):
+    """Wraps a backend request; runs `finish` exactly once on completion (copy-back, avg division)."""
+
+    def __init__(self, wait: Callable[[], Any], test: Callable[[], bool], out: torch.Tensor | None,
+                 finish: Callable[[], None] | None = None, keep: Any = None) -> None:
+        self._wait, self._test, self._out, self._finish = wait, test, out, finish
+        self._keep = keep  # buffers the backend still reads/writes; alive until completion
+        self._done = False
+
+    def _complete(self) -> None:
+        if not self._done:
+            self._done = True
+            if self._finish is not None:
+                self._finish()
+            self._keep = None
+
+    def wait(self) -> torch.Tensor | None:
+        if not self._done:
+            self._wait()
+            self._complete()
+        return self._out
+
+    def test(self) -> bool:
+        if not self._done and self._test():
+            self._complete()
+        return self._done

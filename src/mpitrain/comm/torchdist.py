@@ -1,0 +1,197 @@
+"""The torch.distributed backend: gloo on CPU (NCCL for CUDA tensors), same surface as the MPI one."""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .base import Communicator, CommError, Request, _CallbackRequest, _DoneRequest, split_sizes
+
+__all__ = ["TorchCommunicator", "init_torch_world"]
+
+_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
+        "min": dist.ReduceOp.MIN, "prod": dist.ReduceOp.PRODUCT}
+
+
+def init_torch_world(rank: int, size: int, bootstrap: Communicator | None) -> TorchCommunicator:
+    """Start the default process group. Under torchrun (MASTER_ADDR set) use env://; under mpiexec
+    rank 0 picks a free port and tells the others through `bootstrap` (the MPI world)."""
+    backend = "nccl" if torch.cuda.is_available() and os.environ.get("MPITRAIN_TORCH_BACKEND") != "gloo" else "gloo"
+    if not dist.is_initialized():
+        if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
+            dist.init_process_group(backend, init_method="env://", rank=rank, world_size=size)
+        else:
+            if bootstrap is None:
+                raise CommError("backend 'torch' needs MASTER_ADDR/MASTER_PORT (torchrun) or an MPI job to bootstrap")
+            addr = None
+            if bootstrap.rank == 0:
+                with socket.socket() as s:
+                    s.bind(("", 0))
+                    addr = (socket.gethostname() if bootstrap.size > 1 else "127.0.0.1", s.getsockname()[1])
+            host, port = bootstrap.broadcast_object(addr)
+            if _same_host(bootstrap):
+                host = "127.0.0.1"
+            dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=rank, world_size=size)
+    return TorchCommunicator(None, list(range(size)))
+
+
+def _same_host(bootstrap: Communicator) -> bool:
+    return len(set(bootstrap.allgather_object(socket.gethostname()))) == 1
+
+
+class TorchCommunicator(Communicator):
+    """A Communicator over a torch.distributed process group (None = the default world group)."""
+
+    backend = "torch"
+
+    def __init__(self, group: Any, ranks: list[int]) -> None:
+        self._group = group
+        self._ranks = ranks  # global rank of each group rank
+        self._rank = dist.get_rank(group)
+        self._devices = ("cpu", "cuda") if dist.get_backend(group) == "nccl" else ("cpu",)
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def size(self) -> int:
+        return len(self._ranks)
+
+    def _c(self, t: Any, name: str, op: str | None = None) -> None:
+        self._check(t, name, op, devices=self._devices)
+
+    def _g(self, r: int) -> int:
+        return self._ranks[r]
+
+    # -- collectives ---------------------------------------------------------------------------
+    def allreduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        return self.iallreduce(t, op).wait()
+
+    def broadcast(self, t: torch.Tensor, root: int = 0) -> torch.Tensor:
+        return self.ibroadcast(t, root).wait()
+
+    def allgather(self, t: torch.Tensor) -> torch.Tensor:
+        self._c(t, "t")
+        src = t.reshape(1) if t.dim() == 0 else t
+        out = torch.empty((self.size * src.shape[0], *src.shape[1:]), dtype=t.dtype, device=t.device)
+        if out.numel():
+            dist.all_gather_into_tensor(out, src, group=self._group)
+        return out
+
+    def reduce_scatter(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        self._c(t, "t", op)
+        if t.dim() == 0:
+            raise CommError("argument 't' of reduce_scatter must have at least one dimension")
+        rows = split_sizes(t.shape[0], self.size)
+        start = sum(rows[: self._rank])
+        if t.numel() and t.shape[0] % self.size == 0:
+            out = torch.empty((rows[self._rank], *t.shape[1:]), dtype=t.dtype, device=t.device)
+            dist.reduce_scatter_tensor(out, t, op=_OPS[op], group=self._group)
+        else:  # gloo has no uneven reduce-scatter: reduce a copy, keep our block
+            full = t.clone()
+            if t.numel():
+                dist.all_reduce(full, op=_OPS[op], group=self._group)
+            out = full[start:start + rows[self._rank]].clone()
+        return out.div_(self.size) if op == "avg" else out
+
+    def alltoallv(self, send: torch.Tensor, send_counts: Sequence[int], recv_counts: Sequence[int]) -> torch.Tensor:
+        self._c(send, "send")
+        if send.dim() == 0:
+            raise CommError("argument 'send' of alltoallv must have at least one dimension")
+        sc = self._check_counts(send_counts, "send_counts", rows=send.shape[0])
+        rc = self._check_counts(recv_counts, "recv_counts")
+        out = torch.empty((sum(rc), *send.shape[1:]), dtype=send.dtype, device=send.device)
+        dist.all_to_all_single(out, send, rc, sc, group=self._group)
+        return out
+
+    def barrier(self) -> None:
+        self._check_open()
+        dist.barrier(group=self._group)
+
+    # -- point to point ------------------------------------------------------------------------
+    def send(self, t: torch.Tensor, dest: int, tag: int = 0) -> None:
+        self.isend(t, dest, tag).wait()
+
+    def recv(self, t: torch.Tensor, source: int, tag: int = 0) -> torch.Tensor:
+        return self.irecv(t, source, tag).wait()
+
+    def sendrecv(self, send: torch.Tensor, dest: int, recv: torch.Tensor, source: int,
+                 sendtag: int = 0, recvtag: int = 0) -> torch.Tensor:
+        self._c(send, "send")
+        self._c(recv, "recv")
+        r = self.irecv(recv, source, recvtag)
+        s = self.isend(send, dest, sendtag)
+        s.wait()
+        return r.wait()
+
+    # -- nonblocking ---------------------------------------------------------------------------
+    def iallreduce(self, t: torch.Tensor, op: str = "sum") -> Request:
+        self._c(t, "t", op)
+        if not t.numel() or self.size == 1:
+            return _DoneRequest(t)
+        work = dist.all_reduce(t, op=_OPS[op], group=self._group, async_op=True)
+        finish = (lambda: t.div_(self.size)) if op == "avg" else None
+        return _CallbackRequest(work.wait, work.is_completed, t, finish)
+
+    def ibroadcast(self, t: torch.Tensor, root: int = 0) -> Request:
+        self._c(t, "t")
+        self._check_rank(root, "root")
+        if not t.numel() or self.size == 1:
+            return _DoneRequest(t)
+        work = dist.broadcast(t, src=self._g(root), group=self._group, async_op=True)
+        return _CallbackRequest(work.wait, work.is_completed, t)
+
+    def isend(self, t: torch.Tensor, dest: int, tag: int = 0) -> Request:
+        self._c(t, "t")
+        self._check_rank(dest, "dest")
+        work = dist.isend(t, dst=self._g(dest), group=self._group, tag=tag)
+        return _CallbackRequest(work.wait, work.is_completed, None, keep=t)
+
+    def irecv(self, t: torch.Tensor, source: int, tag: int = 0) -> Request:
+        self._c(t, "t")
+        self._check_rank(source, "source")
+        work = dist.irecv(t, src=self._g(source), group=self._group, tag=tag)
+        return _CallbackRequest(work.wait, work.is_completed, t)
+
+    # -- groups and objects --------------------------------------------------------------------
+    def split(self, color: int | None, key: int = 0) -> TorchCommunicator | None:
+        self._check_open()
+        entries = self.allgather_object((color, int(key)))
+        if color is None:
+            return None
+        # Only the members create the group (local synchronization), so the parent may be any group.
+        members = [self._g(r) for _, r in sorted((k, r) for r, (c, k) in enumerate(entries) if c == color)]
+        if members != sorted(members):
+            raise CommError("the torch backend orders a sub-communicator's ranks by world rank (torch sorts group "
+                            "ranks); a `key` that reorders them is not supported, use the mpi backend")
+        return TorchCommunicator(dist.new_group(members, use_local_synchronization=True), members)
+
+    def allgather_object(self, obj: Any) -> list[Any]:
+        self._check_open()
+        out: list[Any] = [None] * self.size
+        dist.all_gather_object(out, obj, group=self._group)
+        return out
+
+    def broadcast_object(self, obj: Any, root: int = 0) -> Any:
+        self._check_open()
+        self._check_rank(root, "root")
+        box = [obj]
+        dist.broadcast_object_list(box, src=self._g(root), group=self._group)
+        return box[0]
+
+    def abort(self, code: int = 1) -> None:
+        try:
+            from mpi4py import MPI
+            MPI.COMM_WORLD.Abort(code or 1)
+        finally:
+            os._exit(code or 1)
+
+    def free(self) -> None:
+        self._closed = True
+
