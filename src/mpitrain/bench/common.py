@@ -1,0 +1,75 @@
+"""Shared benchmark plumbing: machine description, timing loops and the printed table."""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+__all__ = ["machine", "command_line", "time_call", "median", "print_table", "header"]
+
+
+def machine() -> str:
+    """One line: host, CPU model, cores, torch and MPI versions."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    try:
+        from mpi4py import MPI
+
+        mpi = MPI.Get_library_version().split(",")[0].strip()
+    except Exception:  # pragma: no cover - mpi4py always present in our install
+        mpi = "?"
+    return f"{platform.node()} | {cpu} | {os.cpu_count()} cores | torch {torch.__version__} | {mpi}"
+
+
+def command_line() -> str:
+    return " ".join([os.path.basename(sys.argv[0]), *sys.argv[1:]])
+
+
+def header(title: str, ranks: int) -> str:
+    return (f"# {title}\n# command: mpitrain bench ... -> python -m {command_line()}\n"
+            f"# ranks: {ranks}\n# machine: {machine()}")
+
+
+def time_call(fn: Callable[[], object], repeats: int, warmup: int = 1,
+              sync: Callable[[], object] | None = None) -> list[float]:
+    """Wall-clock seconds of `repeats` calls of `fn` after `warmup` calls; `sync` runs before each
+    timed call (e.g. a barrier) so ranks start together."""
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(repeats):
+        if sync is not None:
+            sync()
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def median(xs: Sequence[float]) -> float:
+    return statistics.median(xs)
+
+
+def print_table(headers: Sequence[str], rows: Sequence[Sequence[object]], file=None) -> None:
+    """A fixed-width text table (numbers formatted to 4 significant digits)."""
+    def fmt(v: object) -> str:
+        return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+    cells = [[fmt(v) for v in r] for r in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
+    line = "  ".join(h.rjust(w) for h, w in zip(headers, widths))
+    print(line, file=file)
+    print("  ".join("-" * w for w in widths), file=file)
+    for r in cells:
+        print("  ".join(c.rjust(w) for c, w in zip(r, widths)), file=file)
+    sys.stdout.flush()
