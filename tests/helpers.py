@@ -17,6 +17,7 @@ def assert_all_ranks(comm, ok: bool, msg: str = "") -> None:
 def assert_close_all_ranks(comm, actual: torch.Tensor, expected: torch.Tensor, atol: float = 0.0,
                            rtol: float = 0.0, what: str = "") -> None:
     """`actual` equals `expected` within tolerances on every rank; the message names rank and max error."""
-    ok = actual.shape == expected.shape and torch.allclose(actual.double(), expected.double(), atol=atol, rtol=rtol)
-    err = (actual.double() - expected.double()).abs().max().item() if actual.shape == expected.shape and actual.numel() else 0
+    same_shape = actual.shape == expected.shape
+    ok = same_shape and torch.allclose(actual.double(), expected.double(), atol=atol, rtol=rtol)
+    err = (actual.double() - expected.double()).abs().max().item() if same_shape and actual.numel() else 0.0
     assert_all_ranks(comm, ok, f"{what} shape {tuple(actual.shape)} vs {tuple(expected.shape)}, max abs err {err}")

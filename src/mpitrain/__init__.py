@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .comm import Communicator, CommError, Request
+from .comm import CommError, Communicator, Request
 from .runtime import init, local_rank, rank, size
 
 __version__ = "0.1.0"

@@ -15,7 +15,7 @@ from torch import nn
 from .comm.base import Communicator
 from .runtime import world
 
-__all__ = ["fit", "FitResult", "FitSpec", "Trainer", "STRATEGIES", "FitError"]
+__all__ = ["fit", "make_trainer", "FitResult", "FitSpec", "Trainer", "STRATEGIES", "FitError"]
 
 #: strategy name -> "module:factory". The factory is ``make_trainer(model, loss_fn, optimizer, comm,
 #: spec) -> Trainer`` and must refuse bad input on every rank before sending any message.
@@ -88,15 +88,17 @@ def _metrics(metrics: Iterable[str | Metric] | Mapping[str, Metric] | None) -> d
     for m in metrics:
         if isinstance(m, str):
             if m not in _NAMED_METRICS:
-                raise FitError(f"unknown metric {m!r}; named metrics: {sorted(_NAMED_METRICS)} (or pass a callable)")
+                raise FitError(f"unknown metric {m!r}; named metrics: {sorted(_NAMED_METRICS)} "
+                               f"(or pass a callable)")
             out[m] = _NAMED_METRICS[m]
         else:
             out[getattr(m, "__name__", repr(m))] = m
     return out
 
 
-def _make_trainer(model: nn.Module, loss_fn: LossFn, optimizer: OptimizerFactory, comm: Communicator,
-                  spec: FitSpec) -> Trainer:
+def make_trainer(model: nn.Module, loss_fn: LossFn, optimizer: OptimizerFactory, comm: Communicator,
+                 spec: FitSpec) -> Trainer:
+    """The strategy's Trainer for `spec` (what `fit` drives; benchmarks time its steps directly)."""
     if spec.strategy not in STRATEGIES:
         raise FitError(f"unknown strategy {spec.strategy!r}; choose one of {sorted(STRATEGIES)}")
     module, _, name = STRATEGIES[spec.strategy].partition(":")
@@ -118,7 +120,8 @@ def _progress(total: int | None, desc: str, enabled: bool):  # -> tqdm | None
     return tqdm(total=total, desc=desc, unit="batch", dynamic_ncols=True, leave=True)
 
 
-def _evaluate(trainer: Trainer, data: Iterable, loss_fn: LossFn, metrics: dict[str, Metric]) -> dict[str, float]:
+def _evaluate(trainer: Trainer, data: Iterable, loss_fn: LossFn,
+              metrics: dict[str, Metric]) -> dict[str, float]:
     totals: dict[str, float] = {}
     count = 0
     for inputs, targets in data:
@@ -135,8 +138,9 @@ def _evaluate(trainer: Trainer, data: Iterable, loss_fn: LossFn, metrics: dict[s
 def fit(model: nn.Module, data: Iterable, loss_fn: LossFn, optimizer: OptimizerFactory, *,
         strategy: str = "data", partitions: int = 1, replicas: int | None = None, micro_batches: int = 1,
         schedule: str = "1f1b", epochs: int = 1, steps: int | None = None, eval_data: Iterable | None = None,
-        metrics: Iterable[str | Metric] | Mapping[str, Metric] | None = None, comm: Communicator | None = None,
-        progress: bool = True, balance: Any = "time", **options: Any) -> FitResult:
+        metrics: Iterable[str | Metric] | Mapping[str, Metric] | None = None,
+        comm: Communicator | None = None, progress: bool = True, balance: Any = "time",
+        **options: Any) -> FitResult:
     """Train `model` on every rank of `comm` (default: the world) with one of :data:`STRATEGIES`.
 
     `data` yields ``(inputs, targets)`` *global* mini-batches, the same on every rank; the strategy
@@ -152,7 +156,7 @@ def fit(model: nn.Module, data: Iterable, loss_fn: LossFn, optimizer: OptimizerF
     named = _metrics(metrics)
     spec = FitSpec(strategy=strategy, partitions=partitions, replicas=replicas, micro_batches=micro_batches,
                    schedule=schedule, balance=balance, options=dict(options))
-    trainer = _make_trainer(model, loss_fn, optimizer, comm, spec)
+    trainer = make_trainer(model, loss_fn, optimizer, comm, spec)
     history: list[dict[str, float]] = []
     show = progress and comm.rank == 0
     for epoch in range(epochs):

@@ -8,7 +8,7 @@ import threading
 import traceback
 from types import TracebackType
 
-from .comm.base import Communicator, CommError
+from .comm.base import CommError, Communicator
 
 __all__ = ["init", "rank", "size", "local_rank", "world", "BACKENDS"]
 

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from mpi4py import MPI
 
-from .base import Communicator, CommError, Request, _CallbackRequest, _DoneRequest, split_sizes
+from .base import CommError, Communicator, Request, _CallbackRequest, _DoneRequest, split_sizes
 
 __all__ = ["MPICommunicator"]
 

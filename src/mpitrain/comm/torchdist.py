@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import socket
+import threading
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .base import Communicator, CommError, Request, _CallbackRequest, _DoneRequest, split_sizes
+from .base import CommError, Communicator, Request, _CallbackRequest, _DoneRequest, split_sizes
 
 __all__ = ["TorchCommunicator", "init_torch_world"]
 
@@ -37,6 +39,9 @@ def init_torch_world(rank: int, size: int, bootstrap: Communicator | None) -> To
             if _same_host(bootstrap):
                 host = "127.0.0.1"
             dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=rank, world_size=size)
+        # Tear the groups down before interpreter shutdown: gloo threads touching freed Python
+        # objects at exit abort the process (seen here with sub-groups alive at exit).
+        atexit.register(dist.destroy_process_group)
     return TorchCommunicator(None, list(range(size)))
 
 
@@ -81,7 +86,7 @@ class TorchCommunicator(Communicator):
         src = t.reshape(1) if t.dim() == 0 else t
         out = torch.empty((self.size * src.shape[0], *src.shape[1:]), dtype=t.dtype, device=t.device)
         if out.numel():
-            dist.all_gather_into_tensor(out, src, group=self._group)
+            dist.all_gather_single(out, src, group=self._group)
         return out
 
     def reduce_scatter(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
@@ -92,7 +97,7 @@ class TorchCommunicator(Communicator):
         start = sum(rows[: self._rank])
         if t.numel() and t.shape[0] % self.size == 0:
             out = torch.empty((rows[self._rank], *t.shape[1:]), dtype=t.dtype, device=t.device)
-            dist.reduce_scatter_tensor(out, t, op=_OPS[op], group=self._group)
+            dist.reduce_scatter_single(out, t, op=_OPS[op], group=self._group)
         else:  # gloo has no uneven reduce-scatter: reduce a copy, keep our block
             full = t.clone()
             if t.numel():
@@ -151,26 +156,32 @@ class TorchCommunicator(Communicator):
         self._c(t, "t")
         self._check_rank(dest, "dest")
         work = dist.isend(t, dst=self._g(dest), group=self._group, tag=tag)
-        return _CallbackRequest(work.wait, work.is_completed, None, keep=t)
+        return _p2p_request(work, None, t)
 
     def irecv(self, t: torch.Tensor, source: int, tag: int = 0) -> Request:
         self._c(t, "t")
         self._check_rank(source, "source")
         work = dist.irecv(t, src=self._g(source), group=self._group, tag=tag)
-        return _CallbackRequest(work.wait, work.is_completed, t)
+        return _p2p_request(work, t, t)
 
     # -- groups and objects --------------------------------------------------------------------
     def split(self, color: int | None, key: int = 0) -> TorchCommunicator | None:
         self._check_open()
+        if self._group is not None:
+            raise CommError("the torch backend can split only the world communicator (torch.distributed "
+                            "groups are created by every world rank); use the mpi backend for nested splits")
         entries = self.allgather_object((color, int(key)))
-        if color is None:
-            return None
-        # Only the members create the group (local synchronization), so the parent may be any group.
-        members = [self._g(r) for _, r in sorted((k, r) for r, (c, k) in enumerate(entries) if c == color)]
-        if members != sorted(members):
-            raise CommError("the torch backend orders a sub-communicator's ranks by world rank (torch sorts group "
-                            "ranks); a `key` that reorders them is not supported, use the mpi backend")
-        return TorchCommunicator(dist.new_group(members, use_local_synchronization=True), members)
+        mine = None
+        # new_group is collective over the world: every rank creates every group, in color order.
+        for c in sorted({c for c, _ in entries if c is not None}):
+            members = [r for _, r in sorted((k, r) for r, (c2, k) in enumerate(entries) if c2 == c)]
+            if members != sorted(members):
+                raise CommError("the torch backend orders a group's ranks by world rank (torch sorts them); a "
+                                "`key` that reorders ranks is not supported, use the mpi backend")
+            group = dist.new_group(members)
+            if c == color:
+                mine = TorchCommunicator(group, members)
+        return mine
 
     def allgather_object(self, obj: Any) -> list[Any]:
         self._check_open()
@@ -195,3 +206,24 @@ class TorchCommunicator(Communicator):
     def free(self) -> None:
         self._closed = True
 
+
+def _p2p_request(work: Any, out: torch.Tensor | None, keep: torch.Tensor) -> Request:
+    """Gloo's send/recv work reports completion only inside wait(), so test() could never succeed:
+    a helper thread waits, and test() asks whether it has finished. Errors reach wait()'s caller."""
+    error: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            work.wait()
+        except BaseException as e:  # handed to the waiter below, never swallowed
+            error.append(e)
+
+    waiter = threading.Thread(target=run, daemon=True, name="mpitrain-p2p-wait")
+    waiter.start()
+
+    def wait() -> None:
+        waiter.join()
+        if error:
+            raise error[0]
+
+    return _CallbackRequest(wait, lambda: not waiter.is_alive(), out, keep=keep)
