@@ -9,7 +9,7 @@ NP     ?= 2
 RUN    := $(BIN)/mpitrain run
 # In-MPI pytest: -m mpi4py + -x turns one rank's failure into MPI_Abort; the thread timeout can
 # interrupt a rank blocked inside MPI (see tests/README.md).
-MPIPYTEST := python -m mpi4py -m pytest -x -q -p no:cacheprovider --timeout-method=thread -m mpi
+MPIPYTEST := python -m mpi4py -m pytest -x -q --color=no -p no:cacheprovider --timeout-method=thread -m mpi
 
 .PHONY: venv test test-serial test-mpi lint demo bench clean
 

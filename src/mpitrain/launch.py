@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -120,7 +121,18 @@ def launch(spec: LaunchSpec, dry_run: bool = False) -> int:
         shown = " ".join(f"{k}={v}" for k, v in env.items() if k != "PATH")
         print(f"{shown} {subprocess.list2cmdline(argv)}")
         return 0
-    return subprocess.call(argv, env={**os.environ, **env})
+    child = subprocess.Popen(argv, env={**os.environ, **env})
+
+    def forward(signum: int, _frame: object) -> None:
+        # mpiexec turns SIGTERM/SIGINT into a clean kill of every rank; dying without it would orphan them.
+        child.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    try:
+        return child.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def run_module(np: int, module: str, args: Sequence[str], threads: int = 1) -> int:
