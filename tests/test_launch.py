@@ -114,3 +114,16 @@ def test_successful_job_exits_zero_and_python_dash_m_works(tmp_path):
     print("sum ok on", comm.rank)
     """, n=3)
     assert rc == 0 and out.count("sum ok on") == 3, out
+
+
+def test_stalled_wait_warns_naming_rank_and_tensor_then_aborts(tmp_path):
+    rc, out, secs = _run_job(tmp_path, JOB_HEAD + """
+    from mpitrain.comm.watchdog import StallPolicy, wait_watched
+    if comm.rank == 0:     # rank 1 never sends: a logical deadlock, not a dead rank
+        print("FAIL_AT", time.time(), flush=True)
+        req = comm.irecv(torch.empty(3), source=1, tag=77)
+        wait_watched(req, "recv of 'activation 3' from rank 1", comm.rank, comm.abort, StallPolicy(1.0, 3.0))
+    time.sleep(60)
+    """)
+    assert rc != 0 and "rank 0: still waiting" in out and "'activation 3' from rank 1" in out, out
+    assert 3 <= secs < 13, f"job ended {secs:.1f}s after the stall began"
