@@ -1,0 +1,485 @@
+"""The KVStore interface (MXNet's API) and the parts every type shares: keys, registry, optimizer.
+
+Semantics common to every type:
+
+* ``init`` is collective over the workers: every worker registers the same keys with the same
+  shape/dtype (checked with one pickled allgather, so a mismatch raises on every worker before any
+  data moves) and rank 0's value becomes the stored value.
+* ``push``/``pushpull``/``pull``/``broadcast`` return after queueing; ``wait(keys)`` returns when every
+  operation issued so far on those keys is complete and their outputs are safe to read. ``pull`` and
+  ``broadcast`` wait for the key themselves, so their output is complete when they return.
+* ``pushpull(key, ins, outs)`` writes the **sum** over workers into `outs` (default `ins`; `outs` may
+  be `ins`, then the sum is computed in place with no copy). Inputs must not be modified, nor outputs
+  read, before ``wait`` covers the key.
+* ``push(key, grad)`` reduces into the stored value: without an optimizer the stored value becomes
+  the sum; with ``set_optimizer`` the optimizer steps the stored value with the summed gradient.
+  ``pull(key, out)`` copies the stored value out. ``pushpull`` is always the plain sum.
+* Every worker must issue the same multiset of operations between two synchronization points
+  (``wait``, ``pull``, ``barrier``, ``broadcast``, ``init``); how each type orders its collectives
+  is stated in its class docstring.
+"""
+
+from __future__ import annotations
+
+import abc
+import functools
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..comm.base import Communicator, Request
+
+__all__ = ["KVStore", "KVStoreError", "Key", "KeyInfo", "Entry", "Tracker", "make_optimizer_factory",
+           "poll_request"]
+
+log = logging.getLogger("mpitrain.kvstore")
+
+Key = int | str
+Value = torch.Tensor | Sequence[torch.Tensor]
+
+
+class KVStoreError(RuntimeError):
+    """Wrong use of a KVStore, or a cross-rank inconsistency (the message names keys and ranks)."""
+
+
+@dataclass
+class KeyInfo:
+    """A registered key: its position in the init order, signature and stored value."""
+
+    index: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    store: torch.Tensor
+
+
+class Entry:
+    """One queued reduction: sum `buf` over workers in place, then run `finish` (copy-outs, update)."""
+
+    __slots__ = ("key", "buf", "finish", "seq", "aux")
+
+    def __init__(self, key: Key, buf: torch.Tensor, finish: Callable[[], None] | None) -> None:
+        self.key, self.buf, self.finish, self.seq = key, buf, finish, 0
+        self.aux: torch.Tensor | None = None  # a type's private buffer (depchain's comm buffer)
+
+
+class Tracker:
+    """Counts outstanding entries per key; ``wait`` blocks until the asked keys have none left."""
+
+    def __init__(self, warn_after: float) -> None:
+        self._cv = threading.Condition()
+        self._open: dict[Key, int] = {}
+        self._errors: list[BaseException] = []  # from failed operations: raised once by wait
+        self._fatal: BaseException | None = None  # the store is broken: every wait raises it
+        self._warn_after = warn_after
+
+    def start(self, key: Key) -> None:
+        with self._cv:
+            self._open[key] = self._open.get(key, 0) + 1
+
+    def finish(self, key: Key, error: BaseException | None = None) -> None:
+        with self._cv:
+            self._open[key] -= 1
+            if error is not None:
+                self._errors.append(error)
+            self._cv.notify_all()
+
+    def fail(self, error: BaseException) -> None:
+        """Record an error that every later wait raises (a broken store)."""
+        with self._cv:
+            self._fatal = error
+            self._cv.notify_all()
+
+    @property
+    def failed(self) -> bool:
+        with self._cv:
+            return self._fatal is not None
+
+    def busy(self, keys: Iterable[Key] | None) -> list[Key]:
+        with self._cv:
+            return [k for k in (self._open if keys is None else keys) if self._open.get(k, 0)]
+
+    def wait(self, keys: Sequence[Key] | None, what: str = "") -> None:
+        """Block until no entry of `keys` (all if None) is open; warn every `warn_after` seconds
+        naming the keys still open. Then raise the first error of a failed operation (once), or the
+        error that broke the store (always)."""
+        start = time.monotonic()
+        with self._cv:
+            while True:
+                if self._fatal is not None:
+                    raise self._fatal
+                pending = [k for k in (self._open if keys is None else keys) if self._open.get(k, 0)]
+                if not pending:
+                    if self._errors:
+                        err, self._errors = self._errors[0], []
+                        raise err
+                    return
+                if not self._cv.wait(self._warn_after):
+                    log.warning("kvstore%s: still waiting after %.0fs for keys %s", what,
+                                time.monotonic() - start, pending[:20])
+
+
+def poll_request(req: Request, first: float = 2e-5, most: float = 2e-4, deadline: float | None = None) -> bool:
+    """Complete `req` without spinning: test, then sleep with exponential backoff up to `most`
+    seconds (MPI progresses on each test), leaving the cores to computation while peers catch up.
+    Returns False if ``time.monotonic()`` passed `deadline` first (the request is still pending)."""
+    pause = first
+    while not req.test():
+        if deadline is not None and time.monotonic() > deadline:
+            return False
+        time.sleep(pause)
+        pause = min(pause * 2, most)
+    return True
+
+
+def make_optimizer_factory(opt: Any) -> Callable[[list[torch.Tensor]], torch.optim.Optimizer]:
+    """An optimizer instance (its class and ``defaults`` are reused) or a callable params -> optimizer."""
+    if isinstance(opt, torch.optim.Optimizer):
+        cls, defaults = type(opt), dict(opt.defaults)
+        return lambda params: cls(params, **defaults)
+    if callable(opt):
+        return opt
+    raise KVStoreError(f"set_optimizer takes a torch.optim.Optimizer or a callable params -> optimizer, "
+                       f"got {type(opt).__name__}")
+
+
+def _check_key(key: Any) -> Key:
+    if isinstance(key, bool) or not isinstance(key, (int, str)):
+        raise KVStoreError(f"keys are ints or strings, got {key!r} ({type(key).__name__})")
+    return key
+
+
+def pairs(key: Key | Sequence[Key], value: Any, what: str) -> list[tuple[Key, Any]]:
+    """[(key, value)] for one key or a list of keys with a same-length list of values."""
+    if isinstance(key, (list, tuple)):
+        if value is None:
+            return [(_check_key(k), None) for k in key]
+        if not isinstance(value, (list, tuple)) or len(value) != len(key):
+            raise KVStoreError(f"{what}: {len(key)} keys need a list of {len(key)} values")
+        return [(_check_key(k), v) for k, v in zip(key, value)]
+    return [(_check_key(key), value)]
+
+
+def tensors(value: Value, what: str) -> list[torch.Tensor]:
+    """A value is one tensor or a list of tensors (one per device: they are summed first)."""
+    ts = list(value) if isinstance(value, (list, tuple)) else [value]
+    if not ts or not all(isinstance(t, torch.Tensor) for t in ts):
+        raise KVStoreError(f"{what}: expected a tensor or a non-empty list of tensors, got {value!r}")
+    return ts
+
+
+class KVStore(abc.ABC):
+    """A key-value store whose push/pull/pushpull sum values over the workers (see module doc)."""
+
+    type: str = "?"
+
+    def __init__(self, comm: Communicator, warn_after: float = 60.0, ctl: Communicator | None = None) -> None:
+        self._world = comm
+        # the workers' main-thread blocking collectives (init, broadcast, barrier)
+        self._ctl = comm.split(0, comm.rank) if ctl is None else ctl
+        self._keys: dict[Key, KeyInfo] = {}
+        self._tracker = Tracker(warn_after)
+        self._warn_after = warn_after
+        self._opt_factory: Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None = None
+        self._opts: dict[Key, torch.optim.Optimizer] = {}
+        self._push_bufs: dict[Key, list[torch.Tensor]] = {}  # idle push buffers per key
+        self._buf_lock = threading.Lock()
+        self._codec: Any = None
+        self._closed = False
+
+    # -- identity --------------------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self._ctl.rank
+
+    @property
+    def num_workers(self) -> int:
+        return self._ctl.size
+
+    # -- registration ----------------------------------------------------------------------------
+    def init(self, key: Key | Sequence[Key], value: Value | Sequence[Value]) -> None:
+        """Collective over workers: register keys; rank 0's values become the stored values."""
+        self._check_open()
+        items = [(k, tensors(v, f"init({k!r})")[0]) for k, v in pairs(key, value, "init")]
+        for k, _ in items:
+            if k in self._keys:
+                raise KVStoreError(f"init: key {k!r} is already initialized")
+        sigs = [(k, tuple(t.shape), str(t.dtype)) for k, t in items]
+        self._check_same(sigs, "init")
+        self.wait()
+        for k, t in items:
+            store = t.detach().to("cpu", copy=True).contiguous()
+            self._ctl.broadcast(store, 0)
+            self._keys[k] = KeyInfo(len(self._keys), tuple(t.shape), t.dtype, store)
+            self._registered(k)
+
+    def _registered(self, key: Key) -> None:  # noqa: B027 - optional hook
+        """Hook: a key was registered (collectively, in the same order on every worker)."""
+
+    def _check_same(self, sigs: list[Any], what: str) -> None:
+        """One pickled allgather: every worker raises the same error if the signatures differ."""
+        everyone = self._ctl.allgather_object(sigs)
+        if any(s != everyone[0] for s in everyone):
+            lines = "; ".join(f"rank {r}: {s}" for r, s in enumerate(everyone))
+            raise KVStoreError(f"{what}: workers passed different keys/shapes/dtypes: {lines}")
+
+    def _info(self, key: Key, t: torch.Tensor | None, what: str) -> KeyInfo:
+        info = self._keys.get(key)
+        if info is None:
+            raise KVStoreError(f"{what}: key {key!r} is not initialized; call kv.init(key, value) first")
+        if t is not None and (tuple(t.shape) != info.shape or t.dtype != info.dtype):
+            raise KVStoreError(f"{what}: key {key!r} was initialized as {info.shape} {info.dtype}, "
+                               f"got {tuple(t.shape)} {t.dtype}")
+        return info
+
+    # -- data operations -------------------------------------------------------------------------
+    def pushpull(self, key: Key | Sequence[Key], ins: Value | Sequence[Value], outs: Any = None,
+                 priority: int = 0) -> None:
+        """Queue ``outs = sum over workers of ins``; returns at once (see :meth:`wait`). Every key
+        of a list is checked before the first is queued."""
+        self._check_open()
+        out_pairs = pairs(key, outs, "pushpull outs") if outs is not None else None
+        entries = []
+        for i, (k, v) in enumerate(pairs(key, ins, "pushpull")):
+            src = tensors(v, f"pushpull({k!r})")
+            dst = tensors(out_pairs[i][1], f"pushpull({k!r}) outs") if out_pairs else src[:1]
+            entries.append(self._pushpull_entry(k, src, dst))
+        for e in entries:
+            self._enqueue(e, priority)
+
+    def _pushpull_entry(self, key: Key, src: list[torch.Tensor], dst: list[torch.Tensor]) -> Entry:
+        """The entry reducing in place into the first output, then copying to the others.
+        Zero-copy when outs is ins."""
+        self._check_pushpull(key, src, dst)
+        first = dst[0]
+        if first.is_contiguous() and first.device.type == "cpu" and all(s is not first for s in src[1:]):
+            buf, rest = first, dst[1:]
+            if src[0] is not first:
+                buf.copy_(src[0])
+            for s in src[1:]:
+                buf.add_(s)
+        else:
+            buf, rest = _local_sum(src), dst
+        return Entry(key, buf, functools.partial(_copy_to, buf, rest) if rest else None)
+
+    def _check_pushpull(self, key: Key, src: list[torch.Tensor], dst: list[torch.Tensor]) -> None:
+        self._check_tensor(key, src[0], "pushpull")
+        for t in (*src[1:], *dst):
+            if t.shape != src[0].shape or t.dtype != src[0].dtype:
+                raise KVStoreError(f"pushpull({key!r}): every input and output must be {tuple(src[0].shape)} "
+                                   f"{src[0].dtype} like the first input, got {tuple(t.shape)} {t.dtype}")
+
+    def _check_tensor(self, key: Key, t: torch.Tensor, what: str) -> None:
+        """Types that need init check the signature; dist_sync_mpi negotiates it instead."""
+        self._info(key, t, what)
+        self._check_codec(key, t, what)
+
+    def _check_codec(self, key: Key, t: torch.Tensor, what: str) -> None:
+        """A value the compression codec cannot encode is refused here, before anything is queued."""
+        if self._codec is not None and t.is_floating_point():
+            from ..comm.base import CommError
+            try:
+                self._codec.check_input(t, f"{what}({key!r})")
+            except CommError as e:
+                raise KVStoreError(str(e)) from e
+
+    def push(self, key: Key | Sequence[Key], value: Value | Sequence[Value], priority: int = 0) -> None:
+        """Queue: stored value = sum over workers (or, with an optimizer, one step with that sum).
+        The value is copied at once into a private buffer, so the caller may reuse it."""
+        self._check_open()
+        items = [(k, tensors(v, f"push({k!r})")) for k, v in pairs(key, value, "push")]
+        infos = [self._info(k, src[0], "push") for k, src in items]  # all checked before any is queued
+        for k, src in items:
+            self._check_codec(k, src[0], "push")
+        for (k, src), info in zip(items, infos):
+            with self._buf_lock:
+                free = self._push_bufs.setdefault(k, [])
+                buf = free.pop() if free else torch.empty_like(info.store)
+            buf.copy_(src[0])
+            for s in src[1:]:
+                buf.add_(s)
+            self._enqueue(Entry(k, buf, functools.partial(self._after_push, k, info, buf)), priority)
+
+    def _after_push(self, key: Key, info: KeyInfo, summed: torch.Tensor) -> None:
+        """Runs where the reduction completed: store the sum or step the optimizer with it."""
+        try:
+            if self._opt_factory is None:
+                info.store.copy_(summed)
+            else:
+                opt = self._opts.get(key)
+                if opt is None:
+                    opt = self._opts[key] = self._opt_factory([info.store])
+                info.store.grad = summed
+                opt.step()
+                info.store.grad = None
+        finally:
+            with self._buf_lock:
+                self._push_bufs[key].append(summed)
+
+    def pull(self, key: Key | Sequence[Key], out: Any = None, priority: int = 0,
+             ignore_sparse: bool = True) -> None:
+        """Copy the stored value into `out` (a tensor or list) once earlier pushes of the key are done.
+        Returns with `out` complete (it waits for the key)."""
+        self._check_open()
+        items = pairs(key, out, "pull")
+        for k, o in items:
+            if o is None:
+                raise KVStoreError(f"pull({k!r}): pass `out`, the tensor(s) to copy the value into")
+            for t in tensors(o, f"pull({k!r})"):
+                self._info(k, t, "pull")
+        self.wait([k for k, _ in items])
+        for k, o in items:
+            for t in tensors(o, f"pull({k!r})"):
+                t.copy_(self._keys[k].store)
+
+    def broadcast(self, key: Key | Sequence[Key], value: Value | Sequence[Value], out: Any,
+                  root_rank: int = 0, priority: int = 0) -> None:
+        """Collective: initialize `key` (if new) with root's `value` and copy it into `out` on every
+        worker. Blocking: completes outstanding operations first, returns with `out` filled."""
+        self._check_open()
+        self._ctl._check_rank(root_rank, "root_rank")
+        items = pairs(key, value, "broadcast")
+        outs = pairs(key, out, "broadcast outs")
+        new = [(k, v) for k, v in items if k not in self._keys]
+        self._check_same(sorted(str(k) for k, _ in new), "broadcast (keys not yet initialized)")
+        if new:
+            self.init([k for k, _ in new], [v for _, v in new])
+        self.wait()
+        for (k, v), (_, o) in zip(items, outs):
+            info = self._info(k, tensors(v, "broadcast")[0], "broadcast")
+            if self.rank == root_rank:
+                info.store.copy_(tensors(v, "broadcast")[0])
+            self._ctl.broadcast(info.store, root_rank)
+            for t in tensors(o, f"broadcast({k!r}) out"):
+                t.copy_(info.store)
+
+    def barrier(self) -> None:
+        """Complete this worker's outstanding operations, then a barrier over the workers."""
+        self.wait()
+        self._ctl.barrier()
+
+    def wait(self, keys: Key | Sequence[Key] | None = None) -> None:
+        """Return once every operation issued so far on `keys` (all keys if None) is complete.
+
+        Collective for the sequenced types (funnel, concurrent, depchain): it releases the operations
+        still held back, so every worker must reach it at the same point of its operation sequence.
+        """
+        ks = None if keys is None else [k for k, _ in pairs(keys, None, "wait")]
+        self._flush()
+        self._tracker.wait(ks, f" {self.type}")
+
+    # -- optimizer and compression ---------------------------------------------------------------
+    def set_optimizer(self, optimizer: Any) -> None:
+        """Later ``push`` steps the stored value with the summed gradient (replicated on every worker,
+        identical everywhere). Takes an optimizer instance (class + defaults reused) or a factory."""
+        self._check_open()
+        self.wait()
+        self._opt_factory = make_optimizer_factory(optimizer)
+        self._opts.clear()
+
+    def save_optimizer_states(self, fname: str, dump_optimizer: bool = False) -> None:
+        """Collective: rank 0 writes every key's optimizer state (identical on all workers) to `fname`."""
+        if self._opt_factory is None:
+            raise KVStoreError("save_optimizer_states: no optimizer set (call set_optimizer first)")
+        self.wait()
+        if self.rank == 0:
+            torch.save({k: o.state_dict() for k, o in self._opts.items()}, fname)
+        self._ctl.barrier()
+
+    def load_optimizer_states(self, fname: str) -> None:
+        """Every worker reads `fname` (written by save_optimizer_states) into its optimizers."""
+        if self._opt_factory is None:
+            raise KVStoreError("load_optimizer_states: no optimizer set (call set_optimizer first)")
+        self.wait()
+        for k, state in torch.load(fname, weights_only=False).items():
+            info = self._info(k, None, "load_optimizer_states")
+            opt = self._opts.get(k)
+            if opt is None:
+                opt = self._opts[k] = self._opt_factory([info.store])
+            opt.load_state_dict(state)
+
+    def set_gradient_compression(self, compression_params: dict[str, Any]) -> None:
+        """Compress every later reduction with codec ``compression_params["type"]`` (bf16, fp16, int8)
+        over the ring allreduce of :mod:`mpitrain.comm.ring`. Lossy: results are no longer exact sums."""
+        self._check_open()
+        if not isinstance(compression_params, dict) or "type" not in compression_params:
+            raise KVStoreError("set_gradient_compression takes a dict like {'type': 'bf16'}")
+        from ..comm.base import CommError
+        from ..comm.codecs import get_codec
+
+        name = compression_params["type"]
+        try:
+            codec = get_codec(name)
+        except CommError as e:
+            raise KVStoreError(f"set_gradient_compression: {e}") from e
+        self._check_same([str(name)], "set_gradient_compression")
+        self.wait()
+        self._codec = None if codec.name is None else codec
+
+    def _reduce(self, comm: Communicator, buf: torch.Tensor, poll: bool = False) -> None:
+        """Sum `buf` over `comm` in place: plain allreduce, or the compressed ring allreduce.
+
+        ``poll=True`` (background threads that may start before the peers are ready) completes a
+        nonblocking allreduce with sleeping tests instead of a blocking call, whose busy-wait would
+        steal the core a slower peer needs to finish its backward pass."""
+        if self._codec is None or not buf.is_floating_point():
+            if poll:
+                poll_request(comm.iallreduce(buf))
+            else:
+                comm.allreduce(buf)
+        else:
+            from ..comm.ring import ring_allreduce
+            ring_allreduce(comm, buf, codec=self._codec)
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Collective: complete everything and release threads and communicators (idempotent)."""
+        if self._closed:
+            return
+        try:
+            if not self._tracker.failed:  # a failed store already reported its error
+                self.wait()
+        finally:
+            self._closed = True
+            self._shutdown()
+            self._ctl.free()
+
+    def _shutdown(self) -> None:  # noqa: B027 - optional hook
+        """Hook: stop threads, free communicators."""
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise KVStoreError(f"this {self.type} kvstore is closed")
+
+    def __enter__(self) -> KVStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<KVStore type={self.type} rank={self.rank} num_workers={self.num_workers}>"
+
+    # -- what a type implements ------------------------------------------------------------------
+    @abc.abstractmethod
+    def _enqueue(self, entry: Entry, priority: int) -> None:
+        """Start summing ``entry.buf`` over workers; call ``entry.finish`` after; track completion."""
+
+    def _flush(self) -> None:  # noqa: B027 - optional hook
+        """Release operations held back for ordering (sequenced types); a no-op otherwise."""
+
+
+def _copy_to(src: torch.Tensor, dsts: list[torch.Tensor]) -> None:
+    for d in dsts:
+        d.copy_(src)
+
+
+def _local_sum(ts: list[torch.Tensor]) -> torch.Tensor:
+    out = ts[0].detach().to("cpu", copy=True).contiguous()
+    for t in ts[1:]:
+        out.add_(t)
+    return out

@@ -1,0 +1,331 @@
+"""The `dist_sync_mpi` KVStore: a comm thread per rank negotiates, Horovod-style, which keys to reduce.
+
+Each cycle, every rank's comm thread contributes one row to a small int32 matrix summed by a
+nonblocking allreduce (so every rank learns every rank's state): flags (has new announcements,
+pending entries, wants to close) and one readiness bit per *cached* key. A key ready on every rank
+is reduced in the same cycle on every rank, in cache-slot order. A key not yet in the cache (first
+use, or a new shape/dtype) is announced with its signature in one pickled allgather; the decision
+(accept into the cache, or a mismatch error naming the key, the signatures and the ranks) is a pure
+function of the gathered announcements, so every rank computes the coordinator's (rank 0's) answer
+itself and all of them raise the same error. In steady state a step costs one tiny int allreduce per
+cycle and no pickling. Rank 0 reports stalls (a key ready on some ranks only) after `stall_timeout`
+seconds and ends the job after `stall_abort` seconds with the same message.
+"""
+
+from __future__ import annotations
+
+import atexit
+import sys
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable
+
+import torch
+
+from ..comm.base import Communicator, Request
+from .base import Entry, Key, KVStore, KVStoreError, log, poll_request
+
+__all__ = ["CoordinatorStore"]
+
+_FLAGS = 3  # columns before the readiness bits: announce, pending count, close requested
+Sig = tuple[tuple[int, ...], str]
+
+
+class CoordinatorStore(KVStore):
+    """Ordering: every rank reduces exactly the keys the shared cycle matrix says are ready on all
+    ranks, in cache-slot order, on one comm thread; so the order is identical by construction and
+    ranks may push keys in any order. ``pushpull`` needs no ``init`` (the first use negotiates).
+    Consecutive ready keys of one dtype totalling at most `fusion_bytes` are reduced as one fused
+    allreduce (one copy in and out of a reused buffer); larger keys are reduced in place, no copy."""
+
+    type = "dist_sync_mpi"
+    poll = True
+
+    def __init__(self, comm: Communicator, stall_timeout: float = 60.0, stall_abort: float = 300.0,
+                 fusion_bytes: int = 1 << 20, warn_after: float = 60.0) -> None:
+        if not 0 < stall_timeout <= stall_abort:
+            raise KVStoreError(f"need 0 < stall_timeout <= stall_abort, got {stall_timeout}, {stall_abort}")
+        if fusion_bytes < 0:
+            raise KVStoreError(f"fusion_bytes must be >= 0, got {fusion_bytes}")
+        super().__init__(comm, warn_after)
+        self._data = comm.split(0, comm.rank)
+        self._stall_timeout, self._stall_abort = stall_timeout, stall_abort
+        self._fusion_bytes = fusion_bytes
+        self._fusion: dict[torch.dtype, torch.Tensor] = {}  # reusable fusion buffer per dtype
+        self._cv = threading.Condition()
+        self._pending: dict[Key, deque[Entry]] = {}
+        self._slots: list[tuple[Key, Sig]] = []  # the response cache, identical on every rank
+        self._slot_of: dict[Key, int] = {}
+        self._since: dict[Key, float] = {}  # first cycle a key was seen ready on some ranks only
+        self._reported: set[Key] = set()
+        self._close_requested = False
+        self._arrivals = 0  # bumped by every local push and by close: wakes a pausing comm thread
+        self._seen = 0
+        self._thread = threading.Thread(target=self._loop, name="kvstore-coordinator", daemon=True)
+        self._thread.start()
+        ref = weakref.ref(self)
+        atexit.register(lambda: (s := ref()) is not None and s.close())
+
+    def _check_tensor(self, key: Key, t: torch.Tensor, what: str) -> None:
+        if t.device.type != "cpu" or not t.is_contiguous():
+            raise KVStoreError(f"{what}({key!r}): tensors must be contiguous CPU tensors")
+        self._check_codec(key, t, what)
+
+    def _enqueue(self, entry: Entry, priority: int) -> None:
+        with self._cv:
+            if not self._thread.is_alive():
+                raise KVStoreError("the dist_sync_mpi comm thread has stopped (an earlier error)")
+            self._tracker.start(entry.key)
+            self._pending.setdefault(entry.key, deque()).append(entry)
+            self._arrivals += 1
+            self._cv.notify()
+
+    # -- the comm thread -------------------------------------------------------------------------
+    def _loop(self) -> None:
+        try:
+            pause = _Backoff()
+            while True:
+                progressed, busy, done = self._cycle()
+                if done:
+                    return
+                if progressed:
+                    pause.reset()
+                else:
+                    pause.sleep(self._cv, lambda: self._arrivals != self._seen, idle=not busy)
+        except BaseException as e:  # noqa: BLE001 - the other ranks are in our collectives: end the job
+            log.error("dist_sync_mpi comm thread on rank %d failed: %r; aborting the job", self.rank, e)
+            self._tracker.fail(e)
+            self._world.abort(1)
+
+    def _cycle(self) -> tuple[bool, bool, bool]:
+        """One negotiation + execution round. Returns (ran something, work pending anywhere, finished)."""
+        row, announce = self._local_state()
+        size, rank = self._data.size, self._data.rank
+        table = torch.zeros((size, len(row)), dtype=torch.int32)
+        table[rank] = torch.tensor(row, dtype=torch.int32)
+        self._poll_cycle(self._data.iallreduce(table))
+        bits = table[:, _FLAGS:]
+        ready = (bits.sum(0) == size).nonzero().flatten().tolist()
+        run = [self._slots[s][0] for s in ready]
+        waiting: dict[Key, list[int]] = {}
+        if table[:, 0].any():
+            accepted, waiting, error = self._negotiate(announce, bits)
+            if error is not None:
+                self._fail_all(error)
+                return False, False, True
+            run += accepted
+        self._execute(run)
+        self._watch_stalls(table, waiting)
+        busy = bool(table[:, 1].any())
+        return bool(run), busy, bool(table[:, 2].all()) and not busy
+
+    def _poll_cycle(self, req: Request) -> None:
+        """Complete the cycle's allreduce, sleeping between tests. A peer whose comm thread does not
+        join (its process is blocked or gone) gets a warning after stall_timeout and ends the job
+        after stall_abort: this wait, too, has a way out."""
+        start = time.monotonic()
+        check, warned = start + self._stall_timeout, False
+        while not poll_request(req, most=5e-4, deadline=check):
+            waited = time.monotonic() - start
+            msg = (f"dist_sync_mpi rank {self._data.rank}: the negotiation cycle has waited {waited:.0f}s; "
+                   f"a rank's comm thread is not responding (its process is blocked or gone)")
+            if waited >= self._stall_abort:
+                print(f"[mpitrain] {msg}; ending the job", file=sys.stderr, flush=True)
+                self._world.abort(1)
+            if not warned:
+                log.warning(msg)
+                warned = True
+            check = time.monotonic() + 1.0
+
+    def _local_state(self) -> tuple[list[int], list[tuple[Key, Sig]]]:
+        """This rank's row (flags + readiness bits) and announcements of uncached heads."""
+        bits = [0] * len(self._slots)
+        announce = []
+        with self._cv:
+            npending = sum(len(q) for q in self._pending.values())
+            for key, q in self._pending.items():
+                if not q:
+                    continue
+                sig = (tuple(q[0].buf.shape), str(q[0].buf.dtype))
+                slot = self._slot_of.get(key)
+                if slot is not None and self._slots[slot][1] == sig:
+                    bits[slot] = 1
+                else:
+                    announce.append((key, sig))
+            closing = self._close_requested
+            self._seen = self._arrivals
+        return [int(bool(announce)), min(npending, 1 << 30), int(closing), *bits], announce
+
+    def _negotiate(self, announce: list[tuple[Key, Sig]], bits: torch.Tensor
+                   ) -> tuple[list[Key], dict[Key, list[int]], KVStoreError | None]:
+        """Gather announcements; accept keys announced identically by every rank (new cache slots in a
+        deterministic order), or return the mismatch error every rank raises. Also returns the keys
+        announced by some ranks only, with the ranks still missing."""
+        everyone = self._data.allgather_object(announce)
+        sigs: dict[Key, dict[int, Sig]] = {}
+        for r, items in enumerate(everyone):
+            for key, sig in items:
+                sigs.setdefault(key, {})[r] = sig
+        accepted, waiting = [], {}
+        for key, by_rank in sigs.items():
+            slot = self._slot_of.get(key)
+            if slot is not None:  # ranks whose head matches the cached signature count as announcing it
+                for r in range(self._data.size):
+                    if r not in by_rank and bits[r, slot]:
+                        by_rank[r] = self._slots[slot][1]
+            if len(set(by_rank.values())) > 1:
+                return [], {}, _mismatch(key, by_rank, self._data.size)
+            if len(by_rank) < self._data.size:
+                waiting[key] = [r for r in range(self._data.size) if r not in by_rank]
+            else:
+                sig = next(iter(by_rank.values()))
+                if slot is None:
+                    self._slot_of[key] = len(self._slots)
+                    self._slots.append((key, sig))
+                else:
+                    self._slots[slot] = (key, sig)
+                accepted.append(key)
+        return accepted, waiting, None
+
+    def _execute(self, keys: list[Key]) -> None:
+        """Reduce the head entry of each key, in order. Consecutive small entries of one dtype are
+        fused into one allreduce (Horovod's tensor fusion): the grouping depends only on the agreed
+        order and signatures, so every rank fuses alike."""
+        with self._cv:
+            entries = [self._pending[k].popleft() for k in keys]
+        for k in keys:
+            self._since.pop(k, None)
+            self._reported.discard(k)
+        for group in _fusion_groups(entries, self._fusion_bytes):
+            err = None
+            try:
+                self._reduce_group(group)
+                for e in group:
+                    if e.finish is not None:
+                        e.finish()
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiters by the tracker
+                err = exc
+            for e in group:
+                self._tracker.finish(e.key, err)
+
+    def _reduce_group(self, group: list[Entry]) -> None:
+        if len(group) == 1:
+            self._reduce(self._data, group[0].buf, poll=self.poll)
+            return
+        sizes = [e.buf.numel() for e in group]
+        total, dtype = sum(sizes), group[0].buf.dtype
+        buf = self._fusion.get(dtype)
+        if buf is None or buf.numel() < total:
+            size = max(total, self._fusion_bytes // _itemsize(dtype))
+            buf = self._fusion[dtype] = torch.empty(size, dtype=dtype)
+        flat = buf[:total]
+        torch.cat([e.buf.reshape(-1) for e in group], out=flat)
+        self._reduce(self._data, flat, poll=self.poll)
+        for e, part in zip(group, flat.split(sizes)):
+            e.buf.view(-1).copy_(part)
+
+    def _fail_all(self, error: KVStoreError) -> None:
+        """A global error (every rank computed it): fail every pending entry, stop the thread."""
+        self._tracker.fail(error)
+        with self._cv:
+            for key, q in self._pending.items():
+                while q:
+                    q.popleft()
+                    self._tracker.finish(key)
+
+    # -- stall watchdog --------------------------------------------------------------------------
+    def _watch_stalls(self, table: torch.Tensor, waiting: dict[Key, list[int]]) -> None:
+        """Track keys ready on some ranks only; rank 0 warns after stall_timeout, aborts after stall_abort."""
+        size = self._data.size
+        partial: dict[Key, list[int]] = {}
+        counts = table[:, _FLAGS:].sum(0)
+        for s in ((counts > 0) & (counts < size)).nonzero().flatten().tolist():
+            key = self._slots[s][0]
+            partial[key] = [r for r in range(size) if not table[r, _FLAGS + s]]
+        for key, missing in waiting.items():
+            partial.setdefault(key, missing)
+        now = time.monotonic()
+        for key in list(self._since):
+            if key not in partial:
+                del self._since[key]
+                self._reported.discard(key)
+        for key in partial:
+            self._since.setdefault(key, now)
+        if self._data.rank == 0:
+            self._report(partial, now)
+
+    def _report(self, partial: dict[Key, list[int]], now: float) -> None:
+        late = {k: partial[k] for k, t in self._since.items() if now - t >= self._stall_timeout}
+        if not late:
+            return
+        waited = max(now - self._since[k] for k in late)
+        text = "; ".join(f"key {k!r} missing on ranks {r}" for k, r in sorted(late.items(), key=str)[:20])
+        if waited >= self._stall_abort:
+            msg = (f"dist_sync_mpi stall: {text} for {waited:.0f}s (> stall_abort={self._stall_abort}s); "
+                   f"ending the job")
+            log.error(msg)
+            print(f"[mpitrain] {msg}", file=sys.stderr, flush=True)
+            self._world.abort(1)
+        fresh = [k for k in late if k not in self._reported]
+        if fresh:
+            self._reported.update(fresh)
+            log.warning("dist_sync_mpi stall: %s for %.0fs (other ranks ready; will end the job after %.0fs)",
+                        text, waited, self._stall_abort)
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def _shutdown(self) -> None:
+        with self._cv:
+            self._close_requested = True
+            self._arrivals += 1
+            self._cv.notify()
+        while self._thread.is_alive():
+            self._thread.join(self._warn_after)
+            if self._thread.is_alive():
+                log.warning("dist_sync_mpi close on rank %d: waiting for the other ranks to close", self.rank)
+        self._data.free()
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
+
+
+def _fusion_groups(entries: list[Entry], limit: int) -> list[list[Entry]]:
+    """Consecutive entries of one dtype whose sizes sum to at most `limit` bytes form a group; an
+    entry larger than `limit` is a group of its own (and is reduced in place, without a copy)."""
+    groups: list[list[Entry]] = []
+    used = 0
+    for e in entries:
+        nbytes = e.buf.numel() * e.buf.element_size()
+        if groups and groups[-1][0].buf.dtype == e.buf.dtype and used + nbytes <= limit:
+            groups[-1].append(e)
+            used += nbytes
+        else:
+            groups.append([e])
+            used = nbytes
+    return groups
+
+
+def _mismatch(key: Key, by_rank: dict[int, Sig], size: int) -> KVStoreError:
+    lines = "; ".join(f"rank {r}: shape {list(s[0])} {s[1]}" for r, s in sorted(by_rank.items()))
+    silent = [r for r in range(size) if r not in by_rank]
+    tail = f"; ranks {silent} have not pushed it" if silent else ""
+    return KVStoreError(f"dist_sync_mpi: key {key!r} was pushed with different shapes/dtypes: {lines}{tail}")
+
+
+class _Backoff:
+    """Pause between cycles that did no work: short while work is pending somewhere, longer when idle.
+    A local push wakes the thread at once (the condition is notified)."""
+
+    def __init__(self) -> None:
+        self._pause = 5e-5
+
+    def reset(self) -> None:
+        self._pause = 5e-5
+
+    def sleep(self, cv: threading.Condition, woken: Callable[[], bool], idle: bool) -> None:
+        limit = 5e-3 if idle else 1e-3
+        with cv:
+            cv.wait_for(woken, self._pause)
+        self._pause = min(self._pause * 2, limit)

@@ -1,0 +1,94 @@
+"""The `depchain` KVStore (DAG paper §4.3): push copies to a comm buffer, pull chains the allreduce."""
+
+from __future__ import annotations
+
+import functools
+import threading
+
+import torch
+
+from ..comm.base import Communicator
+from ..engine import Engine, Var
+from .base import Entry, Key, KVStore, _copy_to
+from .sequencer import Sequencer
+
+__all__ = ["DepChainStore"]
+
+
+class DepChainStore(KVStore):
+    """Ordering: every allreduce task mutates one shared dummy variable, so the engine runs them one
+    at a time in the order they were pushed, and the :class:`Sequencer` pushes them in init-key order
+    on every worker. The push half (a copy into the key's communication buffer) runs at once on the
+    caller's thread; the allreduce and the copy back into the output run on the engine's comm thread,
+    overlapping whatever the caller does next."""
+
+    type = "depchain"
+    poll = True
+
+    def __init__(self, comm: Communicator, warn_after: float = 60.0) -> None:
+        super().__init__(comm, warn_after)
+        self._data = comm.split(0, comm.rank)
+        self._engine = Engine({"comm": 1}, warn_after=warn_after)
+        self._dummy = Var("depchain-order")
+        self._vars: dict = {}
+        self._free: dict = {}  # key -> idle communication buffers
+        self._seq = Sequencer()
+        self._lock = threading.RLock()
+
+    def _registered(self, key) -> None:
+        self._seq.add_key(key)
+        self._vars[key] = Var(f"key{key!r}")
+        info = self._keys[key]
+        self._free[key] = [torch.empty(info.shape, dtype=info.dtype)]
+
+    def _pushpull_entry(self, key: Key, src: list[torch.Tensor], dst: list[torch.Tensor]) -> Entry:
+        """The push: the inputs go straight into the key's communication buffer (one copy; the
+        caller may reuse them at once); the pull copies the sum back into every output."""
+        self._check_pushpull(key, src, dst)
+        with self._lock:
+            free = self._free[key]
+            comm_buf = free.pop() if free else torch.empty_like(src[0])  # a second push in flight
+        comm_buf.copy_(src[0])
+        for s in src[1:]:
+            comm_buf.add_(s)
+        entry = Entry(key, dst[0], functools.partial(_copy_to, comm_buf, dst[1:]) if len(dst) > 1 else None)
+        entry.aux = comm_buf
+        return entry
+
+    def _enqueue(self, entry: Entry, priority: int) -> None:
+        with self._lock:
+            self._tracker.start(entry.key)
+            if entry.aux is None:  # from push: its private buffer serves as the communication buffer
+                entry.aux = entry.buf
+            for e in self._seq.arrive(entry):
+                self._dispatch(e)
+
+    def _flush(self) -> None:
+        with self._lock:
+            for e in self._seq.flush():
+                self._dispatch(e)
+
+    def _dispatch(self, e: Entry) -> None:
+        self._engine.push(functools.partial(self._pull, e, e.aux), mutates=[self._vars[e.key], self._dummy],
+                          pool="comm", name=f"allreduce({e.key!r})")
+
+    def _pull(self, e: Entry, buf: torch.Tensor) -> None:
+        err = None
+        try:
+            self._reduce(self._data, buf, poll=self.poll)
+            if buf is not e.buf:
+                e.buf.copy_(buf)
+            if e.finish is not None:
+                e.finish()
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiter by the tracker
+            err = exc
+        finally:
+            if buf is not e.buf:
+                with self._lock:
+                    self._free[e.key].append(buf)
+            self._tracker.finish(e.key, err)
+
+    def _shutdown(self) -> None:
+        self._engine.close()
+        self._data.free()
+

@@ -1,0 +1,157 @@
+"""The dist_sync server loop: per-key shards merged in synchronous rounds, optional optimizer step."""
+
+from __future__ import annotations
+
+import pickle
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..comm.base import DTYPES, Communicator, Request
+from .base import log
+from .server import _CLOSE, _DATA, _HDR, _INIT, _LOAD, _PULL, _PUSH, _REPLY, _SAVE, _SETOPT, _pack
+
+__all__ = ["ServerLoop"]
+
+
+@dataclass
+class _Shard:
+    """One server's block of one key. Round r is merged once every worker pushed its r-th value."""
+
+    store: torch.Tensor
+    merge: torch.Tensor
+    pushes: list[int]  # pushes received per worker
+    version: int = 0  # rounds applied
+    received: int = 0  # pushes merged into the current round
+    early: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (round, value) ahead of time
+    pulls: list[tuple[int, int]] = field(default_factory=list)  # (worker, round it must see)
+    replies: list[Request] = field(default_factory=list)  # isends still reading `store`
+    opt: Any = None
+
+
+class ServerLoop:
+    """Serves the workers' headers (one posted receive per worker, polled with backoff: no spinning)
+    until every worker sent CLOSE."""
+
+    def __init__(self, comm: Communicator, nworkers: int, warn_after: float) -> None:
+        self._comm, self._nworkers, self._warn_after = comm, nworkers, warn_after
+        self._shards: dict[int, _Shard] = {}
+        self._factory: Any = None
+        self._open = set(range(nworkers))
+        self._hdr = {w: torch.zeros(5, dtype=torch.int64) for w in self._open}
+        self._req = {w: comm.irecv(self._hdr[w], w, _HDR) for w in self._open}
+
+    def run(self) -> None:
+        pause, idle_since = 2e-5, time.monotonic()
+        while self._open:
+            progressed = False
+            for w in sorted(self._open):
+                if self._req[w].test():
+                    self._handle(w, [int(x) for x in self._hdr[w]])
+                    if w in self._open:
+                        self._req[w] = self._comm.irecv(self._hdr[w], w, _HDR)
+                    progressed = True
+            if progressed:
+                pause, idle_since = 2e-5, time.monotonic()
+            else:
+                time.sleep(pause)
+                pause = min(pause * 2, 1e-3)
+                if time.monotonic() - idle_since > self._warn_after:
+                    idle_since = time.monotonic()
+                    log.warning("dist_sync server rank %d: idle for %.0fs, workers %s still open",
+                                self._comm.rank, self._warn_after, sorted(self._open))
+        for sh in self._shards.values():
+            Request.wait_all(sh.replies)
+
+    def _handle(self, w: int, hdr: list[int]) -> None:
+        op, idx, count, code, extra = hdr
+        if op == _PUSH:
+            self._push(w, self._shards[idx], count, DTYPES[code])
+        elif op == _PULL:
+            sh = self._shards[idx]
+            sh.pulls.append((w, sh.pushes[w]))
+            self._serve_pulls(sh)
+        elif op == _INIT:
+            store = self._comm.recv(torch.empty(count, dtype=DTYPES[code]), w, _DATA)
+            self._shards[idx] = _Shard(store, torch.empty_like(store), [0] * self._nworkers)
+            self._comm.send(torch.ones(1, dtype=torch.int64), w, _REPLY)
+        elif op == _CLOSE:
+            self._open.discard(w)
+        else:
+            blob = self._comm.recv(torch.empty(count, dtype=torch.int32), w, _DATA).numpy().tobytes()[:extra]
+            self._reply_blob(w, self._control(op, blob))
+
+    def _push(self, w: int, sh: _Shard, count: int, dtype: torch.dtype) -> None:
+        sh.pushes[w] += 1
+        rnd = sh.pushes[w]
+        if rnd == sh.version + 1 and sh.received == 0:
+            self._comm.recv(sh.merge, w, _DATA)  # first value of the round lands in place
+            sh.received = 1
+        else:
+            value = self._comm.recv(torch.empty(count, dtype=dtype), w, _DATA)
+            if rnd == sh.version + 1:
+                sh.merge.add_(value)
+                sh.received += 1
+            else:
+                sh.early.append((rnd, value))
+        while sh.received == self._nworkers:
+            self._apply(sh)
+
+    def _apply(self, sh: _Shard) -> None:
+        """Close the round: store = sum, or one optimizer step with it; then take early values."""
+        self._wait_replies(sh)  # pulls of the previous round still read `store`
+        if self._factory is None:
+            sh.store.copy_(sh.merge)
+        else:
+            if sh.opt is None:
+                sh.opt = self._factory([sh.store])
+            sh.store.grad = sh.merge
+            sh.opt.step()
+            sh.store.grad = None
+        sh.version += 1
+        sh.received = 0
+        nxt = [v for r, v in sh.early if r == sh.version + 1]
+        sh.early = [(r, v) for r, v in sh.early if r != sh.version + 1]
+        for i, v in enumerate(nxt):
+            sh.merge.copy_(v) if i == 0 else sh.merge.add_(v)
+        sh.received = len(nxt)
+        self._serve_pulls(sh)
+
+    def _serve_pulls(self, sh: _Shard) -> None:
+        ready = [w for w, need in sh.pulls if need <= sh.version]
+        sh.pulls = [(w, need) for w, need in sh.pulls if need > sh.version]
+        for w in ready:
+            sh.replies.append(self._comm.isend(sh.store, w, _REPLY))
+
+    def _wait_replies(self, sh: _Shard) -> None:
+        Request.wait_all(sh.replies)
+        sh.replies.clear()
+
+    def _control(self, op: int, blob: bytes) -> bytes:
+        if op == _SETOPT:
+            spec = pickle.loads(blob)
+            if isinstance(spec, tuple):
+                cls, defaults = spec
+                self._factory = lambda params: cls(params, **defaults)
+            else:
+                self._factory = spec
+            for sh in self._shards.values():
+                sh.opt = None
+            return b""
+        if op == _SAVE:
+            return pickle.dumps({i: sh.opt.state_dict() for i, sh in self._shards.items()
+                                 if sh.opt is not None})
+        if op == _LOAD:
+            for i, state in pickle.loads(blob).items():
+                sh = self._shards[i]
+                if sh.opt is None:
+                    sh.opt = self._factory([sh.store])
+                sh.opt.load_state_dict(state)
+            return b""
+        raise RuntimeError(f"dist_sync server: unknown op {op}")
+
+    def _reply_blob(self, w: int, blob: bytes) -> None:
+        self._comm.send(torch.tensor([len(blob)], dtype=torch.int64), w, _REPLY)
+        self._comm.send(_pack(blob), w, _REPLY)
