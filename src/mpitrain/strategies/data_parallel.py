@@ -1,0 +1,364 @@
+"""Data parallelism for any nn.Module: DDP semantics with gradients reduced through a KVStore."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..comm.base import Communicator
+from ..runtime import world
+from .batching import batch_size, check_divisible, chunks, shard
+from .broadcast import (
+    broadcast_optimizer_state,
+    broadcast_parameters,
+    broadcast_tensors,
+    check_same_everywhere,
+    module_tensors,
+)
+from .buckets import MB, Bucket, plan_buckets
+from .grad_allreduce import allreduce_gradients, start_allreduce_gradients
+
+__all__ = ["DataParallel", "KVSTORE_TYPES", "COLLECTIVE_TYPES", "make_trainer", "DataTrainer",
+           "broadcast_parameters", "broadcast_optimizer_state", "allreduce_gradients",
+           "start_allreduce_gradients"]
+
+#: KVStore types DataParallel creates by name over `comm` (see mpitrain.kvstore).
+COLLECTIVE_TYPES = ("dist_sync_mpi", "depchain", "concurrent", "funnel")
+#: Every type it runs on: "local" only in a one-rank job; "dist_sync" (servers on ranks of their own)
+#: only as a store object the caller created, see :class:`DataParallel`.
+KVSTORE_TYPES = (*COLLECTIVE_TYPES, "dist_sync", "local")
+
+
+class DataParallel(nn.Module):
+    """Wrap `module` so that ``loss.backward()`` leaves the average gradient over `comm` in every ``.grad``.
+
+    Guarantees, as PyTorch DDP:
+
+    * Construction is collective over `comm`: rank 0's parameters and buffers are broadcast, after
+      one check that every rank wraps the same parameter list (names, shapes, dtypes) with the same
+      settings (else ValueError on every rank, before any tensor moves).
+    * Gradients live in flat buckets of about `bucket_mb` MiB, filled in reverse registration order
+      (the first one capped at `first_bucket_mb` so communication starts early). Each ``.grad`` is a
+      view of its bucket, so autograd accumulates straight into the buffer that is reduced.
+    * A bucket is pushed to the KVStore (``pushpull``, in place) the moment autograd has produced all
+      its gradients, while the rest of backward runs (see `overlap`). Buckets are pushed in bucket
+      order only, so every rank issues the same keys in the same order whatever the kvstore type; a
+      bucket whose parameters did not all get a gradient (unused this step, data-dependent branches)
+      is pushed at the end of backward with its current contents (zeros for a gradient that was None).
+    * When ``loss.backward()`` returns, every ``.grad`` holds the mean over ranks of the local
+      gradients (a final autograd callback waits for the buckets). A parameter that no rank used keeps
+      ``grad=None``, as in one process; one used on some rank gets the average. Tied parameters are
+      one parameter: reduced once.
+    * `overlap` (default True, DDP's behaviour) pushes each bucket as soon as it is complete; False
+      pushes them all, in the same order, when backward ends (for stores whose per-operation cost
+      outweighs the overlap, or to measure it: ``mpitrain bench dataparallel --overlap both``).
+    * Inside :meth:`no_sync` nothing is sent; gradients accumulate locally in the buckets and the next
+      synchronised backward reduces the sum. Whether a backward synchronises is decided by the forward
+      that built its graph (as in DDP).
+    * `broadcast_buffers`: in training-mode forwards with grad enabled, rank 0's buffers (e.g. batch
+      norm statistics) are broadcast first, so every rank must run those forwards together.
+
+    `kvstore` is a type name for :func:`mpitrain.kvstore.create` (its collectives run on private
+    duplicates of `comm`; :meth:`close` releases it) or a store object with
+    ``init``/``pushpull``/``wait``/``num_workers`` equal to ``comm.size`` (the caller closes it). The
+    parameter server ``dist_sync`` is used that way: its server ranks run ``kv.serve()`` while the
+    workers wrap their model with ``comm`` = the workers' communicator.
+    ``zero_grad(set_to_none=True)`` (the default) is the cheap way to clear: autograd's fresh gradient
+    is copied into its view once, in the hook; with ``set_to_none=False`` the views are zeroed in
+    place and autograd accumulates into them.
+    """
+
+    def __init__(self, module: nn.Module, kvstore: Any = "dist_sync_mpi", bucket_mb: float = 25.0,
+                 comm: Communicator | None = None, *, first_bucket_mb: float = 1.0,
+                 broadcast_buffers: bool = True, overlap: bool = True, name: str = "dp") -> None:
+        super().__init__()
+        comm = comm or world()
+        _check_args(module, kvstore, bucket_mb, first_bucket_mb, comm)
+        self.module, self.comm, self.broadcast_buffers = module, comm, broadcast_buffers
+        params = [p for p in _unique(module.parameters()) if p.requires_grad]
+        kv_name = kvstore if isinstance(kvstore, str) else type(kvstore).__name__
+        named = module_tensors(module)
+        check_same_everywhere(comm, "DataParallel: settings and parameters", [
+            ("settings", kv_name, float(bucket_mb), float(first_bucket_mb), bool(broadcast_buffers), overlap,
+             name),
+            *((n, tuple(t.shape), str(t.dtype)) for n, t in named)])
+        broadcast_tensors([t for _, t in named], comm, 0)
+        self.overlap = bool(overlap)  # push buckets during backward (True) or all when it ends
+        self._owns_kv = isinstance(kvstore, str)
+        self.kv = _make_kvstore(kvstore, comm)
+        order = params[::-1]  # autograd produces the last layers' gradients first
+        plan = plan_buckets([(p.numel() * p.element_size(), f"{p.dtype}/{p.device}") for p in order],
+                            int(bucket_mb * MB), int(first_bucket_mb * MB))
+        self.buckets = [Bucket(i, f"{name}.b{i}", [order[j] for j in idx]) for i, idx in enumerate(plan)]
+        self._slot = {p: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
+        self._keys = [b.key for b in self.buckets]
+        self._scale = 1.0 / self.kv.num_workers if self.kv.num_workers > 1 else None
+        for b in self.buckets:
+            self.kv.init(b.key, b.buffer)
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+        self._sync_enabled = True   # False inside no_sync()
+        self._sync_graph = True     # decided by the forward that built the graph being differentiated
+        self._closed = False
+        self._reset()
+
+    # -- forward ------------------------------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        grad = torch.is_grad_enabled() and not self._closed
+        if grad:
+            self._sync_graph = self._sync_enabled
+        if grad and self.training and self.broadcast_buffers:
+            buffers = [b for _, b in self.module.named_buffers()]
+            if buffers:
+                broadcast_tensors(buffers, self.comm, 0)
+        out = self.module(*args, **kwargs)
+        return _watch_outputs(out, self) if grad and self._sync_graph and self.buckets else out
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Forwards run inside this context build graphs whose backward only accumulates locally."""
+        previous, self._sync_enabled = self._sync_enabled, False
+        try:
+            yield
+        finally:
+            self._sync_enabled = previous
+
+    # -- gradient bookkeeping ---------------------------------------------------------------------------
+    def _reset(self) -> None:
+        self._next = 0                                   # next bucket to push (buckets go in order)
+        self._fired: list[set[int]] = [set() for _ in self.buckets]
+        self._absent: list[tuple[Bucket, int]] = []      # no local gradient when their bucket left
+        self._queued = False
+
+    @staticmethod
+    def _adopt(p: nn.Parameter, view: torch.Tensor, scale: float | None) -> bool:
+        """Make ``p.grad`` its bucket view, multiplied by `scale` if given; False if `p` has no gradient.
+
+        After ``zero_grad(set_to_none=True)`` autograd hands the parameter a fresh tensor; one pass
+        writes it, scaled, into the bucket (cheaper than zeroing the bucket ahead and accumulating
+        into it, and the pre-scaling rides along), and from then on accumulation (``no_sync``, several
+        backward passes) writes in place."""
+        g = p.grad
+        if g is None:
+            return False
+        if g.data_ptr() != view.data_ptr():
+            if scale is None:
+                view.copy_(g)
+            else:
+                torch.mul(g, scale, out=view)
+            p.grad = view
+        elif scale is not None:
+            view.mul_(scale)
+        return True
+
+    @torch.no_grad()
+    def _on_grad(self, p: nn.Parameter) -> None:
+        """Post-accumulate hook: `p.grad` is final for this backward."""
+        b, i = self._slot[p]
+        if not self._sync_graph:
+            self._adopt(p, b.views[i], None)
+            return
+        self._queue_finalize()
+        fired = self._fired[b.index]
+        if i in fired or b.index < self._next:
+            raise RuntimeError(f"DataParallel: parameter {tuple(p.shape)} of bucket {b.key!r} produced a "
+                               f"second gradient in one synchronised backward (reentrant checkpointing of a "
+                               f"shared parameter?); use torch.utils.checkpoint(..., use_reentrant=False) "
+                               f"or no_sync()")
+        # pre-scale by 1/size as the gradient lands, so the sum the store returns is the mean
+        self._adopt(p, b.views[i], self._scale)
+        fired.add(i)
+        if self.overlap and len(fired) == len(b.params):
+            self._push_ready()
+
+    def _push_ready(self) -> None:
+        """Push every complete bucket from the next one on, stopping at the first incomplete one."""
+        while self._next < len(self.buckets):
+            b = self.buckets[self._next]
+            if len(self._fired[b.index]) < len(b.params):
+                return
+            self._push(b)
+            self._next += 1
+
+    def _backward_started(self, grad_outputs: Any) -> None:
+        self._queue_finalize()
+
+    def _queue_finalize(self) -> None:
+        if not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
+
+    def _push(self, b: Bucket) -> None:
+        fired = self._fired[b.index]
+        mark = 1.0 if self._scale is None else self._scale
+        if len(fired) == len(b.params):
+            b.used.fill_(mark)
+        else:  # pushed at the end of backward: parameters without a gradient send zeros, "used" 0
+            for i, (p, v) in enumerate(zip(b.params, b.views)):
+                used = i in fired or self._adopt(p, v, self._scale)
+                if not used:
+                    v.zero_()
+                    self._absent.append((b, i))
+                b.used[i] = mark if used else 0.0
+        self.kv.pushpull(b.key, b.buffer, priority=-b.index)
+
+    @torch.no_grad()
+    def _finalize(self) -> None:
+        """End of a synchronised backward: push what is left, in order; wait; attach the gradients of
+        parameters that had none here but were used on another rank."""
+        try:
+            if not self._sync_graph:  # a no_sync forward ran after this graph's: it decides (as DDP)
+                return
+            for b in self.buckets[self._next:]:
+                self._push(b)
+            self._next = len(self.buckets)
+            self.kv.wait(self._keys)
+            for b, i in self._absent:
+                if b.used[i].item() > 0:
+                    b.params[i].grad = b.views[i]  # the average of the other ranks' gradients
+        finally:
+            self._reset()
+
+    def close(self) -> None:
+        """Collective: remove the gradient hooks and close the KVStore if this object created it (its
+        threads and communicators). The wrapped module keeps working as a plain module. Idempotent."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        self._closed = True
+        if self._owns_kv:
+            self._owns_kv = False
+            self.kv.close()
+
+
+# -- helpers --------------------------------------------------------------------------------------
+def _watch_outputs(out: Any, dp: DataParallel) -> Any:
+    """Queue the final callback when backward reaches the outputs (a pre-hook on their autograd
+    nodes), so a backward that reaches them always synchronises, even when no local parameter gets
+    a gradient. Nothing wraps or copies the outputs."""
+    found: list[torch.Tensor] = []
+    _collect_tensors(out, found)
+    for t in found:
+        if t.grad_fn is not None:
+            t.grad_fn.register_prehook(dp._backward_started)
+    return out
+
+
+def _collect_tensors(obj: Any, out: list[torch.Tensor]) -> None:
+    if isinstance(obj, torch.Tensor):
+        if obj.requires_grad and all(obj is not t for t in out):
+            out.append(obj)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _collect_tensors(v, out)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _collect_tensors(v, out)
+
+
+def _unique(params: Iterator[nn.Parameter]) -> list[nn.Parameter]:
+    seen: set[int] = set()
+    return [p for p in params if not (id(p) in seen or seen.add(id(p)))]
+
+
+def _check_args(module: Any, kvstore: Any, bucket_mb: float, first_bucket_mb: float,
+                comm: Communicator) -> None:
+    """Local checks, identical on every rank (so every rank raises together, before any message)."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"DataParallel wraps an nn.Module, got {type(module).__name__}")
+    if not (bucket_mb > 0 and first_bucket_mb > 0):
+        raise ValueError(f"bucket_mb and first_bucket_mb must be > 0, got {bucket_mb} and {first_bucket_mb}")
+    if isinstance(kvstore, str):
+        if kvstore not in KVSTORE_TYPES:
+            raise ValueError(f"unknown kvstore type {kvstore!r}; choose one of {KVSTORE_TYPES}")
+        if kvstore == "dist_sync":
+            raise ValueError("kvstore 'dist_sync' runs its servers on ranks of their own: create it with "
+                             "mpitrain.kvstore.create('dist_sync', num_servers=S), call kv.serve() on the "
+                             "ranks where kv.is_server, and pass kvstore=kv with comm= the workers' "
+                             "communicator")
+        if kvstore == "local" and comm.size > 1:
+            raise ValueError(f"kvstore 'local' reduces within one process; this job has {comm.size} ranks: "
+                             f"use one of {COLLECTIVE_TYPES}")
+    elif not all(hasattr(kvstore, a) for a in ("init", "pushpull", "wait", "num_workers")):
+        raise TypeError(f"kvstore must be a type name or a KVStore, got {type(kvstore).__name__}")
+    elif kvstore.num_workers != comm.size:
+        raise ValueError(f"the kvstore has {kvstore.num_workers} workers but the communicator has "
+                         f"{comm.size} ranks; pass comm= the workers' communicator")
+
+
+def _make_kvstore(kvstore: Any, comm: Communicator) -> Any:
+    if not isinstance(kvstore, str):
+        return kvstore
+    from .. import kvstore as kvmod
+
+    # create() splits private communicators: the store's traffic never mixes with ours on comm
+    return kvmod.create(kvstore, comm=comm)
+
+
+# -- fit(strategy="data") -----------------------------------------------------------------------------
+_OPTIONS = ("kvstore", "bucket_mb", "first_bucket_mb", "broadcast_buffers", "overlap")
+
+
+class DataTrainer:
+    """fit's Trainer for ``strategy="data"``: each rank trains on its equal slice of the global batch.
+
+    ``micro_batches`` > 1 splits each rank's slice further and accumulates under ``no_sync`` (one
+    reduction per step); the maths is unchanged. The returned loss is the global batch mean.
+    """
+
+    def __init__(self, model: nn.Module, loss_fn: Any, optimizer: Any, comm: Communicator,
+                 micro_batches: int, options: dict[str, Any]) -> None:
+        self.dp = DataParallel(model, comm=comm, **options)
+        self.loss_fn, self.comm, self.micro_batches = loss_fn, comm, micro_batches
+        self.optimizer = optimizer(self.dp.module.parameters())
+
+    def _slice(self, inputs: Any, targets: torch.Tensor) -> tuple[Any, torch.Tensor]:
+        check_divisible(batch_size(targets), self.comm.size * self.micro_batches, "ranks x micro-batches")
+        return shard(inputs, self.comm.size, self.comm.rank), shard(targets, self.comm.size, self.comm.rank)
+
+    def train_step(self, inputs: Any, targets: torch.Tensor) -> float:
+        if self.dp._closed:
+            raise RuntimeError("this data-parallel trainer is finished (trained_model() closed it)")
+        x, y = self._slice(inputs, targets)
+        self.optimizer.zero_grad()
+        m = self.micro_batches
+        total = torch.zeros(())
+        for j, (xj, yj) in enumerate(zip(chunks(x, m), chunks(y, m))):
+            with self.dp.no_sync() if j < m - 1 else contextlib.nullcontext():
+                loss = self.loss_fn(self.dp(xj), yj) / m
+                loss.backward()
+            total += loss.detach()
+        self.optimizer.step()
+        return self.comm.allreduce(total.reshape(1).float(), "avg").item()
+
+    @torch.no_grad()
+    def eval_step(self, inputs: Any, targets: torch.Tensor) -> torch.Tensor:
+        x, _ = self._slice(inputs, targets)
+        return self.comm.allgather(self.dp.module(x).contiguous())
+
+    def trained_model(self) -> nn.Module:
+        """The wrapped module (same weights on every rank). Collective: fit calls it last, on every rank,
+        so it also closes the KVStore (its comm thread); the trainer takes no more steps after it."""
+        self.dp.close()
+        return self.dp.module
+
+
+def make_trainer(model: nn.Module, loss_fn: Any, optimizer: Any, comm: Communicator,
+                 spec: Any) -> DataTrainer:
+    """Build the data-parallel Trainer; refuses (ValueError, every rank, before any message) options it
+    does not know and splits it cannot do (`partitions` must be 1, `replicas` None or the world size)."""
+    unknown = sorted(set(spec.options) - set(_OPTIONS))
+    if unknown:
+        raise ValueError(f"strategy 'data' does not take option(s) {unknown}; it takes {list(_OPTIONS)}")
+    if spec.partitions != 1:
+        raise ValueError(f"strategy 'data' keeps the whole model on every rank; partitions={spec.partitions} "
+                         f"needs strategy 'model' or 'hybrid'")
+    if spec.replicas not in (None, comm.size):
+        raise ValueError(f"strategy 'data' uses every rank as a replica: replicas={spec.replicas} but the "
+                         f"communicator has {comm.size} ranks")
+    if spec.micro_batches < 1:
+        raise ValueError(f"micro_batches must be >= 1, got {spec.micro_batches}")
+    return DataTrainer(model, loss_fn, optimizer, comm, spec.micro_batches, dict(spec.options))

@@ -1,0 +1,72 @@
+"""Averaging the gradients of a parameter list over a communicator with fused flat buffers."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from ..comm.base import Communicator, Request
+from .buckets import MB, plan_buckets
+
+__all__ = ["allreduce_gradients", "start_allreduce_gradients", "GradientAllreduce"]
+
+
+class GradientAllreduce:
+    """Gradient reductions in flight; :meth:`wait` completes them and writes the results to ``.grad``.
+
+    The ``.grad`` tensors must not be touched between the start and ``wait()``.
+    """
+
+    def __init__(self, grads: list[torch.Tensor], flats: list[torch.Tensor], groups: list[list[int]],
+                 requests: list[Request]) -> None:
+        self._grads, self._flats, self._groups, self._requests = grads, flats, groups, requests
+        self._done = False
+
+    def wait(self) -> None:
+        """Block until every bucket is reduced and copied back; idempotent."""
+        if self._done:
+            return
+        for flat, group, req in zip(self._flats, self._groups, self._requests):
+            req.wait()
+            offset = 0
+            for i in group:
+                g = self._grads[i]
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
+        self._done = True
+
+
+def start_allreduce_gradients(params: Iterable[nn.Parameter], comm: Communicator, op: str = "avg",
+                              bucket_mb: float = 25.0) -> GradientAllreduce:
+    """Start reducing (``op`` "avg" or "sum") the ``.grad`` of `params` over `comm`; returns a handle.
+
+    Every rank of `comm` must call it with the same parameters in the same order (same shapes and
+    dtypes). Gradients are fused per dtype into flat buckets of about `bucket_mb` MiB (one copy in,
+    one copy out) and reduced with nonblocking allreduces, so several buckets are in flight at once.
+    Parameters with ``requires_grad=False`` are skipped; a parameter whose ``.grad`` is None gets a
+    zero gradient first, so every rank sends the same layout (after the call it holds the average).
+    """
+    if op not in ("avg", "sum"):
+        raise ValueError(f"op must be 'avg' or 'sum', got {op!r}")
+    if bucket_mb <= 0:
+        raise ValueError(f"bucket_mb must be positive, got {bucket_mb}")
+    grads: list[torch.Tensor] = []
+    for p in params:
+        if not p.requires_grad:
+            continue
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        grads.append(p.grad)
+    kinds = [(g.numel() * g.element_size(), f"{g.dtype}/{g.device}") for g in grads]
+    groups = plan_buckets(kinds, int(bucket_mb * MB))
+    flats = [torch.cat([grads[i].reshape(-1) for i in group]) for group in groups]
+    requests = [comm.iallreduce(flat, op) for flat in flats]
+    return GradientAllreduce(grads, flats, groups, requests)
+
+
+def allreduce_gradients(params: Iterable[nn.Parameter], comm: Communicator, op: str = "avg",
+                        bucket_mb: float = 25.0) -> None:
+    """Blocking form of :func:`start_allreduce_gradients`: on return every ``.grad`` holds the result."""
+    start_allreduce_gradients(params, comm, op, bucket_mb).wait()

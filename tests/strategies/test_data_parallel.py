@@ -1,0 +1,344 @@
+"""DataParallel and fit(strategy="data") against the same training in one process, every kvstore type."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import mpitrain
+from mpitrain.fit import fit
+from mpitrain.strategies.data_parallel import COLLECTIVE_TYPES, DataParallel
+from tests.helpers import assert_all_ranks, assert_close_all_ranks
+
+pytestmark = pytest.mark.mpi
+
+PER_RANK = 4      # samples per rank and step
+STEPS = 3
+ATOL = 1e-5       # the issue's bound for float32 after STEPS optimizer steps
+# Tiny buckets (first <= 31 B, then <= 524 B): the CNN below spans five buckets (push order, overlap).
+SMALL = {"bucket_mb": 0.0005, "first_bucket_mb": 0.00003}
+
+
+class SmallCNN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 4, 3)
+        self.conv2 = nn.Conv2d(4, 6, 3)
+        self.fc = nn.Linear(6 * 4 * 4, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(F.relu(self.conv2(F.relu(self.conv1(x)))).flatten(1))
+
+
+class Branchy(nn.Module):
+    """Tied weights (`head` reuses `embed`'s matrix), a branch used only when asked, a layer never used."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, 8, bias=False)
+        self.branch = nn.Linear(8, 8)
+        self.never = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 8)
+        self.head.weight = self.embed.weight
+
+    def forward(self, x: torch.Tensor, use_branch: bool, skip_all: bool = False) -> torch.Tensor:
+        if skip_all:  # no parameter at all gets a gradient on this rank
+            return x * 2
+        h = torch.tanh(self.embed(x))
+        if use_branch:
+            h = h + torch.tanh(self.branch(h))
+        return self.head(h)
+
+
+def batches(size: int, steps: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    n = size * PER_RANK
+    return [(torch.randn(n, 1, 8, 8, generator=g), torch.randint(0, 10, (n,), generator=g))
+            for _ in range(steps)]
+
+
+def make_model(cls: type[nn.Module], comm) -> nn.Module:
+    """The same model on every rank's reference copy; the replica starts rank-dependent on purpose."""
+    torch.manual_seed(1234)
+    ref = cls()
+    torch.manual_seed(comm.rank)
+    return ref
+
+
+def rank0_copy(ref: nn.Module, comm) -> nn.Module:
+    """`ref` on rank 0, other weights elsewhere: DataParallel/fit must broadcast rank 0's."""
+    model = type(ref)()
+    if comm.rank == 0:
+        model.load_state_dict(ref.state_dict())
+    return model
+
+
+def optimizer_for(name: str):
+    if name == "sgd":
+        return lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.01)
+    return lambda ps: torch.optim.Adam(ps, lr=0.01)
+
+
+def my_slice(t: torch.Tensor, comm) -> torch.Tensor:
+    return t[comm.rank * PER_RANK:(comm.rank + 1) * PER_RANK]
+
+
+def max_param_diff(a: nn.Module, b: nn.Module) -> float:
+    return max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
+
+
+def assert_same_params(comm, model: nn.Module, ref: nn.Module, what: str) -> None:
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert_close_all_ranks(comm, p.detach(), q.detach(), atol=ATOL, what=f"{what}: {name}")
+
+
+@pytest.mark.parametrize("opt", ["sgd", "adam"])
+@pytest.mark.parametrize("kvstore", COLLECTIVE_TYPES)
+def test_training_equals_one_process_on_concatenated_batch(comm, kvstore, opt):
+    ref = make_model(SmallCNN, comm)
+    replica = rank0_copy(ref, comm)
+    dp = DataParallel(replica, kvstore=kvstore, overlap=opt == "sgd", **SMALL)  # both push modes
+    assert_all_ranks(comm, len(dp.buckets) >= 3, f"expected several buckets, got {dp.buckets}")
+    o, ro = optimizer_for(opt)(dp.parameters()), optimizer_for(opt)(ref.parameters())
+    for x, y in batches(comm.size, STEPS):
+        o.zero_grad()
+        F.cross_entropy(dp(my_slice(x, comm)), my_slice(y, comm)).backward()
+        o.step()
+        ro.zero_grad()
+        F.cross_entropy(ref(x), y).backward()
+        ro.step()
+    dp.close()
+    assert_same_params(comm, replica, ref, f"{kvstore}/{opt}")
+
+
+@pytest.mark.parametrize("kvstore", COLLECTIVE_TYPES)
+def test_unused_and_tied_parameters_match_one_process(comm, kvstore):
+    ref = make_model(Branchy, comm)
+    replica = copy.deepcopy(ref)
+    dp = DataParallel(replica, kvstore=kvstore, bucket_mb=0.0003, first_bucket_mb=0.0003, overlap=True)
+    # weight decay makes "no gradient" (skipped) differ from "zero gradient" (decayed)
+    o = torch.optim.SGD(dp.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
+    ro = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
+    g = torch.Generator().manual_seed(5)
+    for step in range(STEPS):
+        x = torch.randn(comm.size, PER_RANK, 8, generator=g)
+        # the branch is used on some ranks only (rank 1 only in step 0, then by parity), or by none
+        use = [r == 1 if step == 0 else (r + step) % 2 == 0 for r in range(comm.size)]
+        if step == STEPS - 1:
+            use = [False] * comm.size
+        o.zero_grad()
+        dp(x[comm.rank], use[comm.rank]).square().mean().backward()
+        ro.zero_grad()
+        (sum(ref(x[r], use[r]).square().mean() for r in range(comm.size)) / comm.size).backward()
+        for (name, p), q in zip(replica.named_parameters(), ref.parameters()):
+            same = (p.grad is None) == (q.grad is None)
+            assert_all_ranks(comm, same, f"step {step} {name}: None {p.grad is None} vs {q.grad is None}")
+            if p.grad is not None:
+                assert_close_all_ranks(comm, p.grad, q.grad, atol=1e-6, what=f"step {step} grad {name}")
+        o.step()
+        ro.step()
+    dp.close()
+    assert_same_params(comm, replica, ref, f"{kvstore} unused/tied")
+
+
+@pytest.mark.parametrize("kvstore", ["dist_sync_mpi", "funnel"])
+def test_rank_where_no_parameter_gets_a_gradient_still_synchronises(comm, kvstore):
+    ref = make_model(Branchy, comm)
+    replica = copy.deepcopy(ref)
+    dp = DataParallel(replica, kvstore=kvstore, bucket_mb=0.0003, first_bucket_mb=0.0003)
+    x = torch.randn(comm.size, PER_RANK, 8, generator=torch.Generator().manual_seed(9))
+    skip = [r == 0 for r in range(comm.size)]
+    dp(x[comm.rank].requires_grad_(), True, skip[comm.rank]).square().mean().backward()
+    (sum(ref(x[r], True, skip[r]).square().mean() for r in range(comm.size)) / comm.size).backward()
+    dp.close()
+    for (name, p), q in zip(replica.named_parameters(), ref.parameters()):
+        same = (p.grad is None) == (q.grad is None)
+        assert_all_ranks(comm, same, f"{name}: None {p.grad is None} vs {q.grad is None}")
+        if p.grad is not None:
+            assert_close_all_ranks(comm, p.grad, q.grad, atol=1e-6, what=f"grad {name}")
+
+
+@pytest.mark.parametrize("kvstore", ["dist_sync_mpi", "depchain"])
+def test_buckets_are_pushed_during_backward_in_bucket_order(comm, kvstore):
+    """Overlap: the first bucket leaves while autograd still owes gradients of earlier layers."""
+    ref = make_model(SmallCNN, comm)
+    dp = DataParallel(copy.deepcopy(ref), kvstore=kvstore, overlap=True, **SMALL)
+    produced: list[int] = []
+    pushes: list[tuple[str, int]] = []
+    params = list(dp.parameters())
+    for p in params:  # registered after DataParallel's hooks, so they run after them
+        p.register_post_accumulate_grad_hook(lambda _p: produced.append(1))
+    push = dp.kv.pushpull
+
+    def recording_pushpull(key, ins, outs=None, priority=0):
+        pushes.append((key, len(produced)))
+        push(key, ins, outs, priority)
+
+    dp.kv.pushpull = recording_pushpull
+    x, y = batches(comm.size, 1)[0]
+    F.cross_entropy(dp(my_slice(x, comm)), my_slice(y, comm)).backward()
+    dp.kv.pushpull = push
+    dp.close()
+    keys = [k for k, _ in pushes]
+    assert_all_ranks(comm, keys == [b.key for b in dp.buckets], f"push order {keys}")
+    assert_all_ranks(comm, pushes[0][1] < len(params) - 1,
+                     f"first bucket pushed after {pushes[0][1]} of {len(params)} gradients")
+
+
+def test_parameter_server_kvstore_trains_like_one_process(comm):
+    """dist_sync: the last rank serves, the others are the data-parallel workers."""
+    from mpitrain import kvstore
+
+    ref = make_model(SmallCNN, comm)
+    kv = kvstore.create("dist_sync", comm=comm, num_servers=1)
+    workers = comm.split(None if kv.is_server else 0, comm.rank)
+    err = 0.0
+    if kv.is_server:
+        kv.serve()  # until every worker has closed the store
+    else:
+        try:
+            replica = rank0_copy(ref, workers)
+            dp = DataParallel(replica, kvstore=kv, comm=workers, **SMALL)
+            o, ro = optimizer_for("sgd")(dp.parameters()), optimizer_for("sgd")(ref.parameters())
+            for x, y in batches(workers.size, STEPS, seed=11):
+                o.zero_grad()
+                F.cross_entropy(dp(my_slice(x, workers)), my_slice(y, workers)).backward()
+                o.step()
+                ro.zero_grad()
+                F.cross_entropy(ref(x), y).backward()
+                ro.step()
+            dp.close()
+            err = max_param_diff(replica, ref)
+        finally:
+            kv.close()
+    assert_all_ranks(comm, err <= ATOL, f"dist_sync: max parameter difference {err}")
+
+
+@pytest.mark.parametrize("kvstore", ["dist_sync_mpi", "depchain"])
+def test_no_sync_accumulation_equals_one_process_sum(comm, kvstore):
+    ref = make_model(SmallCNN, comm)
+    replica = copy.deepcopy(ref)
+    dp = DataParallel(replica, kvstore=kvstore, **SMALL)
+    data = batches(comm.size, 3, seed=7)
+    for x, y in data[:-1]:
+        with dp.no_sync():
+            F.cross_entropy(dp(my_slice(x, comm)), my_slice(y, comm)).backward()
+    local = [p.grad.clone() for p in replica.parameters()]
+    x, y = data[-1]
+    F.cross_entropy(dp(my_slice(x, comm)), my_slice(y, comm)).backward()
+    dp.close()
+    for x, y in data:
+        F.cross_entropy(ref(x), y).backward()
+    for (name, p), q in zip(replica.named_parameters(), ref.parameters()):
+        assert_close_all_ranks(comm, p.grad, q.grad, atol=1e-6, what=f"accumulated grad {name}")
+    # inside no_sync nothing was reduced: the local sums differ between ranks
+    every = comm.allgather(torch.cat([t.flatten() for t in local])[None])
+    assert_all_ranks(comm, not torch.equal(every[0], every[1]),
+                     "no_sync gradients were identical on ranks 0 and 1: were they reduced?")
+
+
+@pytest.mark.parametrize("kvstore", COLLECTIVE_TYPES)
+def test_fit_data_strategy_equals_one_process(comm, kvstore):
+    ref = make_model(SmallCNN, comm)
+    model = rank0_copy(ref, comm)
+    data = batches(comm.size, STEPS, seed=3)
+    result = fit(model, data, F.cross_entropy, optimizer_for("sgd"), strategy="data", progress=False,
+                 kvstore=kvstore, micro_batches=2, **SMALL)
+    ro = optimizer_for("sgd")(ref.parameters())
+    losses = []
+    for x, y in data:
+        ro.zero_grad()
+        loss = F.cross_entropy(ref(x), y)
+        loss.backward()
+        ro.step()
+        losses.append(loss.item())
+    assert_same_params(comm, result.model, ref, f"fit {kvstore}")
+    assert_close_all_ranks(comm, torch.tensor(result.history[0]["loss"]),
+                           torch.tensor(sum(losses) / len(losses)), atol=1e-6, what="mean training loss")
+
+
+def test_fit_eval_returns_full_outputs_on_every_rank(comm):
+    ref = make_model(SmallCNN, comm)
+    data = batches(comm.size, 1, seed=4)
+    result = fit(rank0_copy(ref, comm), data, F.cross_entropy, optimizer_for("adam"), strategy="data",
+                 progress=False, eval_data=data, metrics=["accuracy"])
+    ro = optimizer_for("adam")(ref.parameters())
+    x, y = data[0]
+    F.cross_entropy(ref(x), y).backward()
+    ro.step()
+    with torch.no_grad():
+        expected = F.cross_entropy(ref(x), y).item()
+    assert_close_all_ranks(comm, torch.tensor(result.history[0]["eval_loss"]), torch.tensor(expected),
+                           atol=1e-5, what="eval loss over the full outputs")
+
+
+def test_fit_refuses_bad_batches_and_options_on_every_rank(comm):
+    odd = [(torch.randn(comm.size * 2 + 1, 1, 8, 8), torch.zeros(comm.size * 2 + 1, dtype=torch.long))]
+
+    def run(**kw):
+        fit(SmallCNN(), odd, F.cross_entropy, optimizer_for("sgd"), strategy="data", progress=False, **kw)
+
+    with pytest.raises(ValueError, match="cannot be split equally"):
+        run()
+    with pytest.raises(ValueError, match="does not take option"):
+        run(staleness=2)
+    with pytest.raises(ValueError, match="partitions"):
+        run(partitions=2)
+
+
+def test_mismatched_models_raise_on_every_rank_before_sending(comm):
+    model = nn.Linear(4, 4 + (comm.rank == comm.size - 1))
+    with pytest.raises(ValueError, match=rf"ranks \[{comm.size - 1}\] disagree"):
+        DataParallel(model)
+    with pytest.raises(ValueError, match="kvstore 'local'"):
+        DataParallel(nn.Linear(2, 2), kvstore="local")
+    with pytest.raises(ValueError, match="kv.serve"):
+        DataParallel(nn.Linear(2, 2), kvstore="dist_sync")
+    with pytest.raises(ValueError, match="unknown kvstore"):
+        DataParallel(nn.Linear(2, 2), kvstore="nccl")
+
+
+def test_broadcast_parameters_and_optimizer_state_from_every_root(comm):
+    for root in range(comm.size):
+        torch.manual_seed(100 + comm.rank)
+        model = SmallCNN()
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        for _ in range(comm.rank):  # rank r has taken r steps: different states, some empty
+            model(torch.randn(2, 1, 8, 8)).sum().backward()
+            opt.step()
+        mpitrain.broadcast_parameters(model.state_dict(), root_rank=root, comm=comm)
+        mpitrain.broadcast_optimizer_state(opt, root_rank=root, comm=comm)
+        flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+        state = opt.state_dict()["state"]
+        steps = float(state[0]["step"]) if state else 0.0
+        moments = torch.cat([state[i]["exp_avg"].flatten() for i in sorted(state)] or [torch.zeros(0)])
+        everyone = comm.allgather_object((flat, steps, moments))
+        f0, s0, m0 = everyone[root]
+        ok = all(torch.equal(f, f0) and s == s0 and torch.equal(m, m0) for f, s, m in everyone)
+        assert_all_ranks(comm, ok and steps == root, f"root {root}: states differ, steps {steps}")
+
+
+@pytest.mark.parametrize("op", ["avg", "sum"])
+def test_allreduce_gradients_matches_closed_form(comm, op):
+    from mpitrain.strategies.data_parallel import allreduce_gradients, start_allreduce_gradients
+
+    shapes = [(3, 5), (7,), (2, 2, 2), (1,)]
+    for start in (False, True):
+        params = [nn.Parameter(torch.zeros(s, dtype=torch.float64 if i == 2 else torch.float32))
+                  for i, s in enumerate(shapes)]
+        for i, p in enumerate(params[:-1]):  # the last one has no gradient: it counts as zeros
+            p.grad = torch.full_like(p, float(comm.rank + 1 + i))
+        if start:
+            start_allreduce_gradients(params, comm, op, bucket_mb=0.00005).wait()
+        else:
+            allreduce_gradients(params, comm, op, bucket_mb=0.00005)
+        total = comm.size * (comm.size + 1) / 2
+        for i, p in enumerate(params):
+            expected = 0.0 if i == len(params) - 1 else total + comm.size * i
+            expected = expected / comm.size if op == "avg" else expected
+            assert_close_all_ranks(comm, p.grad, torch.full_like(p, expected), atol=1e-6,
+                                   what=f"{op} start={start} param {i}")
