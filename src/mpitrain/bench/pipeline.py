@@ -1,0 +1,193 @@
+"""Sequential vs model vs data vs hybrid img/s on a deep residual CNN, and pipeline efficiency.
+
+``mpitrain bench pipeline -n 2`` (or -n 4). Table 1 has HyPar-Flow's Fig. 7/8 shape: images per
+second of one training step at several batch sizes for one process (rank 0 alone, the others asleep),
+the pipeline
+(P = n), data parallelism (R = n) and, when n is even and >= 4, hybrid (P = 2, R = n/2). Table 2
+measures the pipeline efficiency ``T_seq / (P * T_pipe)`` of both schedules, where T_seq is one
+process running the same M micro-batches (gradient accumulation), against the ideal M / (M + P - 1).
+Times are the median over timed steps of the slowest rank, each step started after a barrier.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from ..fit import FitSpec, make_trainer
+from ..runtime import init
+from .common import header, print_table
+
+__all__ = ["main", "ResidualCNN"]
+
+
+class _Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(width, width, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.conv2 = nn.Conv2d(width, width, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.relu(self.bn1(self.conv1(x)))
+        return torch.relu(self.bn2(self.conv2(out)) + x)
+
+
+class ResidualCNN(nn.Module):
+    """ResNet-style: a stem, `depth` identical identity-shortcut blocks (so it balances), a head."""
+
+    def __init__(self, depth: int = 12, width: int = 16, classes: int = 10) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, width, 3, padding=1)
+        self.blocks = nn.Sequential(*[_Block(width) for _ in range(depth)])
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(torch.relu(self.stem(x))).mean(dim=(2, 3)))
+
+
+def _sgd(params) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.01, momentum=0.9)
+
+
+def _batch(n: int, image: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(n)
+    return torch.randn(n, 3, image, image, generator=g), torch.randint(0, 10, (n,), generator=g)
+
+
+def _timed(comm, step: Callable[[], object], steps: int) -> float:
+    """Median over `steps` (after one warm-up) of the slowest rank's step seconds."""
+    step()
+    times = []
+    for _ in range(steps):
+        comm.barrier()
+        t0 = time.perf_counter()
+        step()
+        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        times.append(float(comm.allreduce(dt, op="max")[0]))
+    return statistics.median(times)
+
+
+def _sequential(comm, args: argparse.Namespace, n: int, micro: int) -> float:
+    """Rank 0 alone trains the whole model (M micro-batches accumulated) while the other ranks sleep
+    (polling a nonblocking broadcast of the result), so it has a core to itself like one process."""
+    seconds = torch.zeros(1, dtype=torch.float64)
+    if comm.rank == 0:
+        torch.manual_seed(0)
+        model, (x, y) = ResidualCNN(args.depth, args.width), _batch(n, args.image)
+        opt, loss_fn = _sgd(model.parameters()), nn.CrossEntropyLoss()
+
+        def step() -> None:
+            opt.zero_grad()
+            for xs, ys in zip(x.chunk(micro), y.chunk(micro)):
+                (loss_fn(model(xs), ys) / micro).backward()
+            opt.step()
+
+        step()
+        times = []
+        for _ in range(args.steps):
+            t0 = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t0)
+        seconds[0] = statistics.median(times)
+    req = comm.ibroadcast(seconds, root=0)
+    while not req.test():
+        time.sleep(1e-3)
+    return float(seconds[0])
+
+
+def _parallel(comm, args: argparse.Namespace, n: int, strategy: str, partitions: int, micro: int,
+              schedule: str = "1f1b") -> float:
+    torch.manual_seed(0)
+    spec = FitSpec(strategy=strategy, partitions=partitions, micro_batches=micro, schedule=schedule)
+    trainer = make_trainer(ResidualCNN(args.depth, args.width), nn.CrossEntropyLoss(), _sgd, comm, spec)
+    x, y = _batch(n, args.image)
+    return _timed(comm, lambda: trainer.train_step(x, y), args.steps)
+
+
+def _data_strategy(comm, args: argparse.Namespace, n: int) -> float:
+    if importlib.util.find_spec("mpitrain.strategies.data_parallel") is not None:
+        torch.manual_seed(0)
+        trainer = make_trainer(ResidualCNN(args.depth, args.width), nn.CrossEntropyLoss(), _sgd, comm,
+                               FitSpec(strategy="data"))
+        x, y = _batch(n, args.image)
+        return _timed(comm, lambda: trainer.train_step(x, y), args.steps)
+    return _parallel(comm, args, n, "hybrid", 1, 1)
+
+
+def throughput_table(comm, args: argparse.Namespace) -> None:
+    size = comm.size
+    rows = []
+    for n in args.batch_sizes:
+        micro = max(1, min(args.micro_batches, n // args.min_micro))
+        seq = _sequential(comm, args, n, 1)
+        mp = _parallel(comm, args, n, "model", size, micro)
+        dp = _data_strategy(comm, args, n)
+        hy = (_parallel(comm, args, n, "hybrid", 2, micro) if size >= 4 and size % 2 == 0 else None)
+        rows.append([n, micro, n / seq, n / mp, n / dp, "n/a" if hy is None else n / hy, seq / mp])
+    if comm.rank == 0:
+        print(f"\n## img/s per training step (deep residual CNN: {args.depth} blocks x {args.width} ch, "
+              f"{args.image}x{args.image} images; model: P={size}, data: R={size}, "
+              f"hybrid: P=2 x R={size // 2})")
+        print_table(["batch", "M", "sequential", "model", "data", "hybrid", "model/seq"], rows)
+
+
+def efficiency_table(comm, args: argparse.Namespace) -> None:
+    P, rows = comm.size, []
+    bound = min(1.0, (os.cpu_count() or 1) / P)  # P ranks on fewer cores cannot beat cores/P
+    for micro in args.efficiency_micro:
+        n = args.efficiency_batch
+        seq = _sequential(comm, args, n, micro)
+        for schedule in ("gpipe", "1f1b"):
+            pipe = _parallel(comm, args, n, "model", P, micro, schedule)
+            eff, ideal = seq / (P * pipe), micro / (micro + P - 1)
+            rows.append([schedule, P, micro, n, seq * 1e3, pipe * 1e3, eff, ideal, ideal * bound,
+                         eff / (ideal * bound)])
+    if comm.rank == 0:
+        print("\n## pipeline efficiency T_seq / (P x T_pipe) vs the ideal M / (M + P - 1) (balance='time');"
+              "\n## 'core ideal' = ideal x min(1, cores / P): what P ranks sharing the cores can reach")
+        print_table(["schedule", "P", "M", "batch", "T_seq ms", "T_pipe ms", "efficiency", "ideal",
+                     "core ideal", "of core ideal"], rows)
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="mpitrain bench pipeline", description=__doc__.splitlines()[0])
+    p.add_argument("--batch-sizes", type=_ints, default=[16, 64, 256])
+    p.add_argument("--micro-batches", type=int, default=8, help="M for the throughput table")
+    p.add_argument("--min-micro", type=int, default=4, help="fewest samples per micro-batch (table 1)")
+    p.add_argument("--efficiency-micro", type=_ints, default=[2, 8, 16])
+    p.add_argument("--efficiency-batch", type=int, default=64)
+    p.add_argument("--depth", type=int, default=12)
+    p.add_argument("--width", type=int, default=16)
+    p.add_argument("--image", type=int, default=16)
+    p.add_argument("--steps", type=int, default=5)
+    args = p.parse_args(list(argv or []))
+    comm = init()
+    if comm.rank == 0:
+        print(header("pipeline: sequential vs model vs data vs hybrid; pipeline efficiency", comm.size))
+        cores = os.cpu_count() or 1
+        note = f"OVERSUBSCRIBED: {comm.size} ranks on {cores} cores" if comm.size > cores else \
+            f"{comm.size} ranks on {cores} cores"
+        print(f"# {note}; OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '?')}; "
+              f"torch threads per rank: {torch.get_num_threads()}", flush=True)
+    throughput_table(comm, args)
+    efficiency_table(comm, args)
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,104 @@
+"""Model generator in one process: tracing, cut points, balancing, and partitions that keep the maths."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from torch import nn
+
+from mpitrain.strategies.pipeline.graph import TraceFailure, cut_points, profile, split, trace
+from mpitrain.strategies.pipeline.partition import balanced_bounds, explicit_bounds
+from mpitrain.strategies.pipeline.stage import make_edges
+
+from .models import MODELS
+
+
+def run_partitions(parts, x):
+    """Run the partitions one after another in one process, passing values by name."""
+    values: dict[str, torch.Tensor] = {}
+    out = None
+    for p in parts:
+        out = p.module(*[x for _ in p.data_inputs], *[values[v] for v in p.recv_inputs])
+        if p.outputs:
+            values.update(zip(p.outputs, out))
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("P", [2, 3, 4])
+def test_partitions_run_in_sequence_give_the_model_output_and_grads(name, P):
+    cls, shape = MODELS[name]
+    torch.manual_seed(0)
+    model = cls().eval()
+    x = torch.randn(6, *shape)
+    traced = trace(model)
+    meta, _ = profile(traced, [x])
+    parts = split(traced, balanced_bounds([1.0] * len(traced.nodes), cut_points(traced, meta), P))
+    expected = model(x)
+    expected.sum().backward()
+    want = [q.grad.clone() for q in model.parameters()]
+    model.zero_grad()
+    got = run_partitions(parts, x)
+    got.sum().backward()
+    assert torch.equal(got, expected)
+    for g, w in zip([q.grad for q in model.parameters()], want):
+        assert torch.allclose(g, w, atol=1e-6)
+
+
+def test_skip_model_has_an_edge_over_a_whole_partition_read_by_two_partitions():
+    cls, shape = MODELS["skip"]
+    traced = trace(cls())
+    meta, _ = profile(traced, [torch.randn(4, *shape)])
+    cuts = cut_points(traced, meta)
+    names = [n.name for n in traced.nodes]
+    bounds = [0, names.index("l2") + 1, names.index("l3") + 1, names.index("add") + 1, len(names)]
+    assert all(b in cuts for b in bounds[1:-1])
+    edges = make_edges(split(traced, bounds), meta)
+    a_edges = [(e.src, e.dst) for e in edges if e.value == "tanh"]
+    assert a_edges == [(0, 2), (0, 3)]
+    kinds = {e.value: e.grad for e in edges}
+    assert kinds["argmax"] is False and kinds["float_1"] is False and kinds["tanh"] is True
+
+
+def test_cut_points_never_let_a_shape_cross_a_boundary():
+    cls, shape = MODELS["skip"]
+    traced = trace(cls())
+    meta, _ = profile(traced, [torch.randn(4, *shape)])
+    names = [n.name for n in traced.nodes]
+    size_at = names.index("size")
+    assert not any(size_at < c <= names.index("view") for c in cut_points(traced, meta))
+
+
+def test_balanced_bounds_minimise_the_costliest_partition_like_brute_force():
+    g = torch.Generator().manual_seed(1)
+    for n, P in [(7, 2), (8, 3), (9, 4)]:
+        costs = torch.rand(n, generator=g).tolist()
+        cuts = [c for c in range(1, n) if c != 3]
+        got = balanced_bounds(costs, cuts, P)
+        best = min(max(sum(costs[a:b]) for a, b in zip([0, *cs], [*cs, n]))
+                   for cs in itertools.combinations(cuts, P - 1))
+        assert max(sum(costs[a:b]) for a, b in zip(got, got[1:])) == pytest.approx(best)
+        assert all(c in cuts for c in got[1:-1]) and got[0] == 0 and got[-1] == n
+
+
+def test_balance_refuses_more_partitions_than_cut_points_and_bad_lists():
+    with pytest.raises(ValueError, match="partitions <= 4"):
+        balanced_bounds([1.0] * 4, [1, 2, 3], 5)
+    with pytest.raises(ValueError, match="summing to"):
+        explicit_bounds([2, 1], 4, [1, 2, 3])
+    with pytest.raises(ValueError, match="non-tensor"):
+        explicit_bounds([2, 2], 4, [1, 3])
+
+
+class DataDependent(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > 0:
+            return x
+        return -x
+
+
+def test_untraceable_model_error_names_the_construct():
+    with pytest.raises(TraceFailure, match="control flow|TraceError"):
+        trace(DataDependent())
