@@ -17,11 +17,13 @@ __all__ = ["StallPolicy", "wait_watched", "DEFAULT_POLICY"]
 @dataclass(frozen=True)
 class StallPolicy:
     """`warn_after` seconds: print one warning; `abort_after` (None = never): print and abort the job.
+    `max_nap`: the longest sleep between polls, i.e. the most latency the watchdog adds to a wait.
 
     The defaults suit training steps; tests and interactive runs pass smaller numbers."""
 
     warn_after: float = 60.0
     abort_after: float | None = 600.0
+    max_nap: float = 1e-3
 
 
 DEFAULT_POLICY = StallPolicy()
@@ -33,7 +35,8 @@ def wait_watched(req: Request, what: str, rank: int, abort: Callable[[int], None
     and `what` it waits for (e.g. "recv of activation 3 of micro-batch 2 from rank 1"); after
     `policy.abort_after` s it prints again and calls `abort(1)`, which ends every rank.
 
-    Polls ``req.test()`` with a sleep that backs off to 1 ms, so a stalled rank does not spin a core.
+    Polls ``req.test()`` with a sleep that backs off to `policy.max_nap`, so a stalled rank does not
+    spin a core.
     """
     if req.test():
         return req.wait()
@@ -41,7 +44,7 @@ def wait_watched(req: Request, what: str, rank: int, abort: Callable[[int], None
     nap, warned = 2e-5, False
     while not req.test():
         time.sleep(nap)
-        nap = min(nap * 2, 1e-3)
+        nap = min(nap * 2, policy.max_nap)
         waited = time.monotonic() - start
         if not warned and waited >= policy.warn_after:
             warned = True

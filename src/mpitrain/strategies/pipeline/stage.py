@@ -72,7 +72,8 @@ class Stage:
         self.out_edges = [e for e in edges if e.src == part.index]
         self.grad_out = [e for e in self.out_edges if e.grad]
         self.window = max(1, min(micro_window, _MAX_TAG // max(2 * len(edges), 1)))
-        self.policy = StallPolicy(warn_after=stall_timeout, abort_after=stall_abort)
+        # A micro-batch stage step is ~1 ms: poll at most every 0.2 ms so the watchdog costs little latency.
+        self.policy = StallPolicy(warn_after=stall_timeout, abort_after=stall_abort, max_nap=2e-4)
         self._posted: dict[Action, list[tuple[Request, torch.Tensor]]] = {}
         self._sends: list[tuple[Request, str]] = []
         self._saved: dict[int, tuple[list[torch.Tensor], Any]] = {}
