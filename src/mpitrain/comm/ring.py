@@ -1,0 +1,244 @@
+"""Ring allreduce over point-to-point messages, with a codec applied at every hop (Pipe-SGD §3.2).
+
+The tensor is cut into ``p`` blocks (:func:`~mpitrain.comm.base.split_sizes`) and every block into
+chunks of at most ``chunk_bytes``. Reduce-scatter: for ``p - 1`` steps each rank sends one block to
+its right neighbour and receives one from its left, decompresses it, adds its own values and
+recompresses the partial sum for the next hop. Allgather: the owner of each fully reduced block
+compresses it ONCE and the compressed chunks are forwarded unchanged around the ring, the owner
+decoding its own payload too, so every rank ends with bitwise the same tensor.
+
+Chunks pipeline: all receives are posted up front and each chunk is sent on as soon as it is
+reduced, so the reduction of one chunk overlaps the transfer of the next (Fig. 3 of the paper).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from .base import CommError, Communicator, Request, split_sizes
+from .codecs import Codec, get_codec
+
+__all__ = ["ring_allreduce", "ring_schedule", "RingStep", "DEFAULT_CHUNK_BYTES", "RING_TAG", "chunk_bounds"]
+
+#: Default chunk size: large enough that per-message latency is amortised, small enough to pipeline.
+DEFAULT_CHUNK_BYTES = 1 << 18
+#: Tag of every ring message. Messages between a pair of ranks on one communicator match in order,
+#: so two rings must not run concurrently on the same communicator (use ``comm.split(0)`` per thread).
+RING_TAG = 7311
+
+
+@dataclass(frozen=True)
+class RingStep:
+    """One step of the ring on one rank: send block `send` to the right, receive block `recv` from the left."""
+
+    phase: str  # "reduce-scatter" | "allgather"
+    step: int
+    send: int
+    recv: int
+
+
+def ring_schedule(size: int, rank: int) -> list[RingStep]:
+    """The ring's steps on `rank` as printable data. After reduce-scatter `rank` owns block
+    ``(rank + 1) % size``; every block is sent exactly once by every rank."""
+    rs = [RingStep("reduce-scatter", s, (rank - s) % size, (rank - s - 1) % size) for s in range(size - 1)]
+    ag = [RingStep("allgather", s, (rank + 1 - s) % size, (rank - s) % size) for s in range(size - 1)]
+    return rs + ag
+
+
+def chunk_bounds(n: int, size: int, chunk_elems: int) -> list[list[tuple[int, int]]]:
+    """Per block, the ``(start, stop)`` element ranges of its chunks; empty blocks have no chunks."""
+    out, start = [], 0
+    for length in split_sizes(n, size):
+        pieces = max(1, -(-length // chunk_elems)) if length else 0
+        bounds, s = [], start
+        for piece in split_sizes(length, pieces) if pieces else []:
+            bounds.append((s, s + piece))
+            s += piece
+        out.append(bounds)
+        start += length
+    return out
+
+
+class _StallWatch:
+    """One daemon thread per process that warns when a ring wait has blocked for longer than its limit.
+
+    Waits block inside MPI with the GIL released; polling from Python instead (test + sleep) makes a
+    communication thread fight the compute thread for the GIL on every wake-up, which measured 10-40x
+    slower compute steps on a busy machine. The watchdog wakes once a second."""
+
+    def __init__(self) -> None:
+        self._waits: dict[int, tuple[str, float, float]] = {}
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def wait(self, req: Request, what: str, warn_s: float) -> None:
+        if req.test():
+            return
+        key = threading.get_ident()
+        with self._lock:
+            self._waits[key] = (what, time.monotonic(), warn_s)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="mpitrain-ring-stallwatch", daemon=True)
+                self._thread.start()
+        try:
+            req.wait()
+        finally:
+            with self._lock:
+                self._waits.pop(key, None)
+
+    def _run(self) -> None:
+        warned: set[tuple[int, float]] = set()
+        while True:
+            time.sleep(1.0)
+            now = time.monotonic()
+            with self._lock:
+                late = [(k, w) for k, w in self._waits.items() if now - w[1] > w[2] and (k, w[1]) not in warned]
+            for key, (what, since, _) in late:
+                warned.add((key, since))
+                warnings.warn(f"ring_allreduce stalled {now - since:.0f}s waiting for {what}; is that rank alive "
+                              f"and calling the same allreduce?", RuntimeWarning, stacklevel=1)
+
+
+_watch = _StallWatch()
+
+
+def _validate(comm: Communicator, t: torch.Tensor, codec: Codec, op: str, chunk_bytes: int,
+              error_feedback: torch.Tensor | None) -> None:
+    if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.device.type != "cpu":
+        raise CommError(f"ring_allreduce: argument 't' must be a floating CPU tensor, got "
+                        f"{getattr(t, 'dtype', type(t).__name__)}")
+    if not t.is_contiguous():
+        raise CommError("ring_allreduce: argument 't' is not contiguous; pass t.contiguous() explicitly")
+    codec.check_input(t, "t")
+    if op not in ("sum", "avg"):
+        raise CommError(f"ring_allreduce: op {op!r} is not supported; use 'sum' or 'avg'")
+    if not isinstance(chunk_bytes, int) or chunk_bytes < 1:
+        raise CommError(f"ring_allreduce: chunk_bytes must be a positive int, got {chunk_bytes!r}")
+    if error_feedback is not None and (not isinstance(error_feedback, torch.Tensor)
+                                       or error_feedback.shape != t.shape or error_feedback.dtype != t.dtype
+                                       or not error_feedback.is_contiguous()):
+        raise CommError(f"ring_allreduce: error_feedback must be a contiguous tensor of t's shape "
+                        f"{tuple(t.shape)} and dtype {t.dtype}")
+
+
+def ring_allreduce(comm: Communicator, t: torch.Tensor, codec: str | Codec | None = None, op: str = "sum",
+                   chunk_bytes: int = DEFAULT_CHUNK_BYTES, error_feedback: torch.Tensor | None = None,
+                   stall_warning_s: float = 60.0, stats: dict[str, float] | None = None) -> torch.Tensor:
+    """Sum (or average) `t` over all ranks of `comm` in place, compressing every hop with `codec`.
+
+    Every rank must call it with a tensor of the same shape and dtype and the same codec, op and
+    chunk_bytes. Guarantees: every rank ends with bitwise the same `t`; without a codec the result
+    is the exact fp sum in ring order. With a lossy codec each element's error is at most the sum,
+    over the ``p`` encodings on its path (``p - 1`` partial sums and the final sum), of that codec's
+    per-element error (int8: half a quantization step each).
+
+    `error_feedback` (optional, t's shape): a residual the caller keeps across calls, initially zero.
+    It is added to `t` before reducing and then overwritten with this rank's compression error
+    (every element of `t` is encoded exactly once on each rank), so the error lost in one call is
+    sent in the next (EF-SGD). Arguments are checked locally and a CommError raised before any
+    message is sent. A wait longer than `stall_warning_s` warns, naming the peer and block. When
+    `stats` is a dict, the seconds spent encoding/decoding are added to ``stats["codec_s"]``.
+    Uses point-to-point messages with tag :data:`RING_TAG`: run one ring per communicator at a time.
+    """
+    codec = get_codec(codec)
+    _validate(comm, t, codec, op, chunk_bytes, error_feedback)
+    flat = t.view(-1)
+    if error_feedback is not None:
+        flat.add_(error_feedback.view(-1))
+        if codec.lossless or comm.size == 1:
+            error_feedback.zero_()
+    if comm.size > 1 and flat.numel():
+        chunk_elems = max(1, chunk_bytes // t.element_size())
+        ring = _Ring(comm, flat, codec, chunk_elems=chunk_elems, error_feedback=error_feedback,
+                     warn_s=stall_warning_s)
+        ring.run()
+        if stats is not None:
+            stats["codec_s"] = stats.get("codec_s", 0.0) + ring.codec_s
+    if op == "avg":
+        t.div_(comm.size)
+    return t
+
+
+class _Ring:
+    """State of one ring allreduce on one rank (buffers, requests); used once by ring_allreduce."""
+
+    def __init__(self, comm: Communicator, flat: torch.Tensor, codec: Codec, chunk_elems: int,
+                 error_feedback: torch.Tensor | None, warn_s: float) -> None:
+        self.comm, self.flat, self.codec, self.warn_s = comm, flat, codec, warn_s
+        self.p, self.r = comm.size, comm.rank
+        self.right, self.left = (self.r + 1) % self.p, (self.r - 1) % self.p
+        self.ef = None if error_feedback is None or codec.lossless else error_feedback.view(-1)
+        self.blocks = chunk_bounds(flat.numel(), self.p, chunk_elems)
+        self.steps = ring_schedule(self.p, self.r)
+        self.sends: list[Request] = []
+        self.codec_s = 0.0  # time in encode/decode (identity: ~0)
+
+    def _encode(self, lo: int, hi: int) -> torch.Tensor:
+        """Payload of flat[lo:hi]; records this rank's compression error there when error feedback is on."""
+        t0 = time.perf_counter()
+        chunk = self.flat[lo:hi]
+        payload = self.codec.encode(chunk)
+        if self.ef is not None:
+            res = self.ef[lo:hi]
+            self.codec.decode(payload, res)
+            torch.sub(chunk, res, out=res)
+        self.codec_s += time.perf_counter() - t0
+        return payload
+
+    def _wait(self, req: Request, step: RingStep, lo: int, hi: int) -> None:
+        what = (f"rank {self.left} -> rank {self.r}: {step.phase} step {step.step}, block {step.recv} "
+                f"elements [{lo}, {hi}) of {self.flat.numel()}")
+        _watch.wait(req, what, self.warn_s)
+
+    def _post_recvs(self, steps: list[RingStep], into_flat: bool) -> list[list[tuple[Request, torch.Tensor]]]:
+        out = []
+        for st in steps:
+            reqs = []
+            for lo, hi in self.blocks[st.recv]:
+                buf = self.flat[lo:hi] if into_flat else self.codec.empty_payload(hi - lo, self.flat.dtype)
+                reqs.append((self.comm.irecv(buf, self.left, tag=RING_TAG), buf))
+            out.append(reqs)
+        return out
+
+    def run(self) -> None:
+        rs, ag = self.steps[: self.p - 1], self.steps[self.p - 1:]
+        recvs = self._post_recvs(rs, into_flat=False)
+        for lo, hi in self.blocks[rs[0].send]:
+            self.sends.append(self.comm.isend(self._encode(lo, hi), self.right, tag=RING_TAG))
+        for i, st in enumerate(rs):
+            last = i == len(rs) - 1
+            for (req, payload), (lo, hi) in zip(recvs[i], self.blocks[st.recv]):
+                self._wait(req, st, lo, hi)
+                t0 = time.perf_counter()
+                self.codec.decode_add(payload, self.flat[lo:hi])
+                self.codec_s += time.perf_counter() - t0
+                out = self._encode(lo, hi)
+                if last and not self.codec.lossless:
+                    self._decode(out, lo, hi)  # the owner keeps what the others will decode
+                self.sends.append(self.comm.isend(out, self.right, tag=RING_TAG))
+        if self.codec.lossless:  # allgather receives land in blocks whose earlier sends may still read them
+            for req in self.sends[: sum(len(self.blocks[st.send]) for st in rs)]:
+                req.wait()
+        self._allgather(ag)
+        Request.wait_all(self.sends)
+
+    def _allgather(self, ag: list[RingStep]) -> None:
+        in_place = self.codec.lossless
+        recvs = self._post_recvs(ag, into_flat=in_place)
+        for i, st in enumerate(ag):
+            for (req, payload), (lo, hi) in zip(recvs[i], self.blocks[st.recv]):
+                self._wait(req, st, lo, hi)
+                if i < len(ag) - 1:
+                    self.sends.append(self.comm.isend(payload, self.right, tag=RING_TAG))
+                if not in_place:
+                    self._decode(payload, lo, hi)
+
+    def _decode(self, payload: torch.Tensor, lo: int, hi: int) -> None:
+        t0 = time.perf_counter()
+        self.codec.decode(payload, self.flat[lo:hi])
+        self.codec_s += time.perf_counter() - t0

@@ -1,0 +1,103 @@
+"""Measure the timing model's alpha (latency), beta (s/byte), gamma (s/byte summed), S and codec costs.
+
+Every rank of the communicator must call :func:`calibrate`; every rank gets the same numbers (each
+measurement is the maximum over ranks: the slowest link/core bounds a synchronous ring).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..comm.base import Communicator
+from ..comm.codecs import get_codec
+
+__all__ = ["Calibration", "calibrate", "fit_alpha_beta", "codec_cost"]
+
+#: Message sizes (bytes) of the latency/bandwidth fit: small ones pin alpha, large ones beta.
+SIZES = (8, 1024, 16384, 262144, 1048576, 4194304)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Measured model constants (seconds; per byte where named so). `codec_per_byte`: encode+decode."""
+
+    alpha: float
+    beta: float
+    gamma: float
+    S: float
+    codec_per_byte: dict[str, float]
+    wire_ratio: dict[str, float]
+
+
+def fit_alpha_beta(sizes: list[float], times: list[float]) -> tuple[float, float]:
+    """``t = alpha + beta * m``: alpha is the time of the smallest message, beta the least-squares slope
+    of the rest through it (a plain two-parameter fit lets the large sizes drive alpha negative)."""
+    alpha = max(0.0, times[0])
+    num = sum(m * (t - alpha) for m, t in zip(sizes[1:], times[1:]))
+    den = sum(m * m for m in sizes[1:])
+    return alpha, max(0.0, num / den) if den else 0.0
+
+
+def _best_time(fn, repeats: int) -> float:
+    """Fastest of `repeats` timed calls after one warm-up call. Noise on a shared machine only ever
+    adds time, so the minimum is the reproducible constant (the model predicts an unloaded machine)."""
+    fn()
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return min(out)
+
+
+def _shift_times(comm: Communicator, sizes: list[int], repeats: int) -> list[float]:
+    """Best time of one ring shift (send right, receive left) per size, on this rank."""
+    right, left = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
+    out = []
+    for m in sizes:
+        send, recv = torch.zeros(m // 4), torch.empty(m // 4)
+
+        def shift(send=send, recv=recv) -> None:
+            comm.sendrecv(send, right, recv, left)
+
+        comm.barrier()
+        out.append(_best_time(shift, repeats))
+    return out
+
+
+def codec_cost(name: str | None, nbytes: int = 1 << 22, repeats: int = 5) -> tuple[float, float]:
+    """(seconds of encode+decode per input byte, wire bytes per input byte) of codec `name`, locally."""
+    codec = get_codec(name)
+    x = torch.randn(nbytes // 4)
+    out = torch.empty_like(x)
+    payload = codec.encode(x)
+    ratio = payload.numel() * payload.element_size() / nbytes
+    if codec.lossless:
+        return 0.0, ratio
+    return _best_time(lambda: codec.decode(codec.encode(x, out=payload), out), repeats) / nbytes, ratio
+
+
+def calibrate(comm: Communicator, repeats: int = 10, codecs: tuple[str | None, ...] = (None, "bf16", "fp16", "int8"),
+              max_bytes: int = SIZES[-1]) -> Calibration:
+    """Measure alpha, beta (ring-shift fit over message sizes up to `max_bytes`), gamma (float32 add
+    per byte), S (barrier) and each codec's encode+decode cost; each the best of `repeats` on a rank,
+    then the maximum over ranks.
+
+    Collective over `comm`; takes about a second. Returns the same Calibration on every rank."""
+    sizes = [m for m in SIZES if m <= max_bytes]
+    shifts = _shift_times(comm, sizes, repeats) if comm.size > 1 else [0.0] * len(sizes)
+    a, b = torch.randn(max_bytes // 4), torch.randn(max_bytes // 4)
+    gamma = _best_time(lambda: a.add_(b), repeats) / (a.numel() * 4)
+    sync = _best_time(comm.barrier, repeats) if comm.size > 1 else 0.0
+    costs = [codec_cost(c, nbytes=max_bytes, repeats=repeats) for c in codecs]
+    local = torch.tensor([*shifts, gamma, sync, *(c for c, _ in costs)], dtype=torch.float64)
+    comm.allreduce(local, op="max")
+    k = len(sizes)
+    shifts, (gamma, sync), per_byte = local[:k].tolist(), local[k:k + 2].tolist(), local[k + 2:].tolist()
+    alpha, beta = fit_alpha_beta(sizes, shifts)
+    names = [str(c) for c in codecs]
+    return Calibration(alpha=alpha, beta=beta, gamma=gamma, S=sync, codec_per_byte=dict(zip(names, per_byte)),
+                       wire_ratio={n: r for n, (_, r) in zip(names, costs)})
