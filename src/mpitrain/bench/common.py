@@ -31,13 +31,14 @@ def machine() -> str:
     return f"{platform.node()} | {cpu} | {os.cpu_count()} cores | torch {torch.__version__} | {mpi}"
 
 
-def command_line() -> str:
-    return " ".join([os.path.basename(sys.argv[0]), *sys.argv[1:]])
+def command_line(ranks: int) -> str:
+    """The `mpitrain bench` command that reproduces this run (a benchmark runs as ``python -m``)."""
+    name = os.path.splitext(os.path.basename(sys.argv[0]))[0]
+    return " ".join(["mpitrain bench", name, "-n", str(ranks), *sys.argv[1:]])
 
 
 def header(title: str, ranks: int) -> str:
-    return (f"# {title}\n# command: mpitrain bench ... -> python -m {command_line()}\n"
-            f"# ranks: {ranks}\n# machine: {machine()}")
+    return f"# {title}\n# command: {command_line(ranks)}\n# ranks: {ranks}\n# machine: {machine()}"
 
 
 def time_call(fn: Callable[[], object], repeats: int, warmup: int = 1,
