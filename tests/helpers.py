@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+
 import torch
 
-__all__ = ["assert_all_ranks", "assert_close_all_ranks"]
+__all__ = ["assert_all_ranks", "assert_close_all_ranks", "run_job", "ROOT"]
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def assert_all_ranks(comm, ok: bool, msg: str = "") -> None:
@@ -21,3 +29,17 @@ def assert_close_all_ranks(comm, actual: torch.Tensor, expected: torch.Tensor, a
     ok = same_shape and torch.allclose(actual.double(), expected.double(), atol=atol, rtol=rtol)
     err = (actual.double() - expected.double()).abs().max().item() if same_shape and actual.numel() else 0.0
     assert_all_ranks(comm, ok, f"{what} shape {tuple(actual.shape)} vs {tuple(expected.shape)}, max abs err {err}")
+
+
+def run_job(script: str | Path, n: int = 2, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run `script` (source text, or a path) on `n` ranks with ``mpitrain run``, from outside any job;
+    returns the finished process (stdout/stderr as text). For behaviour only visible from outside: aborts,
+    stall watchdogs, exit codes. The timeout turns a hang into a test failure."""
+    path = Path(script) if isinstance(script, Path) else None
+    with tempfile.TemporaryDirectory() as tmp:
+        if path is None:
+            path = Path(tmp) / "job.py"
+            path.write_text(textwrap.dedent(str(script)))
+        launcher = Path(sys.executable).parent / "mpitrain"
+        return subprocess.run([str(launcher), "run", "-n", str(n), "--", sys.executable, str(path)],
+                              capture_output=True, text=True, timeout=timeout, cwd=ROOT)

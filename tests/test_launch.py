@@ -5,13 +5,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import textwrap
 import time
-from pathlib import Path
 
 import pytest
 
 from mpitrain.launch import LaunchSpec, build_command
+from tests.helpers import run_job
 
 MPITRAIN = [sys.executable, "-m", "mpitrain"]
 
@@ -60,15 +59,12 @@ def test_dry_run_prints_the_exact_command():
     assert "mpiexec -n 3" in out.stdout and out.stdout.rstrip().endswith("python train.py --lr 0.1")
 
 
-def _run_job(tmp_path: Path, body: str, n: int = 2) -> tuple[int, str, float]:
+def _run_job(body: str, n: int = 2) -> tuple[int, str, float]:
     """Run `body` on `n` ranks; returns (exit code, output, seconds from the FAIL_AT mark to job end).
 
     The clock starts at the moment a rank prints FAIL_AT (just before failing), so launch time on a
     loaded machine does not count against the 10 s the job has to end."""
-    script = tmp_path / "job.py"
-    script.write_text(textwrap.dedent(body))
-    out = subprocess.run([*MPITRAIN, "run", "-n", str(n), "--", sys.executable, str(script)],
-                         capture_output=True, text=True, timeout=120)
+    out = run_job(body, n=n)
     end = time.time()
     text = out.stdout + out.stderr
     marks = [float(ln.split()[1]) for ln in text.splitlines() if ln.startswith("FAIL_AT ")]
@@ -83,8 +79,8 @@ JOB_HEAD = """
 """
 
 
-def test_uncaught_exception_in_one_rank_aborts_the_job_quickly(tmp_path):
-    rc, out, secs = _run_job(tmp_path, JOB_HEAD + """
+def test_uncaught_exception_in_one_rank_aborts_the_job_quickly():
+    rc, out, secs = _run_job(JOB_HEAD + """
     if comm.rank == 1:
         print("FAIL_AT", time.time(), flush=True)
         raise RuntimeError("boom from rank one")
@@ -95,8 +91,8 @@ def test_uncaught_exception_in_one_rank_aborts_the_job_quickly(tmp_path):
     assert 0 < secs < 10, f"job ended {secs:.1f}s after the failure"
 
 
-def test_rank_killed_by_sigkill_ends_the_job_quickly(tmp_path):
-    rc, out, secs = _run_job(tmp_path, JOB_HEAD + """
+def test_rank_killed_by_sigkill_ends_the_job_quickly():
+    rc, out, secs = _run_job(JOB_HEAD + """
     if comm.rank == 1:
         print("FAIL_AT", time.time(), flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
@@ -107,8 +103,8 @@ def test_rank_killed_by_sigkill_ends_the_job_quickly(tmp_path):
     assert 0 < secs < 10, f"job ended {secs:.1f}s after the failure"
 
 
-def test_successful_job_exits_zero_and_python_dash_m_works(tmp_path):
-    rc, out, _ = _run_job(tmp_path, JOB_HEAD + """
+def test_successful_job_exits_zero_and_python_dash_m_works():
+    rc, out, _ = _run_job(JOB_HEAD + """
     comm.allreduce(t)
     assert t[0].item() == comm.size
     print("sum ok on", comm.rank)
@@ -116,8 +112,8 @@ def test_successful_job_exits_zero_and_python_dash_m_works(tmp_path):
     assert rc == 0 and out.count("sum ok on") == 3, out
 
 
-def test_stalled_wait_warns_naming_rank_and_tensor_then_aborts(tmp_path):
-    rc, out, secs = _run_job(tmp_path, JOB_HEAD + """
+def test_stalled_wait_warns_naming_rank_and_tensor_then_aborts():
+    rc, out, secs = _run_job(JOB_HEAD + """
     from mpitrain.comm.watchdog import StallPolicy, wait_watched
     if comm.rank == 0:     # rank 1 never sends: a logical deadlock, not a dead rank
         print("FAIL_AT", time.time(), flush=True)

@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,8 +11,7 @@ from mpitrain import kvstore
 from mpitrain.kvstore import KVStoreError
 from mpitrain.kvstore.base import Entry
 from mpitrain.kvstore.sequencer import Sequencer
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers import run_job
 
 
 def _release_order(arrivals: list[str], keys: list[str]) -> list[tuple[str, int]]:
@@ -125,12 +120,8 @@ STALL_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_dist_sync_mpi_stall_abort_ends_the_job_naming_rank_and_key(tmp_path):
-    script = tmp_path / "stall.py"
-    script.write_text(STALL_SCRIPT)
-    mpitrain_bin = str(Path(sys.executable).parent / "mpitrain")
-    proc = subprocess.run([mpitrain_bin, "run", "-n", "2", "--", sys.executable, str(script)],
-                          capture_output=True, text=True, timeout=50, cwd=ROOT, env={**os.environ})
+def test_dist_sync_mpi_stall_abort_ends_the_job_naming_rank_and_key():
+    proc = run_job(STALL_SCRIPT, timeout=120)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out
     assert "'never_on_1' missing on ranks [1]" in out and "ending the job" in out, out

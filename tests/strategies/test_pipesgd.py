@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import collections
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +11,7 @@ from torch import nn
 from mpitrain.comm.codecs import Codec, get_codec
 from mpitrain.fit import FitSpec, fit
 from mpitrain.strategies.pipesgd import LinkEmulation, PipeSGDError, make_trainer
-from tests.helpers import assert_all_ranks, assert_close_all_ranks
+from tests.helpers import assert_all_ranks, assert_close_all_ranks, run_job
 
 BATCH = 12  # divisible by 2, 3 and 4 ranks
 
@@ -198,10 +195,6 @@ fit(nn.Linear(3, 2), batches, loss_fn, PlainSGD, strategy="pipe-sgd", staleness=
 """
 
 
-def test_a_rank_dying_mid_pipeline_ends_the_whole_job_nonzero(tmp_path):
-    script = tmp_path / "dying.py"
-    script.write_text(_DYING_RANK)
-    launcher = Path(sys.executable).parent / "mpitrain"
-    proc = subprocess.run([str(launcher), "run", "-n", "2", "--", sys.executable, str(script)],
-                          capture_output=True, text=True, timeout=240)  # a hang never ends
+def test_a_rank_dying_mid_pipeline_ends_the_whole_job_nonzero():
+    proc = run_job(_DYING_RANK, timeout=240)  # a hang never ends
     assert proc.returncode != 0 and "injected failure on rank 1" in proc.stdout + proc.stderr

@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[3]
+from tests.helpers import run_job
 
 SCRIPT = textwrap.dedent("""
     import time, torch
@@ -33,12 +29,8 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_stalled_partition_warns_naming_the_message_then_ends_the_job(tmp_path):
-    script = tmp_path / "stall.py"
-    script.write_text(SCRIPT)
-    mpitrain_bin = str(Path(sys.executable).parent / "mpitrain")
-    proc = subprocess.run([mpitrain_bin, "run", "-n", "2", "--", sys.executable, str(script)],
-                          capture_output=True, text=True, timeout=120, cwd=ROOT, env={**os.environ})
+def test_stalled_partition_warns_naming_the_message_then_ends_the_job():
+    proc = run_job(SCRIPT, timeout=120)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out
     assert "rank 0: still waiting" in out and "from partition 1 (rank 1), in partition 0" in out, out
