@@ -6,32 +6,38 @@ import importlib
 from typing import Any
 
 from .comm import CommError, Communicator, Request
+
+# Imported eagerly: the function `fit` must shadow the submodule `mpitrain.fit` for good (a lazy
+# lookup loses to the attribute the import system sets when any module imports mpitrain.fit).
+from .fit import FitError, FitResult, fit
 from .runtime import init, local_rank, rank, size
 
 __version__ = "0.1.0"
 
-# Public names that live in heavier modules, imported on first use.
-_LAZY = {
-    "fit": "mpitrain.fit",
-    "FitResult": "mpitrain.fit",
-    "FitError": "mpitrain.fit",
-    "DataParallel": "mpitrain.strategies.data_parallel",
-    "broadcast_parameters": "mpitrain.strategies.data_parallel",
-    "broadcast_optimizer_state": "mpitrain.strategies.data_parallel",
-    "engine": "mpitrain.engine",
-    "kvstore": "mpitrain.kvstore",
-    "spatial": "mpitrain.spatial",
+# Public names that live in heavier modules, imported on first use: name -> (module, attribute);
+# attribute None exports the module itself as a namespace (mpitrain.kvstore.create, ...).
+_LAZY: dict[str, tuple[str, str | None]] = {
+    "DataParallel": ("mpitrain.strategies.data_parallel", "DataParallel"),
+    "broadcast_parameters": ("mpitrain.strategies.data_parallel", "broadcast_parameters"),
+    "broadcast_optimizer_state": ("mpitrain.strategies.data_parallel", "broadcast_optimizer_state"),
+    "engine": ("mpitrain.engine", None),
+    "kvstore": ("mpitrain.kvstore", None),
+    "spatial": ("mpitrain.spatial", None),
 }
 
 __all__ = [
     "init", "rank", "size", "local_rank",
     "Communicator", "Request", "CommError",
+    "fit", "FitResult", "FitError",
     *_LAZY,
 ]
 
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        module = importlib.import_module(_LAZY[name])
-        return module if module.__name__.endswith(name) else getattr(module, name)
+        module_name, attr = _LAZY[name]
+        module = importlib.import_module(module_name)
+        value = module if attr is None else getattr(module, attr)
+        globals()[name] = value  # later lookups skip __getattr__
+        return value
     raise AttributeError(f"module 'mpitrain' has no attribute {name!r}")

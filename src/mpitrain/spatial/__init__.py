@@ -1,0 +1,20 @@
+"""Spatial parallelism (Dryden et al.): each sample's height and width split over ranks, exact layers."""
+
+from __future__ import annotations
+
+from .batchnorm import SpatialBatchNorm2d
+from .conv import SpatialConv2d
+from .distribution import Distribution, Layout, SpatialError, gather, layout_of
+from .halo import HaloPlan, Window, halo_exchange, plan_grid, plan_halo, window_of
+from .parallelize import SpatialParallel, SpatialSequential, parallelize
+from .pooling import SpatialAdaptiveAvgPool2d, SpatialAvgPool2d, SpatialMaxPool2d
+from .redistribute import Redistribute, redistribute
+from .reduce import GradBucket, allreduce_sum
+
+__all__ = [
+    "Distribution", "Layout", "SpatialError", "gather", "layout_of",
+    "HaloPlan", "Window", "halo_exchange", "plan_grid", "plan_halo", "window_of",
+    "SpatialConv2d", "SpatialMaxPool2d", "SpatialAvgPool2d", "SpatialAdaptiveAvgPool2d", "SpatialBatchNorm2d",
+    "parallelize", "SpatialParallel", "SpatialSequential", "Redistribute", "redistribute",
+    "allreduce_sum", "GradBucket",
+]

@@ -1,0 +1,129 @@
+"""Spatially parallel BatchNorm2d: batch statistics over every rank (exact), the spatial group, or local.
+
+``stats="global"`` (default) aggregates over all ranks, i.e. all samples and all of every sample's
+cells: output, gradients and running statistics equal the single-process layer on the whole mini-batch.
+``"spatial"`` aggregates over the sample group's ranks only (one group's samples, whole images: what a
+data-parallel run of unsynchronised BN computes), ``"local"`` over this rank's block (the paper's
+"purely local" variant). Per-rank (count, mean, variance) are combined with Chan's formula: one
+allgather of 2C+1 numbers in the forward, one allreduce of 2C in the backward.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..comm.base import Communicator
+from .base import input_layout
+from .distribution import Distribution, SpatialError, tag
+
+__all__ = ["SpatialBatchNorm2d", "STATS"]
+
+STATS = ("global", "spatial", "local")
+_DIMS = (0, 2, 3)
+
+
+def _combine(comm: Communicator, n: int, mean: torch.Tensor, var: torch.Tensor
+             ) -> tuple[float, torch.Tensor, torch.Tensor]:
+    """Count, mean and biased variance of the union of every rank's cells (float64 accumulation)."""
+    c = mean.numel()
+    mine = torch.cat([torch.tensor([float(n)], dtype=torch.float64), mean.double(), var.double()])
+    rows = comm.allgather(mine).view(comm.size, 2 * c + 1)
+    ns, means, vars_ = rows[:, :1], rows[:, 1:c + 1], rows[:, c + 1:]
+    total = ns.sum()
+    gmean = (ns * means).sum(0) / total
+    gvar = (ns * (vars_ + (means - gmean) ** 2)).sum(0) / total
+    return float(total), gmean.to(mean.dtype), gvar.to(var.dtype)
+
+
+def _bshape(t: torch.Tensor) -> torch.Tensor:
+    return t[None, :, None, None]
+
+
+class _BatchNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, layer: SpatialBatchNorm2d, comm: Communicator | None):
+        x = x.contiguous()
+        n = x.numel() // x.shape[1]
+        # torch's fused BN kernel computes the local statistics ~3x faster than var_mean on CPU
+        y, mean, invstd = torch.native_batch_norm(x, weight, bias, None, None, True, 0.0, layer.eps)
+        var = invstd.pow(-2) - layer.eps
+        if comm is not None and comm.size > 1:
+            n, mean, var = _combine(comm, n, mean, var)
+            invstd = torch.rsqrt(var + layer.eps)
+            y = torch.batch_norm(x, weight, bias, mean, var, False, 0.0, layer.eps, False)
+        layer.update_running(mean, var, n)
+        ctx.save_for_backward(x, weight, mean, invstd)
+        ctx.comm, ctx.n, ctx.has_bias, ctx.eps = comm, n, bias is not None, layer.eps
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, mean, invstd = ctx.saved_tensors
+        dy = dy.contiguous()
+        c = mean.numel()
+        # torch's fused kernel gives the local sum(dy * xhat) and sum(dy) for the given (global) stats
+        _, sum_dyxhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
+            dy, x, None, None, None, mean, invstd, True, ctx.eps, [False, True, True])
+        local = torch.cat([sum_dy, sum_dyxhat])
+        total = local
+        if ctx.comm is not None and ctx.comm.size > 1:
+            total = ctx.comm.allreduce(local.clone(), "sum")
+        dx = None
+        if ctx.needs_input_grad[0]:
+            # dx = scale * (dy - Sdy/n - xhat * Sdyxhat/n) = k0*dy + k1*x + k2, per channel
+            scale = invstd if weight is None else invstd * weight
+            k0 = scale
+            k1 = -scale * invstd * total[c:] / ctx.n
+            k2 = -scale * total[:c] / ctx.n - k1 * mean
+            dx = torch.addcmul(_bshape(k2), x, _bshape(k1))
+            dx.addcmul_(dy, _bshape(k0))
+        dw = local[c:] if weight is not None and ctx.needs_input_grad[1] else None
+        db = local[:c] if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return dx, dw, db, None, None
+
+
+class SpatialBatchNorm2d(nn.Module):
+    """BatchNorm2d on local blocks, sharing `bn`'s parameters *and* running buffers (updated in place,
+    so the original module holds the trained statistics). Eval mode normalises locally with the running
+    statistics. The local dL/dw, dL/db are this rank's partial sums (:func:`parallelize` sums them)."""
+
+    def __init__(self, bn: nn.BatchNorm2d, dist: Distribution, stats: str = "global") -> None:
+        super().__init__()
+        if stats not in STATS:
+            raise SpatialError(f"BatchNorm stats must be one of {STATS}, got {stats!r}")
+        self.dist, self.stats = dist, stats
+        self.weight, self.bias = bn.weight, bn.bias
+        self.eps, self.momentum = bn.eps, bn.momentum
+        self.bn = [bn]  # a list: the original stays reachable for its buffers without being a submodule
+        self.track = bn.track_running_stats
+
+    def extra_repr(self) -> str:
+        return f"{self.bn[0]!r}, stats={self.stats!r}"
+
+    def update_running(self, mean: torch.Tensor, var: torch.Tensor, n: float) -> None:
+        """torch's running-statistics rule (unbiased variance, momentum or cumulative average)."""
+        bn = self.bn[0]
+        if not (self.training and self.track):
+            return
+        with torch.no_grad():
+            bn.num_batches_tracked.add_(1)
+            f = 1.0 / float(bn.num_batches_tracked) if self.momentum is None else self.momentum
+            bn.running_mean.mul_(1 - f).add_(mean, alpha=f)
+            bn.running_var.mul_(1 - f).add_(var * (n / max(n - 1, 1)), alpha=f)
+
+    def _comm(self, dist: Distribution) -> Communicator | None:
+        return {"global": dist.comm, "spatial": dist.spatial_comm, "local": None}[self.stats]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        layout = input_layout(self.dist, x)
+        if layout.kind == "replicated":
+            raise SpatialError("SpatialBatchNorm2d on a tensor replicated over the spatial group is not "
+                               "supported; normalise before the global pool")
+        bn = self.bn[0]
+        if not self.training and self.track:
+            y = torch.batch_norm(x, self.weight, self.bias, bn.running_mean, bn.running_var, False, 0.0,
+                                 self.eps, False)
+        else:
+            y = _BatchNorm.apply(x, self.weight, self.bias, self, self._comm(layout.dist))
+        return tag(y, layout)

@@ -1,0 +1,275 @@
+"""Spatially parallel Conv2d: halo exchange overlapped with the interior, exact forward and backward.
+
+Forward (§IV-A): post the halo messages, convolve the interior (outputs whose windows read only local
+cells and padding) while they fly, then the boundary strips. Backward: dL/dx of the halo-extended block
+first, its halo parts go back to their owners while dL/dw is computed, then the received parts are added.
+Only the local block and the (thin) received halos are saved for backward; the extended block is
+rebuilt there, so activation memory is the single-process memory divided by the grid.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..comm.base import Communicator
+from .base import WindowLayer
+from .distribution import Distribution, SpatialError
+from .halo import (
+    BACKWARD_TAG,
+    Box,
+    Exchange,
+    HaloPlan,
+    HaloStats,
+    Window,
+    assemble,
+    assemble_box,
+    finish_adjoint,
+    finish_exchange,
+    place_halos,
+    start_adjoint,
+    start_exchange,
+    wait_all,
+    window_of,
+)
+
+__all__ = ["SpatialConv2d", "interior"]
+
+
+def _interior_1d(need: tuple[int, int], owned: tuple[int, int], valid: int, count: int, w: Window
+                 ) -> tuple[int, int]:
+    """Local output indices ``[lo, hi)`` whose windows read no halo cell along one dimension."""
+    a, b = need
+    q, r = owned
+    lo = math.ceil((q - a) / w.stride) if max(a, 0) < q else 0
+    hi = (r - a - w.span) // w.stride + 1 if r < min(b, valid) else count
+    lo = min(max(0, lo), count)
+    return lo, max(lo, min(count, hi))
+
+
+def interior(plan: HaloPlan, windows: tuple[Window, Window]) -> tuple[tuple[int, int], tuple[int, int]]:
+    """Local (rows, cols) output ranges computable before any halo arrives (pure; may be empty)."""
+    oh, ow = plan.out.shape
+    rows = _interior_1d(plan.need.rows, plan.owned.rows, plan.valid.rows[1], oh, windows[0])
+    cols = _interior_1d(plan.need.cols, plan.owned.cols, plan.valid.cols[1], ow, windows[1])
+    return rows, cols
+
+
+def _regions(oh: int, ow: int, rows: tuple[int, int], cols: tuple[int, int]
+             ) -> list[tuple[int, int, int, int]]:
+    """The boundary strips around the interior: (r0, r1, c0, c1) output regions, non-empty only."""
+    (r0, r1), (c0, c1) = rows, cols
+    parts = [(0, r0, 0, ow), (r1, oh, 0, ow), (r0, r1, 0, c0), (r0, r1, c1, ow)]
+    return [p for p in parts if p[1] > p[0] and p[3] > p[2]]
+
+
+def _aligned(plan: HaloPlan, windows: tuple[Window, Window]) -> bool:
+    """Whether torch's own symmetric padding on the bare local block yields exactly this rank's output
+    block (then only the boundary strips that read halos need recomputing)."""
+    dims = zip(windows, (plan.need.rows, plan.need.cols), (plan.owned.rows, plan.owned.cols),
+               (plan.out.rows, plan.out.cols))
+    for w, need, owned, out in dims:
+        if w.pad[0] != w.pad[1] or need[0] != owned[0] - w.pad[0]:
+            return False
+        if w.out_size(owned[1] - owned[0]) != out[1] - out[0]:
+            return False
+    return True
+
+
+def _input_box(plan: HaloPlan, windows: tuple[Window, Window], region: tuple[int, int, int, int]) -> Box:
+    """Global input cells read by the local output `region` (r0, r1, c0, c1)."""
+    r0, r1, c0, c1 = region
+    (wh, ww), a, c = windows, plan.need.rows[0], plan.need.cols[0]
+    return Box((a + r0 * wh.stride, a + (r1 - 1) * wh.stride + wh.span),
+               (c + c0 * ww.stride, c + (c1 - 1) * ww.stride + ww.span))
+
+
+def _strips(plan: HaloPlan, windows: tuple[Window, Window]) -> list[tuple[tuple[int, int, int, int], Box]]:
+    """Output regions that read halo cells, with the input box each reads."""
+    if not plan.recvs:
+        return []
+    rows, cols = interior(plan, windows)
+    return [(r, _input_box(plan, windows, r)) for r in _regions(*plan.out.shape, rows, cols)]
+
+
+class _Conv(torch.autograd.Function):
+    """Three paths, chosen per plan: "direct" (the block is all the layer reads), "implicit" (torch pads
+    the bare block; halo-reading strips are recomputed from thin assembled strips: no full-size copy)
+    and "extended" (the halo-extended block is assembled; any geometry)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, layer: SpatialConv2d, plan: HaloPlan, comm: Communicator):
+        ctx.layer, ctx.plan, ctx.comm, ctx.has_bias = layer, plan, comm, bias is not None
+        ctx.mode = "direct" if plan.need == plan.owned else (
+            "implicit" if _aligned(plan, layer.windows) else "extended")
+        if ctx.mode == "extended":
+            x = x.contiguous()  # the other paths read the block in place (e.g. a view from scatter)
+        ex = start_exchange(x, plan, comm) if plan.exchanges else None
+        if ctx.mode == "extended":
+            y, halos = _forward_extended(x, weight, bias, layer, plan, ex)
+        else:
+            y = layer.conv(x, weight, bias, layer.pads if ctx.mode == "implicit" else [0, 0])
+            halos = _wait(ex, plan, layer.stats)
+            for (r0, r1, c0, c1), box in _strips(plan, layer.windows):
+                y[:, :, r0:r1, c0:c1] = layer.conv(assemble_box(x, plan, halos, box, 0.0), weight, bias)
+        ctx.save_for_backward(x, weight)
+        ctx.halos = halos
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        dy = dy.contiguous()
+        if ctx.mode == "extended":
+            return (*_backward_extended(ctx, x, weight, dy), None, None, None)
+        layer, plan = ctx.layer, ctx.plan
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need_b = ctx.has_bias and ctx.needs_input_grad[2]
+        pads = layer.pads if ctx.mode == "implicit" else [0, 0]
+        strips = _strips(plan, layer.windows)
+        ex = _start_strip_adjoint(x, weight, dy, layer, plan, ctx.halos, strips, ctx.comm) if need_x else None
+        bias_sizes = [weight.shape[0]] if ctx.has_bias else None
+        dx, dw, db = torch.ops.aten.convolution_backward(
+            dy, x, weight, bias_sizes, layer.stride, pads, layer.dilation, False, [0, 0], layer.groups,
+            [need_x, need_w, need_b])
+        if need_w:  # by linearity: add what the halo cells (zero in the padded bare block) contribute
+            for (r0, r1, c0, c1), box in strips:
+                only_halo = assemble_box(x, plan, ctx.halos, box, 0.0, local=False)
+                dw += torch.ops.aten.convolution_backward(
+                    dy[:, :, r0:r1, c0:c1].contiguous(), only_halo, weight, None, layer.stride, [0, 0],
+                    layer.dilation, False, [0, 0], layer.groups, [False, True, False])[1]
+        if ex is not None:
+            t0 = time.perf_counter()
+            _add_received(dx, plan, ex)
+            layer.stats.wait_s += time.perf_counter() - t0
+        return dx, dw, db, None, None, None
+
+
+def _start_strip_adjoint(x, weight, dy, layer: SpatialConv2d, plan: HaloPlan, halos, strips,
+                         comm: Communicator) -> Exchange:
+    """Gradients of the halo cells (read only by the strips) go back to their owners; post receives for
+    the gradients of this block's cells that other ranks read. The bare-block backward already gives
+    every local cell its whole gradient from this rank's outputs (the conv is linear in its input)."""
+    grads = [x.new_zeros((x.shape[0], x.shape[1], *box.shape)) for _, box in plan.recvs]
+    for (r0, r1, c0, c1), box in strips:
+        sub = assemble_box(x, plan, halos, box, 0.0)
+        dsub = torch.ops.aten.convolution_backward(
+            dy[:, :, r0:r1, c0:c1].contiguous(), sub, weight, None, layer.stride, [0, 0], layer.dilation,
+            False, [0, 0], layer.groups, [True, False, False])[0]
+        for (_, rbox), g in zip(plan.recvs, grads):
+            part = rbox & box
+            if not part.empty:
+                g[(..., *part.within(rbox))] += dsub[(..., *part.within(box))]
+    parts = [x.new_empty((x.shape[0], x.shape[1], *box.shape)) for _, box in plan.sends]
+    reqs = [comm.irecv(buf, dst, BACKWARD_TAG) for (dst, _), buf in zip(plan.sends, parts)]
+    reqs += [comm.isend(g, src, BACKWARD_TAG) for (src, _), g in zip(plan.recvs, grads)]
+    return Exchange(parts, reqs)
+
+
+def _add_received(dx: torch.Tensor, plan: HaloPlan, ex: Exchange) -> None:
+    wait_all(ex.requests, plan)
+    for (_, box), part in zip(plan.sends, ex.halos):
+        dx[(..., *box.within(plan.owned))] += part
+
+
+def _forward_extended(x, weight, bias, layer: SpatialConv2d, plan: HaloPlan, ex):
+    ext = assemble(x, plan, (), 0.0)
+    oh, ow = plan.out.shape
+    rows, cols = interior(plan, layer.windows)
+    split = layer.overlap and ex is not None and rows[1] > rows[0] and cols[1] > cols[0]
+    y = x.new_empty((x.shape[0], weight.shape[0], oh, ow)) if split else None
+    if split:
+        layer.region(y, ext, weight, bias, (*rows, *cols))
+    halos = _wait(ex, plan, layer.stats)
+    place_halos(ext, plan, halos)
+    if split:
+        for region in _regions(oh, ow, rows, cols):
+            layer.region(y, ext, weight, bias, region)
+    else:
+        y = layer.conv(ext, weight, bias)
+    return y, halos
+
+
+def _backward_extended(ctx, x, weight, dy):
+    layer, plan = ctx.layer, ctx.plan
+    ext = assemble(x, plan, ctx.halos, 0.0)
+    dx = dw = db = None
+    args = (layer.stride, [0, 0], layer.dilation, False, [0, 0], layer.groups)
+    ex = None
+    if ctx.needs_input_grad[0]:
+        dext = torch.ops.aten.convolution_backward(dy, ext, weight, None, *args, [True, False, False])[0]
+        ex = start_adjoint(dext, plan, ctx.comm) if plan.exchanges else None
+    if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
+        bias_sizes = [weight.shape[0]] if ctx.has_bias else None
+        mask = [False, ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2]]
+        _, dw, db = torch.ops.aten.convolution_backward(dy, ext, weight, bias_sizes, *args, mask)
+    if ctx.needs_input_grad[0]:
+        t0 = time.perf_counter()
+        dx = finish_adjoint(dext, plan, ex) if ex is not None else _crop(dext, plan)
+        layer.stats.wait_s += time.perf_counter() - t0
+    return dx, dw, db
+
+
+def _crop(dext: torch.Tensor, plan: HaloPlan) -> torch.Tensor:
+    dx = dext.new_zeros((*dext.shape[:2], *plan.owned.shape))
+    if not plan.local.empty:
+        dx[(..., *plan.local.within(plan.owned))] = dext[(..., *plan.local.within(plan.need))]
+    return dx
+
+
+def _wait(ex: Exchange | None, plan: HaloPlan, stats: HaloStats) -> list[torch.Tensor]:
+    if ex is None:
+        return []
+    t0 = time.perf_counter()
+    halos = finish_exchange(ex, plan)
+    stats.wait_s += time.perf_counter() - t0
+    stats.exchanges += 1
+    return halos
+
+
+class SpatialConv2d(WindowLayer):
+    """The spatially parallel form of `conv` (any kernel, stride, padding incl. "same", dilation, groups,
+    bias), sharing its parameters. Takes and returns local blocks; output, dL/dx and the local dL/dw are
+    those of the single-process layer (dL/dw is this rank's partial sum: :func:`parallelize` sums it).
+
+    ``overlap=True`` computes the interior while halos are in flight; ``stats`` counts the seconds still
+    spent waiting for them."""
+
+    def __init__(self, conv: nn.Conv2d, dist: Distribution, overlap: bool = True) -> None:
+        if conv.padding_mode != "zeros":
+            raise SpatialError(f"SpatialConv2d supports padding_mode='zeros' only, got {conv.padding_mode!r}")
+        super().__init__(dist, window_of(conv.kernel_size, conv.stride, conv.padding, conv.dilation))
+        self.weight, self.bias = conv.weight, conv.bias
+        self.stride, self.dilation, self.groups = list(conv.stride), list(conv.dilation), conv.groups
+        self.overlap = overlap
+        self.pads = [w.pad[0] for w in self.windows]
+        self.source = repr(conv)
+
+    def extra_repr(self) -> str:
+        return f"{self.source}, grid={self.dist.grid}, overlap={self.overlap}"
+
+    def conv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+             padding: list[int] | int = 0) -> torch.Tensor:
+        return F.conv2d(x, weight, bias, self.stride, padding, self.dilation, self.groups)
+
+    def region(self, y: torch.Tensor, ext: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               region: tuple[int, int, int, int]) -> None:
+        """Compute output rows [r0, r1) x cols [c0, c1) of `y` from the extended block `ext`."""
+        r0, r1, c0, c1 = region
+        (wh, ww), (sh, sw) = self.windows, self.stride
+        part = ext[:, :, r0 * sh:(r1 - 1) * sh + wh.span, c0 * sw:(c1 - 1) * sw + ww.span]
+        y[:, :, r0:r1, c0:c1] = self.conv(part, weight, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        layout = self.input_layout(x)
+        if layout.kind == "replicated":
+            pads = [p for w in reversed(self.windows) for p in w.pad]
+            y = F.conv2d(F.pad(x, pads), self.weight, self.bias, self.stride, 0, self.dilation, self.groups)
+            return self.tag_output(y, layout)
+        plan = self.plan(layout, x)
+        y = _Conv.apply(x, self.weight, self.bias, self, plan, layout.dist.spatial_comm)
+        return self.tag_output(y, layout)

@@ -1,0 +1,92 @@
+"""Redistribution (§III-C): one all-to-all moves a tensor between any two distributions; its backward
+is the reverse shuffle (a permutation's adjoint is its inverse)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .distribution import Distribution, Layout, SpatialError, layout_of, tag
+
+__all__ = ["Redistribute", "redistribute"]
+
+Box3 = tuple[tuple[int, int], tuple[int, int], tuple[int, int]]
+
+
+def _meet(a: Box3, b: Box3) -> Box3 | None:
+    out = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b))
+    return None if any(hi <= lo for lo, hi in out) else out  # type: ignore[return-value]
+
+
+def _index(box: Box3, origin: Box3) -> tuple[slice, ...]:
+    (n, h, w), (on, oh, ow) = box, origin
+    return (slice(n[0] - on[0], n[1] - on[0]), slice(None), slice(h[0] - oh[0], h[1] - oh[0]),
+            slice(w[0] - ow[0], w[1] - ow[0]))
+
+
+def _numel(box: Box3 | None, channels: int) -> int:
+    if box is None:
+        return 0
+    (n, h, w) = box
+    return (n[1] - n[0]) * channels * (h[1] - h[0]) * (w[1] - w[0])
+
+
+def shuffle(x: torch.Tensor, shape: tuple[int, ...], src: Distribution, dst: Distribution) -> torch.Tensor:
+    """This rank's `dst` block of the global `shape` tensor whose `src` blocks the ranks hold (collective:
+    one alltoallv over ``src.comm``; every rank sends each other rank the intersection of the blocks)."""
+    comm, me, c = src.comm, src.comm.rank, shape[1]
+    mine, want = src.box(shape, me), dst.box(shape, me)
+    outgoing = [_meet(mine, dst.box(shape, q)) for q in range(comm.size)]
+    incoming = [_meet(src.box(shape, q), want) for q in range(comm.size)]
+    pieces = [x[_index(b, mine)].reshape(-1) for b in outgoing if b is not None]
+    send = torch.cat(pieces) if pieces else x.new_empty(0)
+    recv = comm.alltoallv(send, [_numel(b, c) for b in outgoing], [_numel(b, c) for b in incoming])
+    y = x.new_empty(dst.local_shape(shape, me))
+    offset = 0
+    for b in incoming:
+        if b is not None:
+            count = _numel(b, c)
+            region = y[_index(b, want)]
+            region.copy_(recv[offset:offset + count].view(region.shape))
+            offset += count
+    return y
+
+
+class _Shuffle(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, shape, src, dst):
+        ctx.shape, ctx.src, ctx.dst = shape, src, dst
+        return shuffle(x.contiguous(), shape, src, dst)
+
+    @staticmethod
+    def backward(ctx, g):
+        return shuffle(g.contiguous(), ctx.shape, ctx.dst, ctx.src), None, None, None
+
+
+def redistribute(x: torch.Tensor, src: Distribution, dst: Distribution) -> torch.Tensor:
+    """`x` (a `src` block) as this rank's `dst` block, differentiably. Both distributions must be over the
+    same ranks in the same order (checked locally: same communicator size and rank)."""
+    if src.comm.size != dst.comm.size or src.comm.rank != dst.comm.rank:
+        raise SpatialError(f"cannot redistribute between {src} and {dst}: they are over different ranks")
+    layout = layout_of(x)
+    if layout is None:
+        layout = src.infer_layout(x)
+    if layout.kind != "block":
+        raise SpatialError("redistribute needs a spatial block (not a tensor replicated over the group)")
+    dst.check_shape(layout.shape, "redistributed tensor")
+    return tag(_Shuffle.apply(x, layout.shape, src, dst), Layout(dst, "block", layout.shape))
+
+
+class Redistribute(nn.Module):
+    """A layer that moves its input from `src` to `dst` (e.g. spatial blocks to whole samples before a
+    fully connected head); put it in the model before :func:`parallelize`."""
+
+    def __init__(self, src: Distribution, dst: Distribution) -> None:
+        super().__init__()
+        self.src, self.dst = src, dst
+
+    def extra_repr(self) -> str:
+        return f"{self.src} -> {self.dst}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return redistribute(x, self.src, self.dst)

@@ -1,0 +1,74 @@
+"""Differentiable sums over a group: the allreduce whose adjoint is an allreduce, and gradient sync."""
+
+from __future__ import annotations
+
+import torch
+
+from ..comm.base import Communicator
+
+__all__ = ["allreduce_sum", "GradBucket"]
+
+
+class _AllreduceSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, comm: Communicator) -> torch.Tensor:
+        ctx.comm = comm
+        return comm.allreduce(t.contiguous().clone(), "sum")
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        return ctx.comm.allreduce(g.contiguous().clone(), "sum"), None
+
+
+def allreduce_sum(t: torch.Tensor, comm: Communicator) -> torch.Tensor:
+    """Sum of every rank's `t` (a new tensor, equal on every rank of `comm`; all must call it).
+
+    Its output is replicated, so its gradient arrives as shares (one per rank) whose sum is the true
+    gradient; the backward sums them, giving every rank the true gradient of its own `t`."""
+    return _AllreduceSum.apply(t, comm)
+
+
+class GradBucket:
+    """Sums the gradients of `params` over `comm` with ONE allreduce at the end of each backward pass.
+
+    :meth:`sync` wraps a parameter for one forward; its backward stores the local gradient instead of
+    accumulating it, and the first one queues :meth:`flush` to run when autograd finishes. Every rank
+    runs the same graph, so every rank flushes the same parameters in the same (index) order."""
+
+    def __init__(self, comm: Communicator, params: list[torch.Tensor]) -> None:
+        self.comm, self.params = comm, params
+        self.pending: dict[int, torch.Tensor] = {}
+
+    def sync(self, index: int) -> torch.Tensor:
+        return _SyncGrad.apply(self.params[index], self, index)
+
+    def add(self, index: int, grad: torch.Tensor) -> None:
+        if not self.pending:
+            torch.autograd.Variable._execution_engine.queue_callback(self.flush)
+        self.pending[index] = self.pending[index] + grad if index in self.pending else grad
+
+    def flush(self) -> None:
+        """Allreduce the stored local gradients as one flat buffer; add the sums to ``.grad``."""
+        order = sorted(self.pending)
+        grads, self.pending = [self.pending[i] for i in order], {}
+        flat = self.comm.allreduce(torch.cat([g.reshape(-1) for g in grads]), "sum")
+        offset = 0
+        for i, g in zip(order, grads):
+            p, total = self.params[i], flat[offset:offset + g.numel()].view_as(g)
+            offset += g.numel()
+            if p.grad is None:
+                p.grad = total.clone()
+            else:
+                p.grad.add_(total)
+
+
+class _SyncGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, p: torch.Tensor, bucket: GradBucket, index: int) -> torch.Tensor:
+        ctx.bucket, ctx.index = bucket, index
+        return p.view_as(p)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        ctx.bucket.add(ctx.index, g)
+        return None, None, None

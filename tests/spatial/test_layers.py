@@ -1,0 +1,223 @@
+"""Spatially parallel conv / pool / BN stacks equal the single-process torch layers: output, dL/dx, dL/dw."""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+from torch import nn
+
+from mpitrain.spatial import (
+    Distribution,
+    Redistribute,
+    SpatialError,
+    gather,
+    parallelize,
+    plan_grid,
+    window_of,
+)
+from tests.helpers import assert_all_ranks, assert_close_all_ranks
+
+pytestmark = pytest.mark.mpi
+TOL = 1e-5
+
+
+def layouts(size: int) -> list[tuple[tuple[int, int], int]]:
+    """(grid, samples) for a world of `size`: every 1-D split, the 2-D one, and hybrid."""
+    out = [((size, 1), 1), ((1, size), 1)]
+    if size == 4:
+        out += [((2, 2), 1), ((2, 1), 2)]
+    return out
+
+
+def sample_convs(seed: int, count: int) -> list[dict]:
+    """A fixed-seed sample of the conv configuration space (kernel, stride, padding, dilation, groups,
+    bias, uneven H and W, 1-2 samples)."""
+    rng = random.Random(seed)
+    out = []
+    while len(out) < count:
+        k, s = rng.choice((1, 3, 5, 7)), rng.choice((1, 2))
+        p, d = rng.choice((0, "same", 1)), rng.choice((1, 2))
+        if p == "same" and s == 2:
+            continue
+        out.append(dict(k=k, s=s, p=p, d=d, groups=rng.choice((1, 2)), bias=rng.random() < 0.5,
+                        h=rng.randint(9, 15), w=rng.randint(9, 15), n=rng.choice((1, 2))))
+    return out
+
+
+def feasible(model: nn.Module, shape, grid) -> bool:
+    """Whether every window layer's input and output cover the grid (otherwise spatial refuses it)."""
+    x = torch.zeros(shape)
+    for m in model:
+        if isinstance(m, (nn.Conv2d, nn.MaxPool2d, nn.AvgPool2d)):
+            stride = getattr(m, "stride", None) or m.kernel_size
+            try:
+                plan_grid(tuple(x.shape[2:]), grid, window_of(m.kernel_size, stride, m.padding,
+                                                              getattr(m, "dilation", 1)))
+            except SpatialError:
+                return False
+        try:
+            x = m(x)
+        except RuntimeError:
+            return False
+    return True
+
+
+def compare(comm, model: nn.Module, x: torch.Tensor, dist: Distribution, what: str,
+            ref: nn.Module | None = None, **kw) -> None:
+    """Run `model` (or its single-process twin `ref`) in one process and `model` spatially on `dist`;
+    compare output, dL/dx and every dL/dw."""
+    torch.manual_seed(1)
+    ref = copy.deepcopy(model) if ref is None else ref
+    xr = x.clone().requires_grad_()
+    yr = ref(xr)
+    gy = torch.randn_like(yr)
+    (yr * gy).sum().backward()
+    pm = parallelize(model, dist, **kw)
+    xl = dist.scatter(x.clone().requires_grad_())
+    xl.retain_grad()
+    y = pm(xl)
+    assert_close_all_ranks(comm, gather(y), yr.detach(), TOL, TOL, f"{what}: output")
+    (gather(y) * gy).sum().backward()  # the loss every rank computes on the full output
+    assert_close_all_ranks(comm, gather(xl.grad, like=xl), xr.grad, TOL, TOL, f"{what}: dL/dx")
+    for (name, p), pr in zip(model.named_parameters(), ref.parameters()):
+        assert_close_all_ranks(comm, p.grad, pr.grad, TOL, TOL, f"{what}: dL/d{name}")
+
+
+@pytest.mark.parametrize("index", range(4))
+def test_conv_bn_relu_stacks_equal_single_process_for_sampled_configurations(comm, index):
+    grid, samples = layouts(comm.size)[index % len(layouts(comm.size))]
+    dist = Distribution(comm, grid, samples)
+    done = 0
+    for c in sample_convs(seed=100 + index, count=24):
+        if done == 4:
+            break
+        n = max(c["n"], samples)
+        torch.manual_seed(0)
+        conv = nn.Conv2d(4, 4, c["k"], c["s"], c["p"], c["d"], groups=c["groups"], bias=c["bias"])
+        model = nn.Sequential(conv, nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 3, 3, 1, 1))
+        shape = (n, 4, c["h"], c["w"])
+        if not feasible(model, shape, grid):
+            continue
+        compare(comm, model, torch.randn(shape), dist, f"grid {grid} x{samples} {c}")
+        done += 1
+    assert_all_ranks(comm, done == 4, f"only {done} feasible configurations")
+
+
+@pytest.mark.filterwarnings("ignore:Using padding='same'")  # torch's own, from the reference model
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+def test_pools_and_bn_equal_single_process_with_padding_and_uneven_blocks(comm, overlap):
+    for grid, samples in layouts(comm.size):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Conv2d(3, 4, 3, 1, 1), nn.MaxPool2d(3, 2, 1), nn.BatchNorm2d(4),
+                              nn.AvgPool2d(3, 1, 1, count_include_pad=False), nn.Conv2d(4, 4, 2, 1, "same"),
+                              nn.AvgPool2d(2, 1, 1, count_include_pad=True),
+                              nn.MaxPool2d(2, 1, 1, dilation=2),
+                              nn.AvgPool2d(3, 2, 1, divisor_override=5))
+        x = torch.randn(max(2, samples), 3, 15 if grid[0] > 1 else 11, 15 if grid[1] > 1 else 13)
+        compare(comm, model, x, Distribution(comm, grid, samples), f"pools grid {grid}", overlap=overlap)
+
+
+def test_maxpool_pads_with_minus_infinity_not_zero(comm):
+    dist = Distribution(comm, (comm.size, 1), 1)
+    model = nn.Sequential(nn.MaxPool2d(3, 1, 1))
+    compare(comm, model, -1.0 - torch.rand(1, 2, 4 * comm.size + 1, 5), dist, "all-negative input")
+
+
+def test_adaptive_avg_pool_feeds_a_replicated_linear_head(comm):
+    for grid, samples in layouts(comm.size):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Conv2d(3, 4, 3, 1, 1), nn.ReLU(), nn.AdaptiveAvgPool2d((2, 3)), nn.Flatten(),
+                              nn.Linear(24, 5))
+        x = torch.randn(2 * samples, 3, 13, 14)
+        compare(comm, model, x, Distribution(comm, grid, samples), f"adaptive head grid {grid} x{samples}")
+
+
+def test_local_batchnorm_normalises_each_block_by_its_own_statistics(comm):
+    dist = Distribution(comm, (comm.size, 1), 1)
+    bn = nn.BatchNorm2d(3)
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 3 * comm.size + 2, 5)
+    pm = parallelize(nn.Sequential(bn), dist, bn_stats="local")
+    y = pm(dist.scatter(x))
+    expected = nn.functional.batch_norm(dist.scatter(x), None, None, training=True)
+    assert_close_all_ranks(comm, y, expected, TOL, TOL, "local BN")
+
+
+def test_global_batchnorm_running_statistics_equal_single_process(comm):
+    grid, samples = layouts(comm.size)[-1]
+    dist = Distribution(comm, grid, samples)
+    torch.manual_seed(0)
+    bn, ref = nn.BatchNorm2d(3, momentum=None), nn.BatchNorm2d(3, momentum=None)
+    pm = parallelize(nn.Sequential(bn), dist)
+    for step in range(2):
+        x = torch.randn(2 * samples, 3, 9, 10) + step
+        pm(dist.scatter(x))
+        ref(x)
+    assert_close_all_ranks(comm, bn.running_mean, ref.running_mean, TOL, TOL, "running mean")
+    assert_close_all_ranks(comm, bn.running_var, ref.running_var, TOL, TOL, "running var")
+    pm.eval()
+    ref.eval()
+    x = torch.randn(samples, 3, 9, 10)
+    assert_close_all_ranks(comm, gather(pm(dist.scatter(x))), ref(x), TOL, TOL, "eval output")
+
+
+class Residual(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.bn = nn.Conv2d(3, 3, 3, 1, 1), nn.Conv2d(3, 3, 5, 1, 2), nn.BatchNorm2d(3)
+
+    def forward(self, x):
+        return torch.relu(self.bn(self.a(x)) + self.b(x)) * 0.5
+
+
+def test_fx_traceable_model_with_a_residual_add_equals_single_process(comm):
+    dist = Distribution(comm, layouts(comm.size)[0][0], 1)
+    torch.manual_seed(0)
+    compare(comm, Residual(), torch.randn(2, 3, 11, 9), dist, "fx residual")
+
+
+def test_halo_wider_than_the_neighbour_block_works(comm):
+    dist = Distribution(comm, (comm.size, 1), 1)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(2, 2, 7, 1, 3), nn.Conv2d(2, 2, 3, 1, 4, dilation=4))
+    compare(comm, model, torch.randn(1, 2, 2 * comm.size + 1, 6), dist, "wide halo")
+
+
+def test_output_smaller_than_the_grid_is_refused_on_every_rank_before_any_halo(comm):
+    dist = Distribution(comm, (comm.size, 1), 1)
+    pm = parallelize(nn.Sequential(nn.Conv2d(1, 1, 3, 2, 0)), dist)
+    torch.manual_seed(0)
+    x = dist.scatter(torch.randn(1, 1, comm.size + 2, 4))
+    try:
+        pm(x)
+        msg = ""
+    except SpatialError as e:
+        msg = str(e)
+    assert_all_ranks(comm, "cannot be split" in msg, f"expected a refusal, got {msg!r}")
+
+
+def test_gradients_accumulate_over_two_backward_passes_like_torch(comm):
+    dist = Distribution(comm, (comm.size, 1), 1)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(2, 3, 3, 1, 1), nn.BatchNorm2d(3), nn.ReLU(), nn.Conv2d(3, 1, 3, 2, 1))
+    ref = copy.deepcopy(model)
+    pm = parallelize(model, dist)
+    for x in (torch.randn(2, 2, 3 * comm.size, 7), torch.randn(2, 2, 3 * comm.size, 7) * 2):
+        gather(pm(dist.scatter(x))).square().sum().backward()
+        ref(x).square().sum().backward()
+    for (name, p), pr in zip(model.named_parameters(), ref.parameters()):
+        assert_close_all_ranks(comm, p.grad, pr.grad, 1e-4, TOL, f"accumulated dL/d{name}")
+
+
+def test_redistribute_to_whole_samples_before_a_fully_connected_head(comm):
+    spatial = Distribution(comm, layouts(comm.size)[0][0], 1)
+    samples = Distribution(comm, (1, 1), comm.size)
+    torch.manual_seed(0)
+    body = [nn.Conv2d(2, 3, 3, 1, 1), nn.BatchNorm2d(3), nn.ReLU(), nn.Conv2d(3, 2, 3, 2, 1)]
+    head = [nn.Flatten(), nn.Linear(2 * 5 * 4, 3)]
+    model = nn.Sequential(*body, Redistribute(spatial, samples), *head)
+    ref = copy.deepcopy(nn.Sequential(*body, *head))
+    compare(comm, model, torch.randn(comm.size + 1, 2, 9, 7), spatial, "conv -> redistribute -> linear", ref)
