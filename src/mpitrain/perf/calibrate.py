@@ -7,6 +7,7 @@ measurement is the maximum over ranks: the slowest link/core bounds a synchronou
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -14,7 +15,7 @@ import torch
 from ..comm.base import Communicator
 from ..comm.codecs import get_codec
 
-__all__ = ["Calibration", "calibrate", "fit_alpha_beta", "codec_cost"]
+__all__ = ["Calibration", "calibrate", "fit_alpha_beta", "codec_cost", "best_time"]
 
 #: Message sizes (bytes) of the latency/bandwidth fit: small ones pin alpha, large ones beta.
 SIZES = (8, 1024, 16384, 262144, 1048576, 4194304)
@@ -41,7 +42,7 @@ def fit_alpha_beta(sizes: list[float], times: list[float]) -> tuple[float, float
     return alpha, max(0.0, num / den) if den else 0.0
 
 
-def _best_time(fn, repeats: int) -> float:
+def best_time(fn: Callable[[], object], repeats: int) -> float:
     """Fastest of `repeats` timed calls after one warm-up call. Noise on a shared machine only ever
     adds time, so the minimum is the reproducible constant (the model predicts an unloaded machine)."""
     fn()
@@ -64,7 +65,7 @@ def _shift_times(comm: Communicator, sizes: list[int], repeats: int) -> list[flo
             comm.sendrecv(send, right, recv, left)
 
         comm.barrier()
-        out.append(_best_time(shift, repeats))
+        out.append(best_time(shift, repeats))
     return out
 
 
@@ -77,7 +78,7 @@ def codec_cost(name: str | None, nbytes: int = 1 << 22, repeats: int = 5) -> tup
     ratio = payload.numel() * payload.element_size() / nbytes
     if codec.lossless:
         return 0.0, ratio
-    return _best_time(lambda: codec.decode(codec.encode(x, out=payload), out), repeats) / nbytes, ratio
+    return best_time(lambda: codec.decode(codec.encode(x, out=payload), out), repeats) / nbytes, ratio
 
 
 def calibrate(comm: Communicator, repeats: int = 10, codecs: tuple[str | None, ...] = (None, "bf16", "fp16", "int8"),
@@ -90,8 +91,8 @@ def calibrate(comm: Communicator, repeats: int = 10, codecs: tuple[str | None, .
     sizes = [m for m in SIZES if m <= max_bytes]
     shifts = _shift_times(comm, sizes, repeats) if comm.size > 1 else [0.0] * len(sizes)
     a, b = torch.randn(max_bytes // 4), torch.randn(max_bytes // 4)
-    gamma = _best_time(lambda: a.add_(b), repeats) / (a.numel() * 4)
-    sync = _best_time(comm.barrier, repeats) if comm.size > 1 else 0.0
+    gamma = best_time(lambda: a.add_(b), repeats) / (a.numel() * 4)
+    sync = best_time(comm.barrier, repeats) if comm.size > 1 else 0.0
     costs = [codec_cost(c, nbytes=max_bytes, repeats=repeats) for c in codecs]
     local = torch.tensor([*shifts, gamma, sync, *(c for c, _ in costs)], dtype=torch.float64)
     comm.allreduce(local, op="max")

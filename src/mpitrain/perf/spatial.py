@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import copy
 import math
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from .calibrate import best_time
 
 __all__ = ["ConvShape", "LayerCost", "halo_messages", "layer_cost", "predict", "conv_shapes",
            "time_local_conv", "ring_allreduce"]
@@ -116,15 +117,6 @@ def time_local_conv(shape: ConvShape, grid: tuple[int, int], samples: int, repea
     dy = torch.randn_like(y)
     args = (None, [shape.stride] * 2, [0, 0], [1, 1], False, [0, 0], 1)
 
-    def best(fn: Callable[[], object]) -> float:
-        fn()
-        out = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            out.append(time.perf_counter() - t0)
-        return min(out)
-
-    return (best(lambda: F.conv2d(x, wt, None, shape.stride)),
-            best(lambda: torch.ops.aten.convolution_backward(dy, x, wt, *args, [True, False, False])),
-            best(lambda: torch.ops.aten.convolution_backward(dy, x, wt, *args, [False, True, False])))
+    return (best_time(lambda: F.conv2d(x, wt, None, shape.stride), repeats),
+            best_time(lambda: torch.ops.aten.convolution_backward(dy, x, wt, *args, [True, False, False]), repeats),
+            best_time(lambda: torch.ops.aten.convolution_backward(dy, x, wt, *args, [False, True, False]), repeats))
