@@ -13,15 +13,14 @@ reduced, so the reduction of one chunk overlaps the transfer of the next (Fig. 3
 
 from __future__ import annotations
 
-import threading
 import time
-import warnings
 from dataclasses import dataclass
 
 import torch
 
 from .base import CommError, Communicator, Request, split_sizes
 from .codecs import Codec, get_codec
+from .watchdog import watched
 
 __all__ = ["ring_allreduce", "ring_schedule", "RingStep", "DEFAULT_CHUNK_BYTES", "RING_TAG", "chunk_bounds"]
 
@@ -64,47 +63,13 @@ def chunk_bounds(n: int, size: int, chunk_elems: int) -> list[list[tuple[int, in
     return out
 
 
-class _StallWatch:
-    """One daemon thread per process that warns when a ring wait has blocked for longer than its limit.
-
-    Waits block inside MPI with the GIL released; polling from Python instead (test + sleep) makes a
-    communication thread fight the compute thread for the GIL on every wake-up, which measured 10-40x
-    slower compute steps on a busy machine. The watchdog wakes once a second."""
-
-    def __init__(self) -> None:
-        self._waits: dict[int, tuple[str, float, float]] = {}
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-
-    def wait(self, req: Request, what: str, warn_s: float) -> None:
-        if req.test():
-            return
-        key = threading.get_ident()
-        with self._lock:
-            self._waits[key] = (what, time.monotonic(), warn_s)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="mpitrain-ring-stallwatch", daemon=True)
-                self._thread.start()
-        try:
-            req.wait()
-        finally:
-            with self._lock:
-                self._waits.pop(key, None)
-
-    def _run(self) -> None:
-        warned: set[tuple[int, float]] = set()
-        while True:
-            time.sleep(1.0)
-            now = time.monotonic()
-            with self._lock:
-                late = [(k, w) for k, w in self._waits.items() if now - w[1] > w[2] and (k, w[1]) not in warned]
-            for key, (what, since, _) in late:
-                warned.add((key, since))
-                warnings.warn(f"ring_allreduce stalled {now - since:.0f}s waiting for {what}; is that rank alive "
-                              f"and calling the same allreduce?", RuntimeWarning, stacklevel=1)
-
-
-_watch = _StallWatch()
+def _wait(req: Request, what: str, warn_s: float) -> None:
+    """Block inside MPI (no Python polling, see :func:`mpitrain.comm.watchdog.watched`), warning on a stall."""
+    if req.test():
+        return
+    with watched("ring_allreduce", f"waiting for {what}; is that rank alive and calling the same allreduce?",
+                 warn_s):
+        req.wait()
 
 
 def _validate(comm: Communicator, t: torch.Tensor, codec: Codec, op: str, chunk_bytes: int,
@@ -193,7 +158,7 @@ class _Ring:
     def _wait(self, req: Request, step: RingStep, lo: int, hi: int) -> None:
         what = (f"rank {self.left} -> rank {self.r}: {step.phase} step {step.step}, block {step.recv} "
                 f"elements [{lo}, {hi}) of {self.flat.numel()}")
-        _watch.wait(req, what, self.warn_s)
+        _wait(req, what, self.warn_s)
 
     def _post_recvs(self, steps: list[RingStep], into_flat: bool) -> list[list[tuple[Request, torch.Tensor]]]:
         out = []

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import sys
+import threading
 import time
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
 from .base import Request
 
-__all__ = ["StallPolicy", "wait_watched", "DEFAULT_POLICY"]
+__all__ = ["StallPolicy", "wait_watched", "watched", "DEFAULT_POLICY"]
 
 
 @dataclass(frozen=True)
@@ -57,3 +60,56 @@ def wait_watched(req: Request, what: str, rank: int, abort: Callable[[int], None
 
 def _say(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
+
+
+class _Monitor:
+    """One daemon thread per process, waking once a second, that warns about blocking waits that
+    registered with :func:`watched` and outlived their limit (once per wait)."""
+
+    def __init__(self) -> None:
+        self._waits: dict[int, tuple[str, float, float]] = {}  # thread id -> (message, since, warn_after)
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def enter(self, message: str, warn_after: float) -> int:
+        key = threading.get_ident()
+        with self._lock:
+            self._waits[key] = (message, time.monotonic(), warn_after)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="mpitrain-stall-monitor", daemon=True)
+                self._thread.start()
+        return key
+
+    def leave(self, key: int) -> None:
+        with self._lock:
+            self._waits.pop(key, None)
+
+    def _run(self) -> None:
+        warned: set[tuple[int, float]] = set()
+        while True:
+            time.sleep(1.0)
+            now = time.monotonic()
+            with self._lock:
+                late = [(k, w) for k, w in self._waits.items() if now - w[1] > w[2] and (k, w[1]) not in warned]
+            for key, (message, since, _) in late:
+                warned.add((key, since))
+                warnings.warn(message, RuntimeWarning, stacklevel=1)
+
+
+_monitor = _Monitor()
+
+
+@contextmanager
+def watched(label: str, detail: str, warn_after: float) -> Iterator[None]:
+    """Mark the calling thread as blocked in `label` for the duration of the ``with`` block; if the block
+    lasts longer than `warn_after` seconds a shared monitor thread issues one RuntimeWarning
+    "<label> stalled for <warn_after> s; <detail>".
+
+    For waits that must block inside MPI rather than poll: a blocked MPI call releases the GIL, while a
+    Python polling loop fights the compute thread for it (measured 10-40x slower compute steps on a busy
+    machine). Entering and leaving costs a lock and a dict update; the monitor wakes once a second."""
+    key = _monitor.enter(f"{label} stalled for {warn_after:g} s; {detail}", warn_after)
+    try:
+        yield
+    finally:
+        _monitor.leave(key)

@@ -11,15 +11,13 @@ one message per pair and direction, all in flight at once.
 
 from __future__ import annotations
 
-import threading
-import time
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from ..comm.base import Communicator, Request
+from ..comm.watchdog import watched
 from .distribution import SpatialError, ranges
 
 __all__ = ["Window", "Box", "HaloPlan", "HaloStats", "Exchange", "plan_halo", "plan_grid", "window_of",
@@ -243,33 +241,6 @@ def start_exchange(x: torch.Tensor, plan: HaloPlan, comm: Communicator, tag: int
 STALL_WARNING_S = 60.0
 
 
-class _Watchdog:
-    """One daemon thread per process that warns when a halo wait has lasted `warn_after` seconds.
-
-    Waiting itself stays a blocking MPI wait (polling from Python measured 30-50 % slower on the
-    oversubscribed test machine); entering and leaving a wait costs two attribute writes."""
-
-    def __init__(self) -> None:
-        self.current: tuple[float, float, str] | None = None  # (start, warn_after, what)
-        self.thread: threading.Thread | None = None
-
-    def run(self) -> None:
-        warned: tuple[float, float, str] | None = None
-        while True:
-            time.sleep(1.0)
-            cur = self.current
-            if cur is not None and cur is not warned and time.monotonic() - cur[0] > cur[1]:
-                warnings.warn(f"halo exchange stalled for {cur[1]:.0f} s; {cur[2]}", RuntimeWarning,
-                              stacklevel=1)
-                warned = cur
-
-    def start(self) -> None:
-        if self.thread is None:
-            self.thread = threading.Thread(target=self.run, name="mpitrain-halo-watchdog", daemon=True)
-            self.thread.start()
-
-
-_WATCHDOG = _Watchdog()
 
 
 def wait_all(requests: Sequence[Request], plan: HaloPlan, warn_after: float = STALL_WARNING_S) -> None:
@@ -278,13 +249,9 @@ def wait_all(requests: Sequence[Request], plan: HaloPlan, warn_after: float = ST
     the launcher; a layer that differs on another rank shows up in the warnings of both."""
     if not requests:
         return
-    _WATCHDOG.start()
-    _WATCHDOG.current = (time.monotonic(), warn_after, str(plan))
-    try:
+    with watched("halo exchange", str(plan), warn_after):
         for r in requests:
             r.wait()
-    finally:
-        _WATCHDOG.current = None
 
 
 def finish_exchange(ex: Exchange, plan: HaloPlan) -> list[torch.Tensor]:
