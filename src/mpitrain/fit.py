@@ -14,6 +14,7 @@ from torch import nn
 
 from .comm.base import Communicator
 from .runtime import world
+from .strategies import FitError
 
 __all__ = ["fit", "make_trainer", "FitResult", "FitSpec", "Trainer", "STRATEGIES", "FitError"]
 
@@ -32,8 +33,6 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 Metric = Callable[[torch.Tensor, torch.Tensor], float]
 
 
-class FitError(ValueError):
-    """`fit` was called with something inconsistent; raised on every rank before any message."""
 
 
 @dataclass(frozen=True)

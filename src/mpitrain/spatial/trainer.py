@@ -22,7 +22,7 @@ OPTIONS = ("grid", "samples", "bn_stats", "overlap")
 
 
 def _options(spec: Any, comm: Communicator) -> dict[str, Any]:
-    from ..fit import FitError
+    from ..strategies import FitError
 
     opts = dict(spec.options)
     unknown = sorted(set(opts) - set(OPTIONS))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from . import FitError
+
 __all__ = ["batch_size", "shard", "chunks", "check_divisible"]
 
 
@@ -13,11 +15,11 @@ def batch_size(x: Any) -> int:
 
 
 def check_divisible(n: int, parts: int, what: str) -> None:
-    """Refuse (ValueError naming what to change) a batch of `n` that `parts` don't divide equally.
+    """Refuse (FitError naming what to change) a batch of `n` that `parts` don't divide equally.
 
     Equal slices keep every strategy's mean loss equal to the one-process mean loss."""
     if parts < 1 or n % parts:
-        raise ValueError(f"a batch of {n} samples cannot be split equally into {parts} {what}; "
+        raise FitError(f"a batch of {n} samples cannot be split equally into {parts} {what}; "
                          f"use a batch size divisible by {parts}")
 
 

@@ -24,6 +24,7 @@ from torch import nn
 
 from ...comm.base import Communicator, split_sizes
 from ...comm.watchdog import DEFAULT_POLICY
+from .. import FitError
 from ..batching import batch_size, check_divisible
 from ..grad_allreduce import start_allreduce_gradients
 from .graph import Traced, ValueMeta, cut_points, model_args, param_counts, profile, split, trace
@@ -43,36 +44,36 @@ OPTIONS = {"stall_timeout": DEFAULT_POLICY.warn_after, "stall_abort": DEFAULT_PO
 def _layout(strategy: str, partitions: int, replicas: int | None, size: int) -> tuple[int, int]:
     """(P, R) for the strategy, or a ValueError saying what to change."""
     if not isinstance(partitions, int) or partitions < 1:
-        raise ValueError(f"partitions must be a positive int, got {partitions!r}")
+        raise FitError(f"partitions must be a positive int, got {partitions!r}")
     if strategy == "model":
         if replicas not in (None, 1):
-            raise ValueError(f"strategy 'model' has one replica (got replicas={replicas}); "
+            raise FitError(f"strategy 'model' has one replica (got replicas={replicas}); "
                              f"use strategy='hybrid'")
         if partitions != size:
-            raise ValueError(f"strategy 'model' needs partitions == world size; got partitions={partitions} "
+            raise FitError(f"strategy 'model' needs partitions == world size; got partitions={partitions} "
                              f"on {size} ranks: pass partitions={size}")
         return partitions, 1
     r = size // partitions if replicas is None else replicas
     if r < 1 or partitions * r != size:
-        raise ValueError(f"strategy 'hybrid' needs partitions x replicas == world size ({size}); got "
+        raise FitError(f"strategy 'hybrid' needs partitions x replicas == world size ({size}); got "
                          f"partitions={partitions}, replicas={replicas}: choose partitions dividing {size}")
     return partitions, r
 
 
 def _check_spec(spec: Any, size: int) -> tuple[int, int, dict[str, Any]]:
     if spec.strategy not in ("model", "hybrid"):
-        raise ValueError(f"the pipeline trainer runs strategies 'model' and 'hybrid', not {spec.strategy!r}")
+        raise FitError(f"the pipeline trainer runs strategies 'model' and 'hybrid', not {spec.strategy!r}")
     P, R = _layout(spec.strategy, spec.partitions, spec.replicas, size)
     if spec.schedule not in SCHEDULES:
-        raise ValueError(f"unknown schedule {spec.schedule!r}; choose one of {sorted(SCHEDULES)}")
+        raise FitError(f"unknown schedule {spec.schedule!r}; choose one of {sorted(SCHEDULES)}")
     if not isinstance(spec.micro_batches, int) or spec.micro_batches < 1:
-        raise ValueError(f"micro_batches must be a positive int, got {spec.micro_batches!r}")
+        raise FitError(f"micro_batches must be a positive int, got {spec.micro_batches!r}")
     b = spec.balance
     if not (b in ("time", "params") or (isinstance(b, (list, tuple)) and len(b) == P)):
-        raise ValueError(f"balance must be 'time', 'params' or a list of {P} node counts, got {b!r}")
+        raise FitError(f"balance must be 'time', 'params' or a list of {P} node counts, got {b!r}")
     unknown = set(spec.options) - set(OPTIONS)
     if unknown:
-        raise ValueError(f"unknown option(s) {sorted(unknown)} for strategy {spec.strategy!r}; "
+        raise FitError(f"unknown option(s) {sorted(unknown)} for strategy {spec.strategy!r}; "
                          f"known: {sorted(OPTIONS)}")
     return P, R, {**OPTIONS, **spec.options}
 
@@ -83,7 +84,7 @@ def make_trainer(model: nn.Module, loss_fn: Callable, optimizer: Callable, comm:
     P, R, opts = _check_spec(spec, comm.size)
     traced = trace(model)
     if P > len(traced.nodes):
-        raise ValueError(f"partitions={P} exceeds the {len(traced.nodes)} nodes of the traced graph of "
+        raise FitError(f"partitions={P} exceeds the {len(traced.nodes)} nodes of the traced graph of "
                          f"{type(model).__name__}; use partitions <= {len(traced.nodes)}")
     return PipelineTrainer(model, traced, loss_fn, optimizer, comm, spec, P, R, opts)
 
@@ -122,10 +123,10 @@ class PipelineTrainer:
         self._metas[micro] = meta
         out = self.traced.output.args[0]
         if not (isinstance(out, torch.fx.Node) and meta.get(out.name) is not None):
-            raise ValueError("the pipeline strategies need a model whose forward returns one tensor")
+            raise FitError("the pipeline strategies need a model whose forward returns one tensor")
         cuts = cut_points(self.traced, meta)
         if isinstance(self.spec.balance, str) and len(cuts) + 1 < self.P:
-            raise ValueError(f"the graph can only be cut at {len(cuts)} places (where every crossing value "
+            raise FitError(f"the graph can only be cut at {len(cuts)} places (where every crossing value "
                              f"is a tensor); use partitions <= {len(cuts) + 1}")
         costs = self._agree([seconds[n.name] for n in self.traced.nodes] if timed else None, sample)
         self.bounds = bounds_from_balance(self.spec.balance, self.P, costs or param_counts(self.traced), cuts)
@@ -150,7 +151,7 @@ class PipelineTrainer:
         seen = self.comm.allgather_object((key, costs))
         bad = [r for r, (k, _) in enumerate(seen) if k != key]
         if bad:
-            raise ValueError(f"ranks {bad} called fit with a different model, data or arguments than rank 0")
+            raise FitError(f"ranks {bad} called fit with a different model, data or arguments than rank 0")
         if costs is None:
             return None
         return [sum(c[i] for _, c in seen) / len(seen) for i in range(len(costs))]
@@ -256,6 +257,6 @@ def _refuse_shared(parts: list[Any]) -> None:
         for name, q in p.module.named_parameters(remove_duplicate=False):
             k, first = owner.setdefault(id(q), (p.index, name))
             if k != p.index:
-                raise ValueError(f"parameter {first!r} (partition {k}) is also used as {name!r} in partition "
+                raise FitError(f"parameter {first!r} (partition {k}) is also used as {name!r} in partition "
                                  f"{p.index}: weights shared across partitions are not supported; pass a "
                                  f"balance list that keeps their users in one partition")
