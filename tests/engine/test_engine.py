@@ -153,3 +153,42 @@ def test_a_long_wait_warns_naming_the_variable_and_pending_tasks(caplog):
         eng.wait(a)
     eng.close()
     assert "slowvar" in caplog.text and "blocker" in caplog.text
+
+
+def test_a_helping_waiter_runs_queued_pool_tasks_itself_while_the_pool_thread_is_busy():
+    eng = Engine({"comm": 1}, warn_after=30)
+    busy, gate, mine = Var("busy"), threading.Event(), Var("mine")
+    ran_on = []
+    eng.push(lambda: gate.wait(10), mutates=[busy], pool="comm", name="occupies the only thread")
+    time.sleep(0.05)
+    for i in range(3):
+        eng.push(lambda i=i: ran_on.append((i, threading.current_thread().name)), mutates=[mine], pool="comm")
+    eng.wait(mine, timeout=5, help="comm")  # would time out without helping: the pool thread is blocked
+    gate.set()
+    eng.close()
+    assert ran_on == [(i, threading.main_thread().name) for i in range(3)]
+
+
+def test_helping_keeps_write_order_and_one_writer_at_a_time():
+    eng = Engine({"comm": 2}, warn_after=30)
+    a, log, running = Var("a"), [], []
+
+    def write(i):
+        running.append(i)
+        assert len(running) == 1, "two writers at once"
+        time.sleep(random.random() * 0.002)
+        log.append(i)
+        running.pop()
+
+    for i in range(60):
+        eng.push(lambda i=i: write(i), mutates=[a], pool="comm")
+    eng.wait(a, help="comm")
+    eng.wait_all()
+    eng.close()
+    assert log == list(range(60))
+
+
+def test_help_with_an_unknown_pool_is_refused_before_anything_is_queued(eng):
+    a = Var("a")
+    with pytest.raises(EngineError, match="unknown pool"):
+        eng.wait(a, help="nope")

@@ -13,11 +13,14 @@ from mpitrain.kvstore import KVStoreError
 from tests.helpers import assert_all_ranks, assert_close_all_ranks
 
 TYPES = ["funnel", "concurrent", "depchain", "dist_sync_mpi"]
+#: fixture name -> (type, options); "depchain-inplace" is DataParallel's zero-copy depchain
+VARIANTS = {**{t: (t, {}) for t in TYPES}, "depchain-inplace": ("depchain", {"copy_inputs": False})}
 
 
-@pytest.fixture(params=TYPES)
+@pytest.fixture(params=list(VARIANTS))
 def kv(request, comm):
-    store = kvstore.create(request.param, comm)
+    name, options = VARIANTS[request.param]
+    store = kvstore.create(name, comm, **options)
     yield store
     store.close()
 
@@ -266,3 +269,72 @@ def test_dist_sync_mpi_fuses_small_keys_and_keeps_every_sum(comm):
     for k, (n, dt) in specs.items():
         assert_close_all_ranks(comm, ts[k], (torch.arange(n, dtype=dt) + 1) * total, what=f"key {k}")
     assert_all_ranks(comm, torch.float32 in fused, f"no fusion buffer was used: {fused}")
+
+
+@pytest.mark.mpi
+def test_depchain_inplace_reduces_the_callers_buffer_and_copying_depchain_does_not(comm):
+    inplace = kvstore.create("depchain", comm, copy_inputs=False)
+    copying = kvstore.create("depchain", comm)
+    results = []
+    for kv in (inplace, copying):
+        kv.init(0, torch.zeros(5))
+        buf, out = _value(comm.rank, 0, 0, n=5), torch.zeros(5)
+        if kv is inplace:
+            kv.pushpull(0, buf)
+        else:
+            kv.pushpull(0, buf, out)
+            buf.fill_(-1.0)  # the copying store took its copy already: the input may be reused at once
+        kv.wait()
+        results.append(buf.clone() if kv is inplace else out)
+        kv.close()
+    assert_close_all_ranks(comm, results[0], _sum(comm.size, 0, 0, n=5), what="in-place sum")
+    assert_close_all_ranks(comm, results[1], _sum(comm.size, 0, 0, n=5), what="copying sum")
+
+
+@pytest.mark.mpi
+def test_depchain_late_rank_warning_names_the_key(comm, caplog):
+    kv = kvstore.create("depchain", comm, warn_after=0.2)
+    kv.init("latekey", torch.zeros(3))
+    late = comm.size - 1
+    t = torch.ones(3)
+    with caplog.at_level(logging.WARNING, logger="mpitrain.kvstore"):
+        if comm.rank == late:
+            time.sleep(0.8)
+        kv.pushpull("latekey", t)
+        kv.wait()
+    kv.close()
+    ok = comm.rank == late or "'latekey' has waited" in caplog.text
+    assert_all_ranks(comm, ok, f"warning missing: {caplog.text!r}")
+    assert_close_all_ranks(comm, t, torch.full((3,), float(comm.size)), what="late sum")
+
+
+@pytest.mark.mpi
+def test_dist_sync_mpi_idle_comm_thread_does_not_cycle_in_a_loop(comm, monkeypatch):
+    from mpitrain.kvstore.coordinator import CoordinatorStore
+
+    cycles = []
+    real = CoordinatorStore._cycle
+    monkeypatch.setattr(CoordinatorStore, "_cycle", lambda self: (cycles.append(1), real(self))[1])
+    kv = kvstore.create("dist_sync_mpi", comm)
+    t = torch.ones(4)
+    kv.pushpull("k", t)
+    kv.wait()
+    before = len(cycles)
+    time.sleep(0.5)
+    idle = len(cycles) - before
+    kv.close()
+    # a rank with nothing queued joins a cycle only on a local push or every 50 ms (for the watchdog)
+    assert_all_ranks(comm, idle <= 15, f"{idle} cycles in 0.5 s while idle")
+    assert_close_all_ranks(comm, t, torch.full((4,), float(comm.size)), what="sum")
+
+
+@pytest.mark.mpi
+def test_a_buffer_larger_than_a_segment_is_summed_exactly_in_segments(kv, comm, monkeypatch):
+    from mpitrain.kvstore import base
+
+    monkeypatch.setattr(base, "SEGMENT_BYTES", 64)  # the same on every rank: 16 floats per allreduce
+    kv.init(0, torch.zeros(103))
+    t = _value(comm.rank, 0, 0, n=103)
+    kv.pushpull(0, t)
+    kv.wait()
+    assert_close_all_ranks(comm, t, _sum(comm.size, 0, 0, n=103), what="segmented sum")

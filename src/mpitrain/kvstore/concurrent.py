@@ -62,7 +62,7 @@ class ConcurrentStore(KVStore):
     def _run(self, c: int, e: Entry) -> None:
         err = None
         try:
-            self._reduce(self._comms[c], e.buf, poll=True)
+            self._reduce(self._comms[c], e.buf, poll=True, key=e.key)
             if e.finish is not None:
                 e.finish()
         except BaseException as exc:  # noqa: BLE001 - handed to the waiter by the tracker

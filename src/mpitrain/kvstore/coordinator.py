@@ -10,6 +10,12 @@ function of the gathered announcements, so every rank computes the coordinator's
 itself and all of them raise the same error. In steady state a step costs one tiny int allreduce per
 cycle and no pickling. Rank 0 reports stalls (a key ready on some ranks only) after `stall_timeout`
 seconds and ends the job after `stall_abort` seconds with the same message.
+
+Pacing: a rank posts its next cycle at once while it has work queued (the cycle then waits, polled
+with sleeps, for the ranks that have none yet, so their push completes it); a rank with nothing
+queued sits out until a local push or for at most 50 ms (which keeps the watchdog and ``close``
+informed). A caller blocked in ``wait`` runs the cycles itself (one thread at a time holds the turn),
+and the data allreduces are MPI's blocking ones: every rank has just agreed to run them.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ __all__ = ["CoordinatorStore"]
 
 _FLAGS = 3  # columns before the readiness bits: announce, pending count, close requested
 Sig = tuple[tuple[int, ...], str]
+_GRACE = 2e-4  # after a local push, how long the comm thread lets the caller reach wait and run the cycle
 
 
 class CoordinatorStore(KVStore):
@@ -41,7 +48,6 @@ class CoordinatorStore(KVStore):
     allreduce (one copy in and out of a reused buffer); larger keys are reduced in place, no copy."""
 
     type = "dist_sync_mpi"
-    poll = True
 
     def __init__(self, comm: Communicator, stall_timeout: float = 60.0, stall_abort: float = 300.0,
                  fusion_bytes: int = 1 << 20, warn_after: float = 60.0) -> None:
@@ -63,6 +69,9 @@ class CoordinatorStore(KVStore):
         self._close_requested = False
         self._arrivals = 0  # bumped by every local push and by close: wakes a pausing comm thread
         self._seen = 0
+        self._turn = threading.Lock()  # held while a thread runs a cycle (see _take_turn)
+        self._finished = False  # the cycles ended on every rank
+        self._draining = 0  # callers running cycles in wait (the comm thread pauses meanwhile)
         self._thread = threading.Thread(target=self._loop, name="kvstore-coordinator", daemon=True)
         self._thread.start()
         ref = weakref.ref(self)
@@ -84,23 +93,70 @@ class CoordinatorStore(KVStore):
 
     # -- the comm thread -------------------------------------------------------------------------
     def _loop(self) -> None:
-        try:
-            pause = _Backoff()
-            while True:
-                progressed, busy, done = self._cycle()
-                if done:
-                    return
-                if progressed:
-                    pause.reset()
-                else:
-                    pause.sleep(self._cv, lambda: self._arrivals != self._seen, idle=not busy)
-        except BaseException as e:  # noqa: BLE001 - the other ranks are in our collectives: end the job
-            log.error("dist_sync_mpi comm thread on rank %d failed: %r; aborting the job", self.rank, e)
-            self._tracker.fail(e)
-            self._world.abort(1)
+        pause, woken = _Backoff(), lambda: self._arrivals != self._seen
+        idle_wait = min(0.05, self._stall_timeout / 4)
+        while True:
+            if self._draining:  # a caller blocked in wait runs the cycles: stay out of its way
+                with self._cv:
+                    self._cv.wait_for(lambda: not self._draining, idle_wait)
+                continue
+            result = self._take_turn()
+            if result is None:
+                return
+            progressed, active, _ = result
+            if progressed:
+                pause.reset()
+            elif not active[self._data.rank]:
+                # Nothing queued here: sit out until a local push. The ranks with work keep their next
+                # cycle posted, so our push completes it at once (one cycle of latency, no idle
+                # polling). The timeout keeps the stall watchdog and close informed.
+                with self._cv:
+                    pushed = self._cv.wait_for(woken, idle_wait)
+                if pushed:  # a caller that waits right after pushing gets the turn (see _drain)
+                    time.sleep(_GRACE)
+            elif all(active):  # everyone has work but nothing matched (different orders): back off
+                pause.sleep(self._cv, woken)
+            # else: post the next cycle now and wait in it for the ranks that have nothing queued
 
-    def _cycle(self) -> tuple[bool, bool, bool]:
-        """One negotiation + execution round. Returns (ran something, work pending anywhere, finished)."""
+    def _take_turn(self) -> tuple[bool, list[bool], bool] | None:
+        """Run one cycle, on whichever thread calls (the comm thread, or a caller blocked in ``wait``;
+        the turn lock keeps it to one at a time, so this rank's cycles stay one sequence). None once
+        the cycles have ended on every rank (close, or a mismatch error)."""
+        with self._turn:
+            if self._finished:
+                return None
+            try:
+                result = self._cycle()
+            except BaseException as e:  # noqa: BLE001 - the other ranks are in our collectives: end the job
+                log.error("dist_sync_mpi cycle on rank %d failed: %r; aborting the job", self.rank, e)
+                self._tracker.fail(e)
+                self._world.abort(1)
+                raise
+            self._finished = result[2]
+            return None if self._finished else result
+
+    def _drain(self, keys: list[Key] | None) -> None:
+        """The waiting caller runs the cycles itself until its keys are done, instead of sleeping while
+        the comm thread wakes up for them (two thread wake-ups per step saved)."""
+        pause = _Backoff()
+        with self._cv:
+            self._draining += 1
+        try:
+            while self._tracker.busy(keys) and not self._tracker.failed:
+                result = self._take_turn()
+                if result is None:
+                    return
+                progressed, active, _ = result
+                if not progressed and all(active):
+                    pause.sleep(self._cv, lambda: False)
+        finally:
+            with self._cv:
+                self._draining -= 1
+                self._cv.notify_all()
+
+    def _cycle(self) -> tuple[bool, list[bool], bool]:
+        """One negotiation + execution round. Returns (ran something, which ranks have work queued or
+        are closing, finished)."""
         row, announce = self._local_state()
         size, rank = self._data.size, self._data.rank
         table = torch.zeros((size, len(row)), dtype=torch.int32)
@@ -114,12 +170,13 @@ class CoordinatorStore(KVStore):
             accepted, waiting, error = self._negotiate(announce, bits)
             if error is not None:
                 self._fail_all(error)
-                return False, False, True
+                return False, [], True
             run += accepted
         self._execute(run)
         self._watch_stalls(table, waiting)
         busy = bool(table[:, 1].any())
-        return bool(run), busy, bool(table[:, 2].all()) and not busy
+        active = ((table[:, 1] > 0) | (table[:, 2] > 0)).tolist()
+        return bool(run), active, bool(table[:, 2].all()) and not busy
 
     def _poll_cycle(self, req: Request) -> None:
         """Complete the cycle's allreduce, sleeping between tests. A peer whose comm thread does not
@@ -127,7 +184,7 @@ class CoordinatorStore(KVStore):
         after stall_abort: this wait, too, has a way out."""
         start = time.monotonic()
         check, warned = start + self._stall_timeout, False
-        while not poll_request(req, most=5e-4, deadline=check):
+        while not poll_request(req, most=2.5e-4, deadline=check, spin=5e-5):
             waited = time.monotonic() - start
             msg = (f"dist_sync_mpi rank {self._data.rank}: the negotiation cycle has waited {waited:.0f}s; "
                    f"a rank's comm thread is not responding (its process is blocked or gone)")
@@ -211,8 +268,11 @@ class CoordinatorStore(KVStore):
                 self._tracker.finish(e.key, err)
 
     def _reduce_group(self, group: list[Entry]) -> None:
+        # Blocking allreduce, no rendezvous: every rank's comm thread has just completed this cycle's
+        # negotiation, which marked these keys ready everywhere, so the peers are already on their way
+        # into the same call and the busy-wait is short.
         if len(group) == 1:
-            self._reduce(self._data, group[0].buf, poll=self.poll)
+            self._reduce(self._data, group[0].buf)
             return
         sizes = [e.buf.numel() for e in group]
         total, dtype = sum(sizes), group[0].buf.dtype
@@ -222,7 +282,7 @@ class CoordinatorStore(KVStore):
             buf = self._fusion[dtype] = torch.empty(size, dtype=dtype)
         flat = buf[:total]
         torch.cat([e.buf.reshape(-1) for e in group], out=flat)
-        self._reduce(self._data, flat, poll=self.poll)
+        self._reduce(self._data, flat)
         for e, part in zip(group, flat.split(sizes)):
             e.buf.view(-1).copy_(part)
 
@@ -315,8 +375,8 @@ def _mismatch(key: Key, by_rank: dict[int, Sig], size: int) -> KVStoreError:
 
 
 class _Backoff:
-    """Pause between cycles that did no work: short while work is pending somewhere, longer when idle.
-    A local push wakes the thread at once (the condition is notified)."""
+    """Pause between cycles that matched nothing while every rank has work queued (ranks pushing in
+    different orders): 50 us doubling to 1 ms. A local push wakes the thread at once."""
 
     def __init__(self) -> None:
         self._pause = 5e-5
@@ -324,8 +384,7 @@ class _Backoff:
     def reset(self) -> None:
         self._pause = 5e-5
 
-    def sleep(self, cv: threading.Condition, woken: Callable[[], bool], idle: bool) -> None:
-        limit = 5e-3 if idle else 1e-3
+    def sleep(self, cv: threading.Condition, woken: Callable[[], bool]) -> None:
         with cv:
             cv.wait_for(woken, self._pause)
-        self._pause = min(self._pause * 2, limit)
+        self._pause = min(self._pause * 2, 1e-3)

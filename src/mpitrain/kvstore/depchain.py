@@ -20,13 +20,19 @@ class DepChainStore(KVStore):
     at a time in the order they were pushed, and the :class:`Sequencer` pushes them in init-key order
     on every worker. The push half (a copy into the key's communication buffer) runs at once on the
     caller's thread; the allreduce and the copy back into the output run on the engine's comm thread,
-    overlapping whatever the caller does next."""
+    overlapping whatever the caller does next.
+
+    ``copy_inputs=False`` drops the copy for ``pushpull(key, buf)`` with `outs` the same single tensor
+    as `ins`: the allreduce then sums `buf` in place, saving two passes over it, and the caller must not
+    touch `buf` until ``wait`` covers the key (DataParallel's gradient buckets opt in). The default
+    keeps the design's copy, so a general caller may reuse its input as soon as ``pushpull`` returns."""
 
     type = "depchain"
     poll = True
 
-    def __init__(self, comm: Communicator, warn_after: float = 60.0) -> None:
+    def __init__(self, comm: Communicator, warn_after: float = 60.0, copy_inputs: bool = True) -> None:
         super().__init__(comm, warn_after)
+        self._copy_inputs = copy_inputs
         self._data = comm.split(0, comm.rank)
         self._engine = Engine({"comm": 1}, warn_after=warn_after)
         self._dummy = Var("depchain-order")
@@ -39,11 +45,13 @@ class DepChainStore(KVStore):
         self._seq.add_key(key)
         self._vars[key] = Var(f"key{key!r}")
         info = self._keys[key]
-        self._free[key] = [torch.empty(info.shape, dtype=info.dtype)]
+        self._free[key] = [torch.empty(info.shape, dtype=info.dtype)] if self._copy_inputs else []
 
     def _pushpull_entry(self, key: Key, src: list[torch.Tensor], dst: list[torch.Tensor]) -> Entry:
         """The push: the inputs go straight into the key's communication buffer (one copy; the
         caller may reuse them at once); the pull copies the sum back into every output."""
+        if not self._copy_inputs and len(src) == 1 and len(dst) == 1 and dst[0] is src[0]:
+            return super()._pushpull_entry(key, src, dst)  # in place; _enqueue makes buf the comm buffer
         self._check_pushpull(key, src, dst)
         with self._lock:
             free = self._free[key]
@@ -68,6 +76,12 @@ class DepChainStore(KVStore):
             for e in self._seq.flush():
                 self._dispatch(e)
 
+    def _drain(self, keys: list[Key] | None) -> None:
+        """The waiting thread runs the queued allreduce tasks itself (the engine's ``help``): still one
+        at a time and in push order, since each becomes runnable only when the previous one finished."""
+        for var in [self._dummy] if keys is None else [self._vars[k] for k in keys if k in self._vars]:
+            self._engine.wait(var, help="comm")
+
     def _dispatch(self, e: Entry) -> None:
         self._engine.push(functools.partial(self._pull, e, e.aux), mutates=[self._vars[e.key], self._dummy],
                           pool="comm", name=f"allreduce({e.key!r})")
@@ -75,7 +89,7 @@ class DepChainStore(KVStore):
     def _pull(self, e: Entry, buf: torch.Tensor) -> None:
         err = None
         try:
-            self._reduce(self._data, buf, poll=self.poll)
+            self._reduce(self._data, buf, poll=self.poll, key=e.key)
             if buf is not e.buf:
                 e.buf.copy_(buf)
             if e.finish is not None:

@@ -11,6 +11,7 @@ from torch import nn
 
 from ..comm.base import Communicator
 from ..runtime import world
+from . import FitError
 from .batching import batch_size, check_divisible, chunks, shard
 from .broadcast import (
     broadcast_optimizer_state,
@@ -294,8 +295,11 @@ def _make_kvstore(kvstore: Any, comm: Communicator) -> Any:
         return kvstore
     from .. import kvstore as kvmod
 
-    # create() splits private communicators: the store's traffic never mixes with ours on comm
-    return kvmod.create(kvstore, comm=comm)
+    # create() splits private communicators: the store's traffic never mixes with ours on comm.
+    # depchain's copy of the input exists so a caller may reuse it at once; our buckets are not
+    # touched until the final wait, so they are reduced in place (two fewer passes over them).
+    options = {"copy_inputs": False} if kvstore == "depchain" else {}
+    return kvmod.create(kvstore, comm=comm, **options)
 
 
 # -- fit(strategy="data") -----------------------------------------------------------------------------
@@ -352,13 +356,13 @@ def make_trainer(model: nn.Module, loss_fn: Any, optimizer: Any, comm: Communica
     does not know and splits it cannot do (`partitions` must be 1, `replicas` None or the world size)."""
     unknown = sorted(set(spec.options) - set(_OPTIONS))
     if unknown:
-        raise ValueError(f"strategy 'data' does not take option(s) {unknown}; it takes {list(_OPTIONS)}")
+        raise FitError(f"strategy 'data' does not take option(s) {unknown}; it takes {list(_OPTIONS)}")
     if spec.partitions != 1:
-        raise ValueError(f"strategy 'data' keeps the whole model on every rank; partitions={spec.partitions} "
+        raise FitError(f"strategy 'data' keeps the whole model on every rank; partitions={spec.partitions} "
                          f"needs strategy 'model' or 'hybrid'")
     if spec.replicas not in (None, comm.size):
-        raise ValueError(f"strategy 'data' uses every rank as a replica: replicas={spec.replicas} but the "
+        raise FitError(f"strategy 'data' uses every rank as a replica: replicas={spec.replicas} but the "
                          f"communicator has {comm.size} ranks")
     if spec.micro_batches < 1:
-        raise ValueError(f"micro_batches must be >= 1, got {spec.micro_batches}")
+        raise FitError(f"micro_batches must be >= 1, got {spec.micro_batches}")
     return DataTrainer(model, loss_fn, optimizer, comm, spec.micro_batches, dict(spec.options))
