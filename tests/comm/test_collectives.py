@@ -11,6 +11,7 @@ from tests.helpers import assert_all_ranks, assert_close_all_ranks
 
 pytestmark = pytest.mark.mpi
 
+
 LENGTHS = (0, 1, 7, 13)  # 13 and 7: odd, and not a multiple of 2, 3 or 4
 FLOATS = [d for d in DTYPES if d.is_floating_point]
 
@@ -185,3 +186,20 @@ def test_init_twice_returns_the_same_world(comm):
 
     assert_all_ranks(comm, mpitrain.init() is comm and mpitrain.size() == comm.size and mpitrain.rank() == comm.rank
                      and 0 <= mpitrain.local_rank() < comm.size, "init() twice")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64], ids=str)
+def test_allreduce_in_pieces_is_exact_and_in_place(comm, dtype, monkeypatch):
+    """Large allreduces run as SEGMENT_BYTES pieces (MPI backend); the result must not notice."""
+    from mpitrain.comm import mpi
+
+    monkeypatch.setattr(mpi, "SEGMENT_BYTES", 64)
+    monkeypatch.setattr(mpi, "SPLIT_ABOVE", 64)  # the same on every rank
+    for op in ("sum", "max"):
+        a, b = rank_data(comm.rank, 103, dtype), rank_data(comm.rank, 103, dtype)
+        comm.allreduce(a, op=op)
+        comm.iallreduce(b, op=op).wait()
+        expected = reference(op, comm.size, 103, dtype)
+        assert_close_all_ranks(comm, a, expected, atol=tol(dtype) * 10, what=f"pieces {op}")
+        assert_close_all_ranks(comm, b, expected, atol=tol(dtype) * 10, what=f"ipieces {op}")
+

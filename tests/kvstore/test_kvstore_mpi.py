@@ -330,9 +330,10 @@ def test_dist_sync_mpi_idle_comm_thread_does_not_cycle_in_a_loop(comm, monkeypat
 
 @pytest.mark.mpi
 def test_a_buffer_larger_than_a_segment_is_summed_exactly_in_segments(kv, comm, monkeypatch):
-    from mpitrain.kvstore import base
+    from mpitrain.comm import mpi
 
-    monkeypatch.setattr(base, "SEGMENT_BYTES", 64)  # the same on every rank: 16 floats per allreduce
+    monkeypatch.setattr(mpi, "SEGMENT_BYTES", 64)
+    monkeypatch.setattr(mpi, "SPLIT_ABOVE", 64)  # the same on every rank: 16 floats per allreduce
     kv.init(0, torch.zeros(103))
     t = _value(comm.rank, 0, 0, n=103)
     kv.pushpull(0, t)

@@ -138,14 +138,3 @@ def test_fusion_groups_are_consecutive_same_dtype_and_bounded():
     shapes = [[(x.buf.numel(), x.buf.dtype) for x in g] for g in groups]
     f32, f64 = torch.float32, torch.float64
     assert shapes == [[(10, f32), (10, f32)], [(10, f64)], [(100, f32)], [(5, f32), (5, f32)], [(30, f32)]]
-
-
-def test_segments_are_in_place_views_covering_the_buffer_in_order(monkeypatch):
-    from mpitrain.kvstore import base
-
-    monkeypatch.setattr(base, "SEGMENT_BYTES", 40)
-    buf = torch.arange(23, dtype=torch.float32)
-    parts = base._segments(buf)
-    assert [p.numel() for p in parts] == [10, 10, 3]
-    assert all(p.data_ptr() == buf.data_ptr() + 40 * i for i, p in enumerate(parts))
-    assert len(base._segments(torch.zeros(10))) == 1  # fits: the buffer itself, no split

@@ -448,12 +448,11 @@ class KVStore(abc.ABC):
         backward pass, and the data moves with MPI's tuned blocking algorithm, which is 1.5-2x faster
         than a polled nonblocking allreduce of the same buffer (Open MPI's nonblocking collectives only
         progress inside a test, so sleeping between tests stretches every round of a large reduction).
-        A buffer over ``SEGMENT_BYTES`` is reduced as consecutive segments of that size (see there)."""
+        The MPI Communicator reduces a large buffer as consecutive 2 MiB pieces (comm/mpi.py)."""
         if self._codec is None or not buf.is_floating_point():
             if poll:
                 rendezvous(comm, f"{self.type} allreduce of key {key!r}", self._warn_after)
-            for part in _segments(buf):
-                comm.allreduce(part)
+            comm.allreduce(buf)
         else:
             from ..comm.ring import ring_allreduce
             ring_allreduce(comm, buf, codec=self._codec)
@@ -498,21 +497,6 @@ class KVStore(abc.ABC):
     def _drain(self, keys: list[Key] | None) -> None:  # noqa: B027 - optional hook
         """Hook for ``wait``: make progress on `keys` in the waiting thread (engine types run their
         queued reductions here instead of sleeping while a comm thread wakes up); a no-op otherwise."""
-
-
-#: Large reductions run as consecutive blocking allreduces of at most this many bytes. Measured on the
-#: 2-core VM (Open MPI 5, shared memory): one 67 MB allreduce took 55-75 ms, 32 segments of 2 MiB
-#: 16-17 ms at 2 ranks (155 vs 23-28 ms at 3 ranks), presumably because each segment's copies stay in
-#: cache. A constant, not an option, so every rank segments alike (the segments are collectives).
-SEGMENT_BYTES = 2 << 20
-
-
-def _segments(buf: torch.Tensor) -> list[torch.Tensor]:
-    """`buf` as consecutive views of at most SEGMENT_BYTES (in place: they share its storage)."""
-    n = max(1, SEGMENT_BYTES // buf.element_size())
-    if buf.numel() <= n or not buf.is_contiguous():
-        return [buf]
-    return list(buf.view(-1).split(n))
 
 
 def _copy_to(src: torch.Tensor, dsts: list[torch.Tensor]) -> None:
