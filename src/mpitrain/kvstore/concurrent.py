@@ -7,13 +7,13 @@ import threading
 
 from ..comm.base import Communicator
 from ..engine import Engine, Var
-from .base import Entry, KVStore, KVStoreError, log
-from .sequencer import Sequencer
+from .base import Entry, KVStoreError, log
+from .sequencer import SequencedStore
 
 __all__ = ["ConcurrentStore"]
 
 
-class ConcurrentStore(KVStore):
+class ConcurrentStore(SequencedStore):
     """Ordering: key ``k`` uses communicator ``init_index(k) % num_comms``; the :class:`Sequencer` hands
     operations to the engine's comm pool in init-key order, and each communicator's tasks mutate its
     own engine variable, so they run in that order on every worker while up to `num_comms` collectives
@@ -33,22 +33,6 @@ class ConcurrentStore(KVStore):
         self._engine = Engine({"comm": num_comms}, warn_after=warn_after)
         self._outstanding = outstanding or num_comms
         self._slots = threading.Semaphore(self._outstanding)
-        self._seq = Sequencer()
-        self._lock = threading.RLock()
-
-    def _registered(self, key) -> None:
-        self._seq.add_key(key)
-
-    def _enqueue(self, entry: Entry, priority: int) -> None:
-        with self._lock:
-            self._tracker.start(entry.key)
-            for e in self._seq.arrive(entry):
-                self._dispatch(e)
-
-    def _flush(self) -> None:
-        with self._lock:
-            for e in self._seq.flush():
-                self._dispatch(e)
 
     def _dispatch(self, e: Entry) -> None:
         c = self._keys[e.key].index % len(self._comms)

@@ -3,19 +3,18 @@
 from __future__ import annotations
 
 import functools
-import threading
 
 import torch
 
 from ..comm.base import Communicator
 from ..engine import Engine, Var
-from .base import Entry, Key, KVStore, _copy_to
-from .sequencer import Sequencer
+from .base import Entry, Key, _copy_to
+from .sequencer import SequencedStore
 
 __all__ = ["DepChainStore"]
 
 
-class DepChainStore(KVStore):
+class DepChainStore(SequencedStore):
     """Ordering: every allreduce task mutates one shared dummy variable, so the engine runs them one
     at a time in the order they were pushed, and the :class:`Sequencer` pushes them in init-key order
     on every worker. The push half (a copy into the key's communication buffer) runs at once on the
@@ -38,11 +37,9 @@ class DepChainStore(KVStore):
         self._dummy = Var("depchain-order")
         self._vars: dict = {}
         self._free: dict = {}  # key -> idle communication buffers
-        self._seq = Sequencer()
-        self._lock = threading.RLock()
 
     def _registered(self, key) -> None:
-        self._seq.add_key(key)
+        super()._registered(key)
         self._vars[key] = Var(f"key{key!r}")
         info = self._keys[key]
         self._free[key] = [torch.empty(info.shape, dtype=info.dtype)] if self._copy_inputs else []
@@ -63,18 +60,9 @@ class DepChainStore(KVStore):
         entry.aux = comm_buf
         return entry
 
-    def _enqueue(self, entry: Entry, priority: int) -> None:
-        with self._lock:
-            self._tracker.start(entry.key)
-            if entry.aux is None:  # from push: its private buffer serves as the communication buffer
-                entry.aux = entry.buf
-            for e in self._seq.arrive(entry):
-                self._dispatch(e)
-
-    def _flush(self) -> None:
-        with self._lock:
-            for e in self._seq.flush():
-                self._dispatch(e)
+    def _arriving(self, entry: Entry) -> None:
+        if entry.aux is None:  # from push: its private buffer serves as the communication buffer
+            entry.aux = entry.buf
 
     def _drain(self, keys: list[Key] | None) -> None:
         """The waiting thread runs the queued allreduce tasks itself (the engine's ``help``): still one

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import threading
-
 from ..comm.base import Communicator
-from .base import Entry, KVStore
-from .sequencer import Sequencer
+from .base import Entry
+from .sequencer import SequencedStore
 
 __all__ = ["FunnelStore"]
 
 
-class FunnelStore(KVStore):
+class FunnelStore(SequencedStore):
     """Ordering: the calling thread runs each blocking allreduce at the moment the :class:`Sequencer`
     releases it, so every worker issues them in init-key order. One collective in flight at a time;
     ``pushpull`` may block while it runs (that is the design: no communication thread)."""
@@ -21,24 +19,8 @@ class FunnelStore(KVStore):
     def __init__(self, comm: Communicator, warn_after: float = 60.0) -> None:
         super().__init__(comm, warn_after)
         self._data = comm.split(0, comm.rank)
-        self._seq = Sequencer()
-        self._lock = threading.RLock()
 
-    def _registered(self, key) -> None:
-        self._seq.add_key(key)
-
-    def _enqueue(self, entry: Entry, priority: int) -> None:
-        with self._lock:
-            self._tracker.start(entry.key)
-            for e in self._seq.arrive(entry):
-                self._run(e)
-
-    def _flush(self) -> None:
-        with self._lock:
-            for e in self._seq.flush():
-                self._run(e)
-
-    def _run(self, e: Entry) -> None:
+    def _dispatch(self, e: Entry) -> None:
         err = None
         try:
             self._reduce(self._data, e.buf)

@@ -12,9 +12,13 @@ when keys are initialized in the order they usually become ready (DataParallel: 
 
 from __future__ import annotations
 
-from .base import Entry, Key
+import abc
+import threading
 
-__all__ = ["Sequencer"]
+from ..comm.base import Communicator
+from .base import Entry, Key, KVStore
+
+__all__ = ["Sequencer", "SequencedStore"]
 
 
 class Sequencer:
@@ -57,3 +61,35 @@ class Sequencer:
     @property
     def order(self) -> list[Key]:
         return list(self._order)
+
+
+class SequencedStore(KVStore):
+    """A KVStore whose operations leave in :class:`Sequencer` order: each type says only what to do
+    with a released entry (``_dispatch``, called under the store's lock, in release order)."""
+
+    def __init__(self, comm: Communicator, warn_after: float = 60.0) -> None:
+        super().__init__(comm, warn_after)
+        self._seq = Sequencer()
+        self._lock = threading.RLock()
+
+    def _registered(self, key: Key) -> None:
+        self._seq.add_key(key)
+
+    def _enqueue(self, entry: Entry, priority: int) -> None:
+        with self._lock:
+            self._tracker.start(entry.key)
+            self._arriving(entry)
+            for e in self._seq.arrive(entry):
+                self._dispatch(e)
+
+    def _flush(self) -> None:
+        with self._lock:
+            for e in self._seq.flush():
+                self._dispatch(e)
+
+    def _arriving(self, entry: Entry) -> None:  # noqa: B027 - optional hook
+        """Hook: adjust `entry` as it is pushed, before ordering."""
+
+    @abc.abstractmethod
+    def _dispatch(self, e: Entry) -> None:
+        """Start (or run) the collective of a released entry."""
