@@ -44,7 +44,7 @@ def wait_watched(req: Request, what: str, rank: int, abort: Callable[[int], None
     if req.test():
         return req.wait()
     start = time.monotonic()
-    nap, warned = 2e-5, False
+    nap, warned = min(2e-5, policy.max_nap), False
     while not req.test():
         time.sleep(nap)
         nap = min(nap * 2, policy.max_nap)
