@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-__all__ = ["machine", "command_line", "time_call", "median", "print_table", "header"]
+__all__ = ["machine", "command_line", "time_call", "slowest_rank_times", "median", "print_table", "header"]
 
 
 def machine() -> str:
@@ -54,6 +54,21 @@ def time_call(fn: Callable[[], object], repeats: int, warmup: int = 1,
         t0 = time.perf_counter()
         fn()
         out.append(time.perf_counter() - t0)
+    return out
+
+
+def slowest_rank_times(comm, fn: Callable[[], object], repeats: int, warmup: int = 1) -> list[float]:
+    """Seconds of `repeats` calls of `fn`, each started after a barrier, as the slowest rank's time
+    (one float64 max-allreduce per call). Collective: every rank of `comm` calls it with the same counts."""
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(repeats):
+        comm.barrier()
+        t0 = time.perf_counter()
+        fn()
+        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        out.append(float(comm.allreduce(dt, op="max")[0]))
     return out
 
 

@@ -26,7 +26,7 @@ from torch import nn
 
 import mpitrain
 from mpitrain import kvstore
-from mpitrain.bench.common import header, print_table
+from mpitrain.bench.common import header, print_table, slowest_rank_times
 from mpitrain.comm.base import Communicator
 from mpitrain.kvstore.base import poll_request
 
@@ -49,14 +49,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 # -- parameter server vs allreduce ---------------------------------------------------------------
 def _median_time(fn: Callable[[], None], comm: Communicator, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        comm.barrier()
-        t0 = time.perf_counter()
-        fn()
-        times.append(comm.allgather_object(time.perf_counter() - t0))
-    return statistics.median(max(t) for t in times)
+    return statistics.median(slowest_rank_times(comm, fn, repeats))
 
 
 def _ps_row(world: Communicator, workers: int, servers: int, n: int, repeats: int) -> float | None:

@@ -23,7 +23,7 @@ from torch import nn
 
 from ..fit import FitSpec, make_trainer
 from ..runtime import init
-from .common import header, print_table
+from .common import header, print_table, slowest_rank_times
 
 __all__ = ["main", "ResidualCNN"]
 
@@ -65,15 +65,7 @@ def _batch(n: int, image: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _timed(comm, step: Callable[[], object], steps: int) -> float:
     """Median over `steps` (after one warm-up) of the slowest rank's step seconds."""
-    step()
-    times = []
-    for _ in range(steps):
-        comm.barrier()
-        t0 = time.perf_counter()
-        step()
-        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-        times.append(float(comm.allreduce(dt, op="max")[0]))
-    return statistics.median(times)
+    return statistics.median(slowest_rank_times(comm, step, steps))
 
 
 def _sequential(comm, args: argparse.Namespace, n: int, micro: int) -> float:
