@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["LaunchSpec", "find_mpiexec", "mpi_flavor", "build_command", "launch", "in_mpi_job"]
+__all__ = ["LaunchSpec", "find_mpiexec", "mpi_flavor", "build_command", "launch", "run_module", "in_mpi_job"]
 
 # Variables the ranks need on every host (Open MPI forwards only what -x names to remote hosts).
 _FORWARD = ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV", "OMP_NUM_THREADS", "PYTHONUNBUFFERED")

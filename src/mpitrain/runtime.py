@@ -73,11 +73,9 @@ def local_rank() -> int:
 
 
 def _install_abort_hook(comm: Communicator) -> None:
-    previous = sys.excepthook
-
+    # Every uncaught exception, KeyboardInterrupt included, ends the job: a rank that exits alone
+    # leaves the others waiting in their next collective.
     def hook(etype: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
-        if issubclass(etype, KeyboardInterrupt):
-            previous(etype, value, tb)
         text = "".join(traceback.format_exception(etype, value, tb))
         sys.stderr.write(f"[mpitrain] rank {comm.rank}: uncaught exception, aborting the job\n{text}")
         sys.stderr.flush()
