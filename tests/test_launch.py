@@ -22,6 +22,14 @@ def test_command_allows_root_and_sets_threads():
     assert "-x" in argv and "OMP_NUM_THREADS" in argv
 
 
+def test_malloc_tunables_are_set_unless_the_user_chose_them(monkeypatch):
+    monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_", raising=False)
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "4096")
+    argv, env = build_command(LaunchSpec(np=2, command=["true"]), flavor="openmpi")
+    assert env["MALLOC_TRIM_THRESHOLD_"] == str(1 << 30) and "MALLOC_TRIM_THRESHOLD_" in argv
+    assert "MALLOC_MMAP_THRESHOLD_" not in env and "MALLOC_MMAP_THRESHOLD_" in argv  # the user's own value, forwarded
+
+
 def test_oversubscription_disables_binding_only_beyond_the_cores():
     cores = os.cpu_count() or 1
     over, env = build_command(LaunchSpec(np=cores + 1, command=["true"]), flavor="openmpi")

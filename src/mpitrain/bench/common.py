@@ -7,11 +7,12 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-__all__ = ["machine", "command_line", "time_call", "slowest_rank_times", "median", "print_table", "header"]
+__all__ = ["machine", "command_line", "time_call", "slowest_rank_times", "median", "best_of_rounds",
+           "print_table", "header"]
 
 
 def machine() -> str:
@@ -74,6 +75,19 @@ def slowest_rank_times(comm, fn: Callable[[], object], repeats: int, warmup: int
 
 def median(xs: Sequence[float]) -> float:
     return statistics.median(xs)
+
+
+def best_of_rounds(timers: Mapping[str, Callable[[], float]], rounds: int) -> dict[str, float]:
+    """Call every timer once per round, contenders interleaved, and keep each one's least result.
+
+    This VM's speed drifts over seconds (other tenants): interleaving exposes every contender to the
+    same drift, and the least of several rounds' medians estimates the undisturbed time without
+    trusting one lucky step. Collective when the timers are (same `timers` order on every rank)."""
+    best: dict[str, float] = {}
+    for _ in range(max(rounds, 1)):
+        for name, timer in timers.items():
+            best[name] = min(timer(), best.get(name, float("inf")))
+    return best
 
 
 def print_table(headers: Sequence[str], rows: Sequence[Sequence[object]], file=None) -> None:

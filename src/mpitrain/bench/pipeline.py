@@ -6,15 +6,15 @@ the pipeline
 (P = n), data parallelism (R = n) and, when n is even and >= 4, hybrid (P = 2, R = n/2). Table 2
 measures the pipeline efficiency ``T_seq / (P * T_pipe)`` of both schedules, where T_seq is one
 process running the same M micro-batches (gradient accumulation), against the ideal M / (M + P - 1).
-Times are the median over timed steps of the slowest rank, each step started after a barrier.
+A time is the median over `--steps` steps of the slowest rank, each step started after a barrier;
+contenders are measured in turn for `--rounds` rounds and each keeps its least median
+(:func:`~mpitrain.bench.common.best_of_rounds`), so drifts of this shared machine hit all alike.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
-import statistics
 import time
 from collections.abc import Callable, Sequence
 
@@ -23,7 +23,7 @@ from torch import nn
 
 from ..fit import FitSpec, make_trainer
 from ..runtime import init
-from .common import header, print_table, slowest_rank_times
+from .common import best_of_rounds, header, median, print_table, slowest_rank_times, time_call
 
 __all__ = ["main", "ResidualCNN"]
 
@@ -63,15 +63,19 @@ def _batch(n: int, image: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(n, 3, image, image, generator=g), torch.randint(0, 10, (n,), generator=g)
 
 
-def _timed(comm, step: Callable[[], object], steps: int) -> float:
-    """Median over `steps` (after one warm-up) of the slowest rank's step seconds."""
-    return statistics.median(slowest_rank_times(comm, step, steps))
+Timer = Callable[[], float]
 
 
-def _sequential(comm, args: argparse.Namespace, n: int, micro: int) -> float:
-    """Rank 0 alone trains the whole model (M micro-batches accumulated) while the other ranks sleep
-    (polling a nonblocking broadcast of the result), so it has a core to itself like one process."""
-    seconds = torch.zeros(1, dtype=torch.float64)
+def _median_step(comm, step: Callable[[], object], steps: int) -> Timer:
+    """A timer: the median over `steps` steps (after one warm-up) of the slowest rank's seconds."""
+    return lambda: median(slowest_rank_times(comm, step, steps))
+
+
+def _sequential(comm, args: argparse.Namespace, n: int, micro: int) -> Timer:
+    """A timer: rank 0 alone trains the whole model (M micro-batches accumulated) while the other ranks
+    sleep (polling a nonblocking broadcast of the result), so it has a core to itself like one process;
+    returns the median over `args.steps` steps on every rank."""
+    step = None
     if comm.rank == 0:
         torch.manual_seed(0)
         model, (x, y) = ResidualCNN(args.depth, args.width), _batch(n, args.image)
@@ -83,36 +87,26 @@ def _sequential(comm, args: argparse.Namespace, n: int, micro: int) -> float:
                 (loss_fn(model(xs), ys) / micro).backward()
             opt.step()
 
-        step()
-        times = []
-        for _ in range(args.steps):
-            t0 = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - t0)
-        seconds[0] = statistics.median(times)
-    req = comm.ibroadcast(seconds, root=0)
-    while not req.test():
-        time.sleep(1e-3)
-    return float(seconds[0])
+    def timer() -> float:
+        seconds = torch.zeros(1, dtype=torch.float64)
+        if step is not None:
+            seconds[0] = median(time_call(step, args.steps))
+        req = comm.ibroadcast(seconds, root=0)
+        while not req.test():
+            time.sleep(1e-3)
+        return float(seconds[0])
+
+    return timer
 
 
-def _parallel(comm, args: argparse.Namespace, n: int, strategy: str, partitions: int, micro: int,
-              schedule: str = "1f1b") -> float:
+def _parallel(comm, args: argparse.Namespace, n: int, strategy: str, partitions: int = 1, micro: int = 1,
+              schedule: str = "1f1b") -> tuple[Timer, object]:
+    """A timer of `strategy`'s training step, and its trainer."""
     torch.manual_seed(0)
     spec = FitSpec(strategy=strategy, partitions=partitions, micro_batches=micro, schedule=schedule)
     trainer = make_trainer(ResidualCNN(args.depth, args.width), nn.CrossEntropyLoss(), _sgd, comm, spec)
     x, y = _batch(n, args.image)
-    return _timed(comm, lambda: trainer.train_step(x, y), args.steps)
-
-
-def _data_strategy(comm, args: argparse.Namespace, n: int) -> float:
-    if importlib.util.find_spec("mpitrain.strategies.data_parallel") is not None:
-        torch.manual_seed(0)
-        trainer = make_trainer(ResidualCNN(args.depth, args.width), nn.CrossEntropyLoss(), _sgd, comm,
-                               FitSpec(strategy="data"))
-        x, y = _batch(n, args.image)
-        return _timed(comm, lambda: trainer.train_step(x, y), args.steps)
-    return _parallel(comm, args, n, "hybrid", 1, 1)
+    return _median_step(comm, lambda: trainer.train_step(x, y), args.steps), trainer
 
 
 def throughput_table(comm, args: argparse.Namespace) -> None:
@@ -120,11 +114,13 @@ def throughput_table(comm, args: argparse.Namespace) -> None:
     rows = []
     for n in args.batch_sizes:
         micro = max(1, min(args.micro_batches, n // args.min_micro))
-        seq = _sequential(comm, args, n, 1)
-        mp = _parallel(comm, args, n, "model", size, micro)
-        dp = _data_strategy(comm, args, n)
-        hy = (_parallel(comm, args, n, "hybrid", 2, micro) if size >= 4 and size % 2 == 0 else None)
-        rows.append([n, micro, n / seq, n / mp, n / dp, "n/a" if hy is None else n / hy, seq / mp])
+        timers = {"seq": _sequential(comm, args, n, 1), "model": _parallel(comm, args, n, "model", size, micro)[0],
+                  "data": _parallel(comm, args, n, "data")[0]}
+        if size >= 4 and size % 2 == 0:
+            timers["hybrid"] = _parallel(comm, args, n, "hybrid", 2, micro)[0]
+        t = best_of_rounds(timers, args.rounds)
+        hy = n / t["hybrid"] if "hybrid" in t else "n/a"
+        rows.append([n, micro, n / t["seq"], n / t["model"], n / t["data"], hy, t["seq"] / t["model"]])
     if comm.rank == 0:
         print(f"\n## img/s per training step (deep residual CNN: {args.depth} blocks x {args.width} ch, "
               f"{args.image}x{args.image} images; model: P={size}, data: R={size}, "
@@ -135,18 +131,21 @@ def throughput_table(comm, args: argparse.Namespace) -> None:
 def efficiency_table(comm, args: argparse.Namespace) -> None:
     P, rows = comm.size, []
     bound = min(1.0, (os.cpu_count() or 1) / P)  # P ranks on fewer cores cannot beat cores/P
+    n = args.efficiency_batch
     for micro in args.efficiency_micro:
-        n = args.efficiency_batch
-        seq = _sequential(comm, args, n, micro)
+        timers, trainers = {"seq": _sequential(comm, args, n, micro)}, {}
         for schedule in ("gpipe", "1f1b"):
-            pipe = _parallel(comm, args, n, "model", P, micro, schedule)
-            eff, ideal = seq / (P * pipe), micro / (micro + P - 1)
-            rows.append([schedule, P, micro, n, seq * 1e3, pipe * 1e3, eff, ideal, ideal * bound,
-                         eff / (ideal * bound)])
+            timers[schedule], trainers[schedule] = _parallel(comm, args, n, "model", P, micro, schedule)
+        t = best_of_rounds(timers, args.rounds)
+        for schedule in ("gpipe", "1f1b"):
+            eff, ideal = t["seq"] / (P * t[schedule]), micro / (micro + P - 1)
+            cuts = ",".join(map(str, trainers[schedule].bounds[1:-1]))
+            rows.append([schedule, P, micro, n, cuts, t["seq"] * 1e3, t[schedule] * 1e3, eff, ideal,
+                         ideal * bound, eff / (ideal * bound)])
     if comm.rank == 0:
         print("\n## pipeline efficiency T_seq / (P x T_pipe) vs the ideal M / (M + P - 1) (balance='time');"
               "\n## 'core ideal' = ideal x min(1, cores / P): what P ranks sharing the cores can reach")
-        print_table(["schedule", "P", "M", "batch", "T_seq ms", "T_pipe ms", "efficiency", "ideal",
+        print_table(["schedule", "P", "M", "batch", "cuts", "T_seq ms", "T_pipe ms", "efficiency", "ideal",
                      "core ideal", "of core ideal"], rows)
 
 
@@ -164,7 +163,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--depth", type=int, default=12)
     p.add_argument("--width", type=int, default=16)
     p.add_argument("--image", type=int, default=16)
-    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--steps", type=int, default=5, help="timed steps per round (median)")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (least median kept)")
     args = p.parse_args(list(argv or []))
     comm = init()
     if comm.rank == 0:

@@ -3,16 +3,46 @@
 from __future__ import annotations
 
 import itertools
+import time
 
 import pytest
 import torch
 from torch import nn
 
-from mpitrain.strategies.pipeline.graph import TraceFailure, cut_points, profile, split, trace
+from mpitrain.strategies.pipeline.graph import TraceFailure, cut_points, measure, profile, split, trace
 from mpitrain.strategies.pipeline.partition import balanced_bounds, explicit_bounds
 from mpitrain.strategies.pipeline.stage import make_edges
 
 from .models import MODELS
+
+
+class _SlowBackward(torch.autograd.Function):
+    """Identity whose backward sleeps: a node that is cheap forward and costly backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        time.sleep(0.02)
+        return g
+
+
+def slow_backward(x):
+    return _SlowBackward.apply(x)
+
+
+torch.fx.wrap("slow_backward")  # one graph node, as a leaf module's call would be
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.bn, self.fc2 = nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.fc2(slow_backward(nn.functional.dropout(self.bn(self.fc1(x)), 0.5)))
 
 
 def run_partitions(parts, x):
@@ -34,7 +64,7 @@ def test_partitions_run_in_sequence_give_the_model_output_and_grads(name, P):
     model = cls().eval()
     x = torch.randn(6, *shape)
     traced = trace(model)
-    meta, _ = profile(traced, [x])
+    meta = profile(traced, [x])
     parts = split(traced, balanced_bounds([1.0] * len(traced.nodes), cut_points(traced, meta), P))
     expected = model(x)
     expected.sum().backward()
@@ -50,7 +80,7 @@ def test_partitions_run_in_sequence_give_the_model_output_and_grads(name, P):
 def test_skip_model_has_an_edge_over_a_whole_partition_read_by_two_partitions():
     cls, shape = MODELS["skip"]
     traced = trace(cls())
-    meta, _ = profile(traced, [torch.randn(4, *shape)])
+    meta = profile(traced, [torch.randn(4, *shape)])
     cuts = cut_points(traced, meta)
     names = [n.name for n in traced.nodes]
     bounds = [0, names.index("l2") + 1, names.index("l3") + 1, names.index("add") + 1, len(names)]
@@ -65,7 +95,7 @@ def test_skip_model_has_an_edge_over_a_whole_partition_read_by_two_partitions():
 def test_cut_points_never_let_a_shape_cross_a_boundary():
     cls, shape = MODELS["skip"]
     traced = trace(cls())
-    meta, _ = profile(traced, [torch.randn(4, *shape)])
+    meta = profile(traced, [torch.randn(4, *shape)])
     names = [n.name for n in traced.nodes]
     size_at = names.index("size")
     assert not any(size_at < c <= names.index("view") for c in cut_points(traced, meta))
@@ -102,3 +132,26 @@ class DataDependent(nn.Module):
 def test_untraceable_model_error_names_the_construct():
     with pytest.raises(TraceFailure, match="control flow|TraceError"):
         trace(DataDependent())
+
+
+def test_measure_counts_backward_time_on_the_node_that_spends_it():
+    traced = trace(_Net())
+    costs = dict(zip([n.name for n in traced.nodes], measure(traced, [torch.randn(5, 4)], passes=2)))
+    assert costs["slow_backward"] >= 0.015, costs  # forward is a copy; the 20 ms are its backward's
+    assert all(c >= 0 for c in costs.values())
+
+
+def test_measure_leaves_buffers_gradients_modes_and_rng_untouched():
+    torch.manual_seed(0)
+    model = _Net()
+    model.fc1.weight.grad = torch.ones_like(model.fc1.weight)
+    model.eval()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    traced = trace(model)
+    x = torch.randn(5, 4)
+    rng = torch.get_rng_state()
+    measure(traced, [x], passes=2)
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())  # BN statistics too
+    assert torch.equal(model.fc1.weight.grad, torch.ones_like(model.fc1.weight)) and model.fc2.weight.grad is None
+    assert not any(m.training for m in traced.gm.modules())

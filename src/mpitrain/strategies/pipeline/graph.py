@@ -11,14 +11,15 @@ training a partition trains the user's model in place.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import fx, nn
 
-__all__ = ["TraceFailure", "ValueMeta", "Traced", "Partition", "trace", "model_args", "profile",
+__all__ = ["TraceFailure", "ValueMeta", "Traced", "Partition", "trace", "model_args", "profile", "measure",
            "param_counts", "cut_points", "split", "mutated_placeholders"]
 
 
@@ -94,42 +95,92 @@ def model_args(traced: Traced, inputs: Sequence[Any]) -> list[Any]:
 
 
 class _Recorder(fx.Interpreter):
-    """Runs the graph node by node, recording each node's output meta and forward seconds."""
+    """Runs the graph node by node, recording each node's output meta, forward seconds and (with
+    `stamp`) a hook on each differentiable output that notes when backward reaches it."""
 
-    def __init__(self, gm: fx.GraphModule) -> None:
+    def __init__(self, gm: fx.GraphModule, stamp: bool = False) -> None:
         super().__init__(gm)
         self.meta: dict[str, ValueMeta | None] = {}
         self.seconds: dict[str, float] = {}
+        self.stamps: list[tuple[float, str]] = []
+        self._stamp = stamp
 
     def run_node(self, n: fx.Node) -> Any:
         t0 = time.perf_counter()
         out = super().run_node(n)
         self.seconds[n.name] = time.perf_counter() - t0
-        self.meta[n.name] = (ValueMeta(tuple(out.shape), out.dtype, out.requires_grad)
-                             if isinstance(out, torch.Tensor) else None)
+        is_tensor = isinstance(out, torch.Tensor)
+        self.meta[n.name] = ValueMeta(tuple(out.shape), out.dtype, out.requires_grad) if is_tensor else None
+        if self._stamp and is_tensor and out.requires_grad:
+            out.register_hook(lambda g, name=n.name: self.stamps.append((time.perf_counter(), name)))
         return out
 
 
-def profile(traced: Traced, inputs: Sequence[Any], passes: int = 1,
-            grad: bool = True) -> tuple[dict[str, ValueMeta | None], dict[str, float]]:
-    """Run the whole model on `inputs` in eval mode: per-value meta (None: not a tensor) and the
-    fastest of `passes` forward times per node. Eval mode so BatchNorm statistics and the RNG are not
-    touched; with `grad` the metas tell which values carry gradients in training."""
-    modes = {m: m.training for m in traced.gm.modules()}
-    traced.gm.eval()
+def profile(traced: Traced, inputs: Sequence[Any], grad: bool = True) -> dict[str, ValueMeta | None]:
+    """Per-value meta (None: not a tensor) of one forward on `inputs` in eval mode, so BatchNorm
+    statistics and the RNG are not touched; with `grad` the metas tell which values carry gradients."""
+    with _undisturbed(traced.gm, train=False), torch.set_grad_enabled(grad):
+        rec = _Recorder(traced.gm)
+        rec.run(*model_args(traced, inputs))
+    return rec.meta
+
+
+def measure(traced: Traced, inputs: Sequence[Any], passes: int = 3) -> list[float]:
+    """Seconds of forward plus backward per compute node (the fastest of `passes` training-mode passes
+    on `inputs`), for balancing partitions by time. The model's buffers, gradients and RNG state are
+    restored afterwards, so measuring changes nothing a step would see. A model that cannot run a
+    training pass on `inputs` (BatchNorm1d on one sample) is measured by eval-mode forwards instead.
+
+    A node's backward time runs from backward reaching its output until it reaches the next value
+    (hooks on every differentiable output): exact on a chain, an apportioning on branches; balancing
+    only uses sums over the contiguous node ranges that partitions are."""
     try:
-        best: dict[str, float] = {}
-        meta: dict[str, ValueMeta | None] = {}
-        for i in range(max(passes, 1)):
-            rec = _Recorder(traced.gm)
-            with torch.set_grad_enabled(grad and i == 0):
-                rec.run(*model_args(traced, inputs))
-            meta = meta or rec.meta
-            best = {k: min(v, best.get(k, v)) for k, v in rec.seconds.items()}
-        return meta, best
+        fwd, bwd = _timed_passes(traced, inputs, passes, train=True)
+    except RuntimeError:
+        fwd, bwd = _timed_passes(traced, inputs, passes, train=False)
+    return [fwd.get(n.name, 0.0) + bwd.get(n.name, 0.0) for n in traced.nodes]
+
+
+def _timed_passes(traced: Traced, inputs: Sequence[Any], passes: int,
+                  train: bool) -> tuple[dict[str, float], dict[str, float]]:
+    """Fastest forward and (when `train`) backward seconds per node over `passes` passes."""
+    fwd: dict[str, float] = {}
+    bwd: dict[str, float] = {}
+    with _undisturbed(traced.gm, train=train), torch.set_grad_enabled(train):
+        for _ in range(max(passes, 1)):
+            rec = _Recorder(traced.gm, stamp=train)
+            out = rec.run(*model_args(traced, inputs))
+            fwd = {k: min(v, fwd.get(k, v)) for k, v in rec.seconds.items()}
+            if isinstance(out, torch.Tensor) and out.requires_grad:
+                out.backward(torch.ones_like(out))
+                events = [*sorted(rec.stamps), (time.perf_counter(), "")]
+                spent: dict[str, float] = {}
+                for (t, name), (t_next, _) in zip(events, events[1:]):
+                    spent[name] = spent.get(name, 0.0) + t_next - t
+                bwd = {k: min(v, bwd.get(k, v)) for k, v in spent.items()}
+    return fwd, bwd
+
+
+@contextmanager
+def _undisturbed(gm: nn.Module, train: bool) -> Iterator[None]:
+    """Run `gm` in train/eval mode and put back its modes, buffers, parameter gradients and RNG state."""
+    modes = {m: m.training for m in gm.modules()}
+    buffers = [(b, b.detach().clone()) for b in gm.buffers()]
+    grads = [(p, p.grad) for p in gm.parameters()]
+    for p, _ in grads:
+        p.grad = None  # backward would accumulate into the saved tensors in place
+    gm.train(train)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            yield
     finally:
         for m, training in modes.items():
             m.train(training)
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+        for p, g in grads:
+            p.grad = g
 
 
 def param_counts(traced: Traced) -> list[float]:

@@ -8,7 +8,8 @@ splits it into M micro-batches; the last partition back-propagates ``loss(micro)
 averages gradients, so a step equals one process stepping on the mean loss of the whole batch.
 
 Set-up happens on the first batch, because shapes and per-node times need a sample: every rank
-traces the same graph, measures it on one micro-batch (eval mode, no BatchNorm or RNG side effect),
+traces the same graph, measures it on one micro-batch (shapes in eval mode; for ``balance="time"``
+forward plus backward per node in training mode, buffers, gradients and RNG restored afterwards),
 and one ``allgather_object`` checks that all ranks agree on the arguments and averages the measured
 times so that every rank computes the same partition. Everything wrong is refused before that
 allgather, on every rank (each has the same information).
@@ -27,7 +28,7 @@ from ...comm.watchdog import DEFAULT_POLICY
 from .. import FitError
 from ..batching import batch_size, check_divisible
 from ..grad_allreduce import start_allreduce_gradients
-from .graph import Traced, ValueMeta, cut_points, model_args, param_counts, profile, split, trace
+from .graph import Traced, ValueMeta, cut_points, measure, model_args, param_counts, profile, split, trace
 from .partition import bounds_from_balance
 from .schedule import SCHEDULES, Action
 from .stage import Stage, make_edges
@@ -38,7 +39,7 @@ __all__ = ["make_trainer", "PipelineTrainer", "OPTIONS"]
 #: (naming it), seconds after which such a wait ends the job (None: never) -- the defaults of
 #: :data:`mpitrain.comm.watchdog.DEFAULT_POLICY` -- and the profiling passes of ``balance="time"``.
 OPTIONS = {"stall_timeout": DEFAULT_POLICY.warn_after, "stall_abort": DEFAULT_POLICY.abort_after,
-           "profile_passes": 3}
+           "profile_passes": 5}
 
 
 def _layout(strategy: str, partitions: int, replicas: int | None, size: int) -> tuple[int, int]:
@@ -119,8 +120,7 @@ class PipelineTrainer:
         """Measure, agree, cut, and build this rank's stage and optimizer (every rank, same verdicts)."""
         sample = _rows(args, 0, micro)
         timed = self.spec.balance == "time"
-        meta, seconds = profile(self.traced, sample, self.opts["profile_passes"] if timed else 1)
-        self._metas[micro] = meta
+        meta = self._metas[micro] = profile(self.traced, sample)
         out = self.traced.output.args[0]
         if not (isinstance(out, torch.fx.Node) and meta.get(out.name) is not None):
             raise FitError("the pipeline strategies need a model whose forward returns one tensor")
@@ -128,7 +128,8 @@ class PipelineTrainer:
         if isinstance(self.spec.balance, str) and len(cuts) + 1 < self.P:
             raise FitError(f"the graph can only be cut at {len(cuts)} places (where every crossing value "
                              f"is a tensor); use partitions <= {len(cuts) + 1}")
-        costs = self._agree([seconds[n.name] for n in self.traced.nodes] if timed else None, sample)
+        costs = self._agree(measure(self.traced, sample, self.opts["profile_passes"]) if timed else None,
+                            sample)
         self.bounds = bounds_from_balance(self.spec.balance, self.P, costs or param_counts(self.traced), cuts)
         parts = split(self.traced, self.bounds)
         _refuse_shared(parts)
@@ -158,7 +159,7 @@ class PipelineTrainer:
 
     def _meta(self, args: list[Any], n: int) -> dict[str, ValueMeta | None]:
         if n not in self._metas:
-            self._metas[n] = profile(self.traced, _rows(args, 0, n), 1, grad=False)[0]
+            self._metas[n] = profile(self.traced, _rows(args, 0, n), grad=False)
         return self._metas[n]
 
     # -- steps ------------------------------------------------------------------------------------
