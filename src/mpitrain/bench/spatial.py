@@ -1,67 +1,55 @@
 """Mesh-model strong scaling (Table I shape): time per training step and step memory per rank, spatial
-vs one process. ``mpitrain bench spatial -n 1`` then ``-n 2`` (and ``-n 4``); ``--baseline`` also times
-the plain torch model on rank 0 alone inside a multi-rank run.
+vs one process. ``mpitrain bench spatial -n 2`` (and ``-n 4``); ``--baseline`` (implied on one rank)
+times plain torch on rank 0 alone, the others asleep, in every memory format of ``--formats``.
 
-Step memory is the rise of the resident set during one training step: the kernel's peak-RSS counter is
-reset (``/proc/self/clear_refs``), malloc is told to map every block >= 64 KiB separately and trimmed
-(so freed tensors leave the RSS), then one step runs and ``VmHWM - VmRSS(before)`` is read. It counts
-everything a step allocates (activations, gradients, halos, gathered outputs), not the model or the
-global input batch that exist before the step.
+Memory formats: oneDNN convolutions run several times faster channels-last on CPU, so the strongest
+single process is the channels-last one; every row names its format and is compared with the torch
+row of the same format ("speedup") and with the fastest torch row ("vs best torch").
+
+Step memory is tensor-level: the peak rise of live tensor bytes during one step, from the allocator's
+events (:func:`mpitrain.perf.memory.step_memory`): activations, gradients, halos, message buffers and
+kernel workspaces, not the model or the global batch that exist before the step.
+
+Times: every contender's median of ``--steps`` steps (each after a barrier, slowest rank), contenders
+interleaved for ``--rounds`` rounds, the least median kept (:func:`~mpitrain.bench.common.best_of_rounds`).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import ctypes
-import ctypes.util
 import time
 from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 
+from ..perf.memory import step_memory
 from ..perf.spatial import conv_shapes, predict, time_local_conv
 from ..spatial.conv import SpatialConv2d
 from ..spatial.distribution import Distribution
 from ..spatial.mesh import WIDTHS, mesh_batch, mesh_model
 from ..spatial.trainer import SpatialTrainer
-from .common import header, median, print_table, time_call
+from .common import best_of_rounds, header, median, print_table, slowest_rank_times, time_call
 
-__all__ = ["main", "step_memory_mib"]
+__all__ = ["main"]
 
-_M_MMAP_THRESHOLD = -3
-
-
-def _status(key: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(ln.split()[1]) for ln in f if ln.startswith(key))
-
-
-def step_memory_mib(step: Callable[[], object]) -> float:
-    """MiB by which one call of `step` raises this process's resident set at its peak (see module doc)."""
-    libc = ctypes.CDLL(ctypes.util.find_library("c"))
-    libc.mallopt(_M_MMAP_THRESHOLD, 64 * 1024)
-    libc.malloc_trim(0)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    before = _status("VmRSS")
-    step()
-    return (_status("VmHWM") - before) / 1024.0
+_FORMATS = {"nchw": torch.contiguous_format, "cl": torch.channels_last}
+Timer = Callable[[], float]
 
 
 def _parse(argv: Sequence[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="mpitrain bench spatial", description=__doc__.split("\n")[0])
     p.add_argument("--size", type=int, default=1024, help="input side (paper: 1024 or 2048)")
     p.add_argument("--batch", type=int, default=1, help="global mini-batch N")
-    p.add_argument("--steps", type=int, default=3, help="timed steps (after one warm-up step)")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per round (median)")
+    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds (least median kept)")
     p.add_argument("--convs", type=int, default=3, help="conv-BN-ReLU per block (paper: 3 at 1K, 5 at 2K)")
     p.add_argument("--widths", default=",".join(map(str, WIDTHS)), help="filters per block")
     p.add_argument("--grids", default="auto", help="e.g. '2x1,1x2' (ph x pw per sample); auto: all splits")
+    p.add_argument("--formats", default="nchw,cl", help="memory formats to run: nchw, cl (channels-last)")
     p.add_argument("--no-overlap-row", action="store_true", help="skip the overlap=False comparison row")
     p.add_argument("--baseline", action="store_true", help="time plain torch on rank 0 alone first")
-    p.add_argument("--ref", type=float, nargs=2, metavar=("SECONDS", "MIB"),
-                   help="1-rank torch min step time and memory from an earlier -n 1 run, for the ratios")
     return p.parse_args(list(argv))
 
 
@@ -95,28 +83,20 @@ def _torch_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[
     return step
 
 
-def _measure(step: Callable[[], object], steps: int, sync: Callable[[], object]
-             ) -> tuple[float, float, float, float]:
-    """(median wall, fastest wall, fastest CPU) seconds per step and the step memory. On a shared machine
-    the fastest step is the least disturbed; CPU time leaves out the time this process was descheduled
-    (it still counts MPI's busy-polling while waiting for the other rank)."""
-    step()
-    walls, cpus = [], []
-    for _ in range(steps):
-        sync()
-        t0, c0 = time.perf_counter(), time.process_time()
-        step()
-        walls.append(time.perf_counter() - t0)
-        cpus.append(time.process_time() - c0)
-    sync()
-    return median(walls), min(walls), min(cpus), step_memory_mib(step)
-
-
 def _idle_until_all_arrive(comm) -> None:
     """A barrier that sleeps instead of busy-polling, so waiting ranks leave rank 0's baseline alone."""
     req = comm.iallreduce(torch.zeros(1))
     while not req.test():
         time.sleep(0.005)
+
+
+def _on_rank0_alone(comm, fn: Callable[[], float]) -> float:
+    """`fn()` on rank 0 while the others sleep; its result on every rank."""
+    out = torch.zeros(1, dtype=torch.float64)
+    if comm.rank == 0:
+        out[0] = fn()
+    _idle_until_all_arrive(comm)
+    return float(comm.broadcast(out, 0)[0])
 
 
 def _link(comm) -> tuple[float, float]:
@@ -141,55 +121,101 @@ def _predicted(model: nn.Module, shape: tuple[int, ...], grid: tuple[int, int], 
     return predict(shapes, grid, samples, measured.__getitem__, *link, overlap=overlap)
 
 
-def _spatial_row(args, comm, model, x, y, grid, samples, overlap: bool) -> list[object]:
-    dist = Distribution(comm, grid[:2], samples)
+class _Row:
+    """One contender: its label, a timer (median step seconds), and what is measured once."""
+
+    def __init__(self, label: str, fmt: str, grid: tuple[int, int], samples: int, timer: Timer,
+                 memory: Callable[[], float], wait: Callable[[], float], model_s: float) -> None:
+        self.label, self.fmt, self.grid, self.samples = label, fmt, grid, samples
+        self.timer, self.memory, self.wait, self.model_s = timer, memory, wait, model_s
+
+
+def _torch_row(args, comm, model: nn.Module, x: torch.Tensor, y: torch.Tensor, fmt: str) -> _Row:
+    step = _torch_step(model, x, y) if comm.rank == 0 else None
+
+    def timer() -> float:
+        return _on_rank0_alone(comm, lambda: median(time_call(step, args.steps)))
+
+    def memory() -> float:
+        return _on_rank0_alone(comm, lambda: step_memory(step) / 2**20)
+
+    model_s = _predicted(model, tuple(x.shape), (1, 1), 1, (0.0, 0.0), False)
+    return _Row(f"torch, 1 process ({fmt})", fmt, (1, 1), 1, timer, memory, lambda: 0.0, model_s)
+
+
+def _spatial_row(args, comm, model: nn.Module, x: torch.Tensor, y: torch.Tensor, fmt: str,
+                 grid: tuple[int, int], samples: int, overlap: bool) -> _Row:
+    dist = Distribution(comm, grid, samples)
     trainer = SpatialTrainer(copy.deepcopy(model), nn.CrossEntropyLoss(),
                              lambda p: torch.optim.SGD(p, lr=1e-3), dist, overlap=overlap)
     convs = [m for m in trainer.parallel.modules() if isinstance(m, SpatialConv2d)]
-    measured = _measure(lambda: trainer.train_step(x, y), args.steps, comm.barrier)
-    for m in convs:
-        m.stats.reset()
-    trainer.train_step(x, y)
-    wait = sum(m.stats.wait_s for m in convs)
-    model_s = _predicted(model, tuple(x.shape), grid, samples, args.link, overlap)
-    worst = comm.allgather_object((*measured, wait, model_s))
-    label = f"spatial {grid[0]}x{grid[1]}" + ("" if overlap else " no-overlap")
-    return [label, grid[0] * grid[1], samples, *(max(v[i] for v in worst) for i in range(6))]
+
+    def step() -> None:
+        trainer.train_step(x, y)
+
+    def wait() -> float:
+        for m in convs:
+            m.stats.reset()
+        step()
+        return sum(m.stats.wait_s for m in convs)
+
+    def slowest(value: float) -> float:
+        return float(comm.allreduce(torch.tensor([value], dtype=torch.float64), op="max")[0])
+
+    model_s = slowest(_predicted(model, tuple(x.shape), grid, samples, args.link, overlap))
+    label = f"spatial {grid[0]}x{grid[1]} ({fmt})" + ("" if overlap else " no-overlap")
+    return _Row(label, fmt, grid, samples, lambda: median(slowest_rank_times(comm, step, args.steps)),
+                lambda: slowest(step_memory(step) / 2**20), lambda: slowest(wait()), model_s)
+
+
+def _rows(args, comm, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> list[_Row]:
+    rows = []
+    for fmt in args.formats:
+        m = copy.deepcopy(model).to(memory_format=_FORMATS[fmt])
+        xf = x.contiguous(memory_format=_FORMATS[fmt])
+        if args.baseline or comm.size == 1:
+            rows.append(_torch_row(args, comm, m, xf, y, fmt))
+        for ph, pw, samples in _grids(comm.size, args.batch, args.grids):
+            rows.append(_spatial_row(args, comm, m, xf, y, fmt, (ph, pw), samples, True))
+            if ph * pw > 1 and not args.no_overlap_row:
+                rows.append(_spatial_row(args, comm, m, xf, y, fmt, (ph, pw), samples, False))
+    return rows
 
 
 def main(argv: Sequence[str]) -> int:
     import mpitrain
 
     args = _parse(argv)
+    args.formats = [f.strip() for f in args.formats.split(",") if f.strip()]
+    bad = [f for f in args.formats if f not in _FORMATS]
+    if bad:
+        raise SystemExit(f"unknown --formats {bad}; choose from {sorted(_FORMATS)}")
     comm = mpitrain.init()
     widths = tuple(int(w) for w in args.widths.split(","))
     torch.manual_seed(0)
     model = mesh_model(widths=widths, convs_per_block=args.convs)
     x, y = mesh_batch(args.batch, args.size, blocks=len(widths))
-    rows: list[list[object]] = []
-    ref = tuple(args.ref) if args.ref else None
     args.link = _link(comm)
-    if args.baseline or comm.size == 1:
-        res = (0.0, 0.0, 0.0, 0.0)
-        if comm.rank == 0:
-            res = _measure(_torch_step(copy.deepcopy(model), x, y), args.steps, lambda: None)
-        _idle_until_all_arrive(comm)
-        res = comm.broadcast_object(res, 0)
-        rows.append(["torch, 1 process", 1, 1, *res, 0.0, _predicted(model, tuple(x.shape), (1, 1), 1,
-                                                                      (0.0, 0.0), False)])
-        ref = ref or (res[1], res[3])
-    for ph, pw, samples in _grids(comm.size, args.batch, args.grids):
-        rows.append(_spatial_row(args, comm, model, x, y, (ph, pw), samples, True))
-        if ph * pw > 1 and not args.no_overlap_row:
-            rows.append(_spatial_row(args, comm, model, x, y, (ph, pw), samples, False))
+    rows = _rows(args, comm, model, x, y)
+    times = best_of_rounds({r.label: r.timer for r in rows}, args.rounds)
+    mems = {r.label: r.memory() for r in rows}
+    waits = {r.label: r.wait() for r in rows}
+    torch_t = {r.fmt: times[r.label] for r in rows if r.label.startswith("torch")}
+    torch_m = {r.fmt: mems[r.label] for r in rows if r.label.startswith("torch")}
+    best = min(torch_t.values()) if torch_t else None
     if comm.rank == 0:
         print(header(f"spatial: mesh model {args.size}^2, N={args.batch}, widths {widths}, "
                      f"{args.convs} convs/block", comm.size))
         print(f"# link: alpha {args.link[0] * 1e6:.1f} us, beta {args.link[1] * 1e9:.3f} ns/B; model = §V-A "
               f"conv cost (measured local convs + modelled halos/allreduce; other layers free)")
-        table = [[*r[:5], (ref[0] / r[4]) if ref else "-", r[5], r[6],
-                  (r[6] / ref[1]) if ref and ref[1] else "-", r[7], r[8]] for r in rows]
-        print_table(["config", "ranks/sample", "groups", "median s", "min s", "speedup(min)", "min cpu s",
+
+        def ratio(a: float | None, b: float | None) -> object:
+            return a / b if a and b else "-"
+
+        table = [[r.label, r.grid[0] * r.grid[1], r.samples, times[r.label],
+                  ratio(torch_t.get(r.fmt), times[r.label]), ratio(best, times[r.label]), mems[r.label],
+                  ratio(mems[r.label], torch_m.get(r.fmt)), waits[r.label], r.model_s] for r in rows]
+        print_table(["config", "ranks/sample", "groups", "step s", "speedup", "vs best torch",
                      "step MiB/rank", "mem ratio", "halo wait s", "model conv s"], table)
     return 0
 

@@ -36,6 +36,7 @@ from .halo import (
     wait_all,
     window_of,
 )
+from .memory import dense, empty_as
 
 __all__ = ["SpatialConv2d", "interior"]
 
@@ -107,7 +108,7 @@ class _Conv(torch.autograd.Function):
         ctx.mode = "direct" if plan.need == plan.owned else (
             "implicit" if _aligned(plan, layer.windows) else "extended")
         if ctx.mode == "extended":
-            x = x.contiguous()  # the other paths read the block in place (e.g. a view from scatter)
+            x = dense(x)  # the other paths read the block in place (e.g. a view from scatter)
         ex = start_exchange(x, plan, comm) if plan.exchanges else None
         if ctx.mode == "extended":
             y, halos = _forward_extended(x, weight, bias, layer, plan, ex)
@@ -123,7 +124,7 @@ class _Conv(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
-        dy = dy.contiguous()
+        dy = dense(dy)
         if ctx.mode == "extended":
             return (*_backward_extended(ctx, x, weight, dy), None, None, None)
         layer, plan = ctx.layer, ctx.plan
@@ -131,17 +132,13 @@ class _Conv(torch.autograd.Function):
         need_b = ctx.has_bias and ctx.needs_input_grad[2]
         pads = layer.pads if ctx.mode == "implicit" else [0, 0]
         strips = _strips(plan, layer.windows)
-        ex = _start_strip_adjoint(x, weight, dy, layer, plan, ctx.halos, strips, ctx.comm) if need_x else None
+        ex, dw_halo = _strip_backward(x, weight, dy, layer, plan, ctx.halos, strips, ctx.comm, need_x, need_w)
         bias_sizes = [weight.shape[0]] if ctx.has_bias else None
         dx, dw, db = torch.ops.aten.convolution_backward(
             dy, x, weight, bias_sizes, layer.stride, pads, layer.dilation, False, [0, 0], layer.groups,
             [need_x, need_w, need_b])
-        if need_w:  # by linearity: add what the halo cells (zero in the padded bare block) contribute
-            for (r0, r1, c0, c1), box in strips:
-                only_halo = assemble_box(x, plan, ctx.halos, box, 0.0, local=False)
-                dw += torch.ops.aten.convolution_backward(
-                    dy[:, :, r0:r1, c0:c1].contiguous(), only_halo, weight, None, layer.stride, [0, 0],
-                    layer.dilation, False, [0, 0], layer.groups, [False, True, False])[1]
+        for part in dw_halo:  # by linearity: what the halo cells (zero in the padded bare block) add
+            dw += part
         if ex is not None:
             t0 = time.perf_counter()
             _add_received(dx, plan, ex)
@@ -149,25 +146,36 @@ class _Conv(torch.autograd.Function):
         return dx, dw, db, None, None, None
 
 
-def _start_strip_adjoint(x, weight, dy, layer: SpatialConv2d, plan: HaloPlan, halos, strips,
-                         comm: Communicator) -> Exchange:
-    """Gradients of the halo cells (read only by the strips) go back to their owners; post receives for
-    the gradients of this block's cells that other ranks read. The bare-block backward already gives
-    every local cell its whole gradient from this rank's outputs (the conv is linear in its input)."""
-    grads = [x.new_zeros((x.shape[0], x.shape[1], *box.shape)) for _, box in plan.recvs]
+def _strip_backward(x, weight, dy, layer: SpatialConv2d, plan: HaloPlan, halos, strips,
+                    comm: Communicator, need_x: bool, need_w: bool
+                    ) -> tuple[Exchange | None, list[torch.Tensor]]:
+    """The halo cells' share of the backward, one small convolution backward per strip on the strip's
+    halo cells only (local cells zero): their gradients go back to their owners (receives are posted
+    for the gradients of this block's cells that other ranks read), and their dL/dw contributions are
+    returned to be added to the bare block's. dL/d(input) of a convolution does not depend on the
+    input's values, so one call gives both; the bare-block backward already gives every local cell its
+    whole gradient from this rank's outputs (the conv is linear in its input)."""
+    if not (need_x or need_w):
+        return None, []
+    grads = [x.new_zeros((x.shape[0], x.shape[1], *box.shape)) for _, box in plan.recvs] if need_x else []
+    dw_parts = []
     for (r0, r1, c0, c1), box in strips:
-        sub = assemble_box(x, plan, halos, box, 0.0)
-        dsub = torch.ops.aten.convolution_backward(
-            dy[:, :, r0:r1, c0:c1].contiguous(), sub, weight, None, layer.stride, [0, 0], layer.dilation,
-            False, [0, 0], layer.groups, [True, False, False])[0]
+        only_halo = assemble_box(x, plan, halos, box, 0.0, local=False)
+        dsub, dw_part, _ = torch.ops.aten.convolution_backward(
+            dy[:, :, r0:r1, c0:c1].contiguous(), only_halo, weight, None, layer.stride, [0, 0],
+            layer.dilation, False, [0, 0], layer.groups, [need_x, need_w, False])
+        if need_w:
+            dw_parts.append(dw_part)
         for (_, rbox), g in zip(plan.recvs, grads):
             part = rbox & box
             if not part.empty:
                 g[(..., *part.within(rbox))] += dsub[(..., *part.within(box))]
+    if not need_x:
+        return None, dw_parts
     parts = [x.new_empty((x.shape[0], x.shape[1], *box.shape)) for _, box in plan.sends]
     reqs = [comm.irecv(buf, dst, BACKWARD_TAG) for (dst, _), buf in zip(plan.sends, parts)]
     reqs += [comm.isend(g, src, BACKWARD_TAG) for (src, _), g in zip(plan.recvs, grads)]
-    return Exchange(parts, reqs)
+    return Exchange(parts, reqs), dw_parts
 
 
 def _add_received(dx: torch.Tensor, plan: HaloPlan, ex: Exchange) -> None:
@@ -181,7 +189,7 @@ def _forward_extended(x, weight, bias, layer: SpatialConv2d, plan: HaloPlan, ex)
     oh, ow = plan.out.shape
     rows, cols = interior(plan, layer.windows)
     split = layer.overlap and ex is not None and rows[1] > rows[0] and cols[1] > cols[0]
-    y = x.new_empty((x.shape[0], weight.shape[0], oh, ow)) if split else None
+    y = empty_as(x, (x.shape[0], weight.shape[0], oh, ow)) if split else None
     if split:
         layer.region(y, ext, weight, bias, (*rows, *cols))
     halos = _wait(ex, plan, layer.stats)
@@ -215,7 +223,7 @@ def _backward_extended(ctx, x, weight, dy):
 
 
 def _crop(dext: torch.Tensor, plan: HaloPlan) -> torch.Tensor:
-    dx = dext.new_zeros((*dext.shape[:2], *plan.owned.shape))
+    dx = empty_as(dext, (*dext.shape[:2], *plan.owned.shape)).zero_()
     if not plan.local.empty:
         dx[(..., *plan.local.within(plan.owned))] = dext[(..., *plan.local.within(plan.need))]
     return dx

@@ -19,6 +19,7 @@ import torch
 from ..comm.base import Communicator, Request
 from ..comm.watchdog import watched
 from .distribution import SpatialError, ranges
+from .memory import dense, empty_as
 
 __all__ = ["Window", "Box", "HaloPlan", "HaloStats", "Exchange", "plan_halo", "plan_grid", "window_of",
            "start_exchange", "finish_exchange", "assemble", "assemble_box", "place_halos", "start_adjoint",
@@ -177,7 +178,7 @@ def _fill_padding(ext: torch.Tensor, plan: HaloPlan, fill: float) -> None:
 
 def assemble(x: torch.Tensor, plan: HaloPlan, halos: Sequence[torch.Tensor], fill: float) -> torch.Tensor:
     """The needed rectangle as one tensor from the local block `x` and the received `halos`."""
-    ext = x.new_empty((x.shape[0], x.shape[1], *plan.ext_shape))
+    ext = empty_as(x, (x.shape[0], x.shape[1], *plan.ext_shape))
     _fill_padding(ext, plan, fill)
     if not plan.local.empty:
         ext[(..., *plan.local.within(plan.need))] = x[(..., *plan.local.within(plan.owned))]
@@ -275,7 +276,7 @@ def start_adjoint(dext: torch.Tensor, plan: HaloPlan, comm: Communicator,
 def finish_adjoint(dext: torch.Tensor, plan: HaloPlan, ex: Exchange) -> torch.Tensor:
     """The gradient of the local block: its own cells of `dext` plus, in rank order, what others sent."""
     n, c = dext.shape[0], dext.shape[1]
-    dx = dext.new_zeros((n, c, *plan.owned.shape))
+    dx = empty_as(dext, (n, c, *plan.owned.shape)).zero_()
     if not plan.local.empty:
         dx[(..., *plan.local.within(plan.owned))] = dext[(..., *plan.local.within(plan.need))]
     wait_all(ex.requests, plan)
@@ -286,14 +287,14 @@ def finish_adjoint(dext: torch.Tensor, plan: HaloPlan, ex: Exchange) -> torch.Te
 
 def adjoint_exchange(dext: torch.Tensor, plan: HaloPlan, comm: Communicator) -> torch.Tensor:
     """Blocking adjoint of the halo exchange (see :func:`start_adjoint`)."""
-    return finish_adjoint(dext, plan, start_adjoint(dext.contiguous(), plan, comm))
+    return finish_adjoint(dext, plan, start_adjoint(dense(dext), plan, comm))
 
 
 class _HaloExchange(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, plan: HaloPlan, comm: Communicator, fill: float) -> torch.Tensor:
         ctx.plan, ctx.comm = plan, comm
-        x = x.contiguous()
+        x = dense(x)
         return assemble(x, plan, finish_exchange(start_exchange(x, plan, comm), plan), fill)
 
     @staticmethod
