@@ -238,3 +238,17 @@ def test_channels_last_blocks_equal_single_process_and_stay_channels_last(comm):
         y = parallelize(copy.deepcopy(model), dist)(dist.scatter(x))
         assert_all_ranks(comm, y.is_contiguous(memory_format=torch.channels_last),
                          f"grid {grid}: output block has strides {y.stride()}, not channels-last")
+
+
+def test_no_halo_send_stays_in_flight_after_forward_or_backward(comm):
+    from mpitrain.spatial import halo
+
+    grid, samples = layouts(comm.size)[0]
+    dist = Distribution(comm, grid, samples)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, 1, 1), nn.MaxPool2d(3, 1, 1), nn.Conv2d(4, 2, 5, 1, 2))
+    pm = parallelize(model, dist)
+    y = pm(dist.scatter(torch.randn(max(2, samples), 3, 16, 12)))
+    assert_all_ranks(comm, not halo._pending, f"{len(halo._pending)} sends pending after forward")
+    gather(y).square().sum().backward()
+    assert_all_ranks(comm, not halo._pending, f"{len(halo._pending)} sends pending after backward")

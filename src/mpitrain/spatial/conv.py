@@ -31,9 +31,9 @@ from .halo import (
     finish_adjoint,
     finish_exchange,
     place_halos,
+    settle,
     start_adjoint,
     start_exchange,
-    wait_all,
     window_of,
 )
 from .memory import dense, empty_as
@@ -174,12 +174,12 @@ def _strip_backward(x, weight, dy, layer: SpatialConv2d, plan: HaloPlan, halos, 
         return None, dw_parts
     parts = [x.new_empty((x.shape[0], x.shape[1], *box.shape)) for _, box in plan.sends]
     reqs = [comm.irecv(buf, dst, BACKWARD_TAG) for (dst, _), buf in zip(plan.sends, parts)]
-    reqs += [comm.isend(g, src, BACKWARD_TAG) for (src, _), g in zip(plan.recvs, grads)]
-    return Exchange(parts, reqs), dw_parts
+    sends = [(comm.isend(g, src, BACKWARD_TAG), g) for (src, _), g in zip(plan.recvs, grads)]
+    return Exchange(parts, reqs, sends), dw_parts
 
 
 def _add_received(dx: torch.Tensor, plan: HaloPlan, ex: Exchange) -> None:
-    wait_all(ex.requests, plan)
+    settle(ex, plan, backward=True)
     for (_, box), part in zip(plan.sends, ex.halos):
         dx[(..., *box.within(plan.owned))] += part
 

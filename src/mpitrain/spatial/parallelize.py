@@ -11,6 +11,7 @@ from .base import WindowLayer
 from .batchnorm import SpatialBatchNorm2d
 from .conv import SpatialConv2d
 from .distribution import Distribution, Layout, SpatialError, layout_of, tag
+from .halo import complete_sends
 from .pooling import SpatialAdaptiveAvgPool2d, SpatialAvgPool2d, SpatialMaxPool2d
 from .redistribute import Redistribute
 from .reduce import GradBucket
@@ -105,6 +106,7 @@ class SpatialParallel(nn.Module):
         bucket = GradBucket(self.dist.comm, [p for _, p in named])
         synced = {name: bucket.sync(i) for i, (name, _) in enumerate(named)}
         y = functional_call(self.module, synced, (x,), strict=False) if synced else self.module(x)
+        complete_sends()  # nothing of this forward stays in flight (backward completes its own)
         if layout_of(y) is None and y.dim() == 4:
             tag(y, self.dist.infer_layout(y))
         return y
