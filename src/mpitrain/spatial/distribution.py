@@ -32,7 +32,9 @@ class Distribution:
     height over the grid rows and its width over the grid columns (blocked, uneven sizes allowed).
 
     World rank ``r`` is in group ``r // (ph*pw)`` at grid position ``divmod(r % (ph*pw), pw)``.
-    Constructing one is collective over `comm` (it splits the spatial and the sample communicators).
+    Constructing one sends nothing; the spatial and sample communicators are split from `comm` once,
+    collectively, by :meth:`connect` (which :func:`~mpitrain.spatial.parallelize` calls after it has
+    checked the model, so a model it refuses is refused before any message) or at their first use.
     """
 
     def __init__(self, comm: Communicator, grid: tuple[int, int] = (1, 1), samples: int = 1) -> None:
@@ -48,8 +50,25 @@ class Distribution:
         self.per_sample = grid[0] * grid[1]
         self.group, self.spatial_rank = divmod(comm.rank, self.per_sample)
         self.coords = divmod(self.spatial_rank, grid[1])
-        self.spatial_comm = comm.split(self.group, self.spatial_rank)
-        self.sample_comm = comm.split(self.spatial_rank, self.group)
+        self._comms: tuple[Communicator, Communicator] | None = None
+
+    def connect(self) -> None:
+        """Split the spatial and sample communicators (collective over `comm`; later calls do nothing)."""
+        if self._comms is None:
+            self._comms = (self.comm.split(self.group, self.spatial_rank),
+                           self.comm.split(self.spatial_rank, self.group))
+
+    @property
+    def spatial_comm(self) -> Communicator:
+        """The ph x pw ranks of this rank's sample group (halo exchanges)."""
+        self.connect()
+        return self._comms[0]
+
+    @property
+    def sample_comm(self) -> Communicator:
+        """The ranks at this rank's grid position in every group (gathering whole samples)."""
+        self.connect()
+        return self._comms[1]
 
     def __repr__(self) -> str:
         return f"Distribution(samples={self.samples}, grid={self.grid}, rank={self.comm.rank})"

@@ -120,5 +120,9 @@ def parallelize(module: nn.Module, dist: Distribution, *, bn_stats: str = "globa
     those classes); element-wise modules run on blocks as they are; a head after a global pool or a
     :class:`Redistribute` runs on whatever layout it receives. `bn_stats`: ``"global"`` (exact),
     ``"spatial"`` or ``"local"``. `overlap`: compute conv interiors while halos are in flight.
-    Every rank must call it (and the result) the same way."""
-    return SpatialParallel(module, convert(module, dist, bn_stats, overlap), dist)
+    Every rank must call it (and the result) the same way: it is collective over ``dist.comm`` (it
+    splits the distribution's communicators) only after every module was accepted, so an unsupported
+    one raises :class:`SpatialError` on every rank before any message."""
+    converted = convert(module, dist, bn_stats, overlap)
+    dist.connect()
+    return SpatialParallel(module, converted, dist)
