@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from ...comm.base import Communicator, split_sizes
-from ...comm.watchdog import DEFAULT_POLICY
+from ...comm.watchdog import DEFAULT_POLICY, watched
 from .. import FitError
 from ..batching import batch_size, check_divisible
 from ..grad_allreduce import start_allreduce_gradients
@@ -194,7 +194,8 @@ class PipelineTrainer:
         if self.optimizer is not None:
             self.optimizer.step()
         mine = total[0] / self.M / self.R if self.p == self.P - 1 else 0.0
-        return float(self.comm.allreduce(torch.tensor([mine], dtype=torch.float64))[0])
+        with self._watched("the end-of-step loss allreduce"):
+            return float(self.comm.allreduce(torch.tensor([mine], dtype=torch.float64))[0])
 
     def eval_step(self, inputs: Any, targets: torch.Tensor) -> torch.Tensor:
         """Forward only, in eval mode; any batch size (uneven slices by `split_sizes`)."""
@@ -223,10 +224,16 @@ class PipelineTrainer:
             self.stage.finish_sends()
         finally:
             self.part.module.train()
-        for r, size in enumerate(per_replica):  # each replica's last partition shares its slice
-            begin = sum(per_replica[:r])
-            self.comm.broadcast(result[begin:begin + size], root=self.world_rank(self.P - 1, r))
+        with self._watched("the broadcast of the evaluation outputs"):
+            for r, size in enumerate(per_replica):  # each replica's last partition shares its slice
+                begin = sum(per_replica[:r])
+                self.comm.broadcast(result[begin:begin + size], root=self.world_rank(self.P - 1, r))
         return result
+
+    def _watched(self, what: str):
+        """A blocking collective over all ranks, with a warning naming it if it outlives stall_timeout."""
+        return watched("pipeline collective", f"rank {self.comm.rank} waits in {what} over all "
+                       f"{self.comm.size} ranks", float(self.opts["stall_timeout"]))
 
     def _sync_buffers(self) -> None:
         """Give every replica replica 0's buffers (BatchNorm statistics), as DDP's broadcast_buffers
