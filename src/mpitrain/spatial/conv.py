@@ -30,6 +30,7 @@ from .halo import (
     assemble_box,
     finish_adjoint,
     finish_exchange,
+    isend_all,
     place_halos,
     settle,
     start_adjoint,
@@ -174,7 +175,7 @@ def _strip_backward(x, weight, dy, layer: SpatialConv2d, plan: HaloPlan, halos, 
         return None, dw_parts
     parts = [x.new_empty((x.shape[0], x.shape[1], *box.shape)) for _, box in plan.sends]
     reqs = [comm.irecv(buf, dst, BACKWARD_TAG) for (dst, _), buf in zip(plan.sends, parts)]
-    sends = [(comm.isend(g, src, BACKWARD_TAG), g) for (src, _), g in zip(plan.recvs, grads)]
+    sends = isend_all(comm, [(g, src) for (src, _), g in zip(plan.recvs, grads)], BACKWARD_TAG)
     return Exchange(parts, reqs, sends), dw_parts
 
 

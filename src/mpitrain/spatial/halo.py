@@ -24,8 +24,7 @@ from .memory import dense, empty_as
 __all__ = ["Window", "Box", "HaloPlan", "HaloStats", "Exchange", "plan_halo", "plan_grid", "window_of",
            "start_exchange", "finish_exchange", "assemble", "assemble_box", "place_halos", "start_adjoint",
            "finish_adjoint", "adjoint_exchange", "halo_exchange", "wait_all", "settle", "complete_sends",
-           "FORWARD_TAG", "BACKWARD_TAG",
-           "STALL_WARNING_S"]
+           "isend_all", "FORWARD_TAG", "BACKWARD_TAG", "STALL_WARNING_S"]
 
 FORWARD_TAG, BACKWARD_TAG = 7301, 7302
 
@@ -232,8 +231,9 @@ class Exchange:
     sends: list[tuple[Request, torch.Tensor]] = field(default_factory=list)
 
 
-def _isend_all(comm: Communicator, parts: Sequence[tuple[torch.Tensor, int]], tag: int
-               ) -> list[tuple[Request, torch.Tensor]]:
+def isend_all(comm: Communicator, parts: Sequence[tuple[torch.Tensor, int]], tag: int
+              ) -> list[tuple[Request, torch.Tensor]]:
+    """Post a nonblocking send of each (tensor, destination); returns (request, the buffer it reads)."""
     out = []
     for t, dst in parts:
         buf = t.contiguous()
@@ -246,7 +246,7 @@ def start_exchange(x: torch.Tensor, plan: HaloPlan, comm: Communicator, tag: int
     n, c = x.shape[0], x.shape[1]
     halos = [x.new_empty((n, c, *box.shape)) for _, box in plan.recvs]
     reqs = [comm.irecv(buf, src, tag) for (src, _), buf in zip(plan.recvs, halos)]
-    sends = _isend_all(comm, [(x[(..., *box.within(plan.owned))], dst) for dst, box in plan.sends], tag)
+    sends = isend_all(comm, [(x[(..., *box.within(plan.owned))], dst) for dst, box in plan.sends], tag)
     return Exchange(halos, reqs, sends)
 
 
@@ -281,26 +281,15 @@ def complete_sends(warn_after: float = STALL_WARNING_S) -> None:
         _pending.clear()
 
 
-_completion_queued = False
-
-
-def _complete_at_backward_end() -> None:
-    global _completion_queued
-    _completion_queued = False
-    complete_sends()
-
-
 def settle(ex: Exchange, plan: HaloPlan, backward: bool = False) -> None:
     """Wait for the receives of `ex`, complete the sends of earlier exchanges, and defer those of `ex`
     (their buffers stay referenced until they complete). With `backward` (called from an autograd
     backward) the deferred sends are also completed when that backward pass ends."""
-    global _completion_queued
     wait_all(ex.requests, plan)
     complete_sends()
     _pending.extend(ex.sends)
-    if backward and ex.sends and not _completion_queued:
-        torch.autograd.Variable._execution_engine.queue_callback(_complete_at_backward_end)
-        _completion_queued = True
+    if backward and ex.sends:  # one callback per exchange: cheap, and none is lost to an exception
+        torch.autograd.Variable._execution_engine.queue_callback(complete_sends)
 
 
 def finish_exchange(ex: Exchange, plan: HaloPlan) -> list[torch.Tensor]:
@@ -316,7 +305,7 @@ def start_adjoint(dext: torch.Tensor, plan: HaloPlan, comm: Communicator,
     n, c = dext.shape[0], dext.shape[1]
     parts = [dext.new_empty((n, c, *box.shape)) for _, box in plan.sends]
     reqs = [comm.irecv(buf, dst, tag) for (dst, _), buf in zip(plan.sends, parts)]
-    sends = _isend_all(comm, [(dext[(..., *box.within(plan.need))], src) for src, box in plan.recvs], tag)
+    sends = isend_all(comm, [(dext[(..., *box.within(plan.need))], src) for src, box in plan.recvs], tag)
     return Exchange(parts, reqs, sends)
 
 
