@@ -13,15 +13,14 @@ __all__ = ["step_memory"]
 def step_memory(fn: Callable[[], object]) -> int:
     """Bytes by which the live tensors (CPU allocator) of this process rise at their peak during `fn()`.
 
-    Counts every tensor `fn` allocates while it runs: activations saved for backward, gradients, halo
-    and message buffers, temporaries; not what existed before the call (model, input batch), except that
-    a tensor freed during the call lowers the level from which later allocations count. Unlike the
-    resident set it does not depend on how malloc keeps or returns freed memory, so runs compare
-    exactly. Read from the profiler's allocation events (``profile_memory=True``), which slows `fn`."""
+    Counts every block `fn` allocates while it runs (activations saved for backward, gradients, halo
+    and message buffers, kernel workspaces), minus those it frees again. Blocks that existed before the
+    call (model, input batch, last step's gradients) are not counted, nor is their freeing: the
+    profiler cannot size a block allocated before it started. Unlike the resident set it does not
+    depend on how malloc keeps or returns freed memory, so runs compare exactly. Read from the
+    profiler's allocation events (``profile_memory=True``), which slows `fn`."""
     with warnings.catch_warnings():
-        # blocks allocated before the profiler started are freed "of unknown size": they only lower
-        # the level, so a rise measured from the start is still exact
-        warnings.simplefilter("ignore")
+        warnings.simplefilter("ignore")  # "memory block of unknown size": see above
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             fn()
     events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
