@@ -146,6 +146,23 @@ def test_local_batchnorm_normalises_each_block_by_its_own_statistics(comm):
     assert_close_all_ranks(comm, y, expected, TOL, TOL, "local BN")
 
 
+def test_local_batchnorm_gradients_equal_torch_on_each_block(comm):
+    dist = Distribution(comm, (comm.size, 1), 1)
+    torch.manual_seed(0)
+    bn = nn.BatchNorm2d(3)
+    x = torch.randn(2, 3, 3 * comm.size + 2, 5)
+    g = torch.randn_like(x)
+    ref = copy.deepcopy(bn)
+    block = dist.scatter(x).detach().clone().requires_grad_()
+    (ref(block) * dist.scatter(g)).sum().backward()
+    xr = x.clone().requires_grad_()
+    y = parallelize(nn.Sequential(bn), dist, bn_stats="local")(dist.scatter(xr))
+    (gather(y) * g).sum().backward()
+    assert_close_all_ranks(comm, dist.scatter(xr.grad), block.grad, TOL, TOL, "local BN dL/dx")
+    for p, pr in ((bn.weight, ref.weight), (bn.bias, ref.bias)):  # the bucket sums every rank's share
+        assert_close_all_ranks(comm, p.grad, comm.allreduce(pr.grad.clone(), "sum"), TOL, TOL, "local BN dL/dw")
+
+
 def test_global_batchnorm_running_statistics_equal_single_process(comm):
     grid, samples = layouts(comm.size)[-1]
     dist = Distribution(comm, grid, samples)
