@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 from collections.abc import Callable, Sequence
 
 import torch
@@ -23,7 +22,7 @@ from torch import nn
 
 from ..fit import FitSpec, make_trainer
 from ..runtime import init
-from .common import best_of_rounds, header, median, print_table, slowest_rank_times, time_call
+from .common import best_of_rounds, header, median, on_rank0_alone, print_table, slowest_rank_times, time_call
 
 __all__ = ["main", "ResidualCNN"]
 
@@ -73,8 +72,7 @@ def _median_step(comm, step: Callable[[], object], steps: int) -> Timer:
 
 def _sequential(comm, args: argparse.Namespace, n: int, micro: int) -> Timer:
     """A timer: rank 0 alone trains the whole model (M micro-batches accumulated) while the other ranks
-    sleep (polling a nonblocking broadcast of the result), so it has a core to itself like one process;
-    returns the median over `args.steps` steps on every rank."""
+    sleep (:func:`~mpitrain.bench.common.on_rank0_alone`); the median over `args.steps` steps."""
     step = None
     if comm.rank == 0:
         torch.manual_seed(0)
@@ -87,16 +85,7 @@ def _sequential(comm, args: argparse.Namespace, n: int, micro: int) -> Timer:
                 (loss_fn(model(xs), ys) / micro).backward()
             opt.step()
 
-    def timer() -> float:
-        seconds = torch.zeros(1, dtype=torch.float64)
-        if step is not None:
-            seconds[0] = median(time_call(step, args.steps))
-        req = comm.ibroadcast(seconds, root=0)
-        while not req.test():
-            time.sleep(1e-3)
-        return float(seconds[0])
-
-    return timer
+    return lambda: on_rank0_alone(comm, lambda: median(time_call(step, args.steps)))
 
 
 def _parallel(comm, args: argparse.Namespace, n: int, strategy: str, partitions: int = 1, micro: int = 1,

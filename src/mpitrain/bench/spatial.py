@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import time
 from collections.abc import Callable, Sequence
 
 import torch
@@ -30,7 +29,7 @@ from ..spatial.conv import SpatialConv2d
 from ..spatial.distribution import Distribution
 from ..spatial.mesh import WIDTHS, mesh_batch, mesh_model
 from ..spatial.trainer import SpatialTrainer
-from .common import best_of_rounds, header, median, print_table, slowest_rank_times, time_call
+from .common import best_of_rounds, header, median, on_rank0_alone, print_table, slowest_rank_times, time_call
 
 __all__ = ["main"]
 
@@ -83,22 +82,6 @@ def _torch_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[
     return step
 
 
-def _idle_until_all_arrive(comm) -> None:
-    """A barrier that sleeps instead of busy-polling, so waiting ranks leave rank 0's baseline alone."""
-    req = comm.iallreduce(torch.zeros(1))
-    while not req.test():
-        time.sleep(0.005)
-
-
-def _on_rank0_alone(comm, fn: Callable[[], float]) -> float:
-    """`fn()` on rank 0 while the others sleep; its result on every rank."""
-    out = torch.zeros(1, dtype=torch.float64)
-    if comm.rank == 0:
-        out[0] = fn()
-    _idle_until_all_arrive(comm)
-    return float(comm.broadcast(out, 0)[0])
-
-
 def _link(comm) -> tuple[float, float]:
     """(alpha, beta) of a halo-sized exchange between neighbours: sendrecv times at 8 B and 4 MiB."""
     if comm.size == 1:
@@ -134,10 +117,10 @@ def _torch_row(args, comm, model: nn.Module, x: torch.Tensor, y: torch.Tensor, f
     step = _torch_step(model, x, y) if comm.rank == 0 else None
 
     def timer() -> float:
-        return _on_rank0_alone(comm, lambda: median(time_call(step, args.steps)))
+        return on_rank0_alone(comm, lambda: median(time_call(step, args.steps)))
 
     def memory() -> float:
-        return _on_rank0_alone(comm, lambda: step_memory(step) / 2**20)
+        return on_rank0_alone(comm, lambda: step_memory(step) / 2**20)
 
     model_s = _predicted(model, tuple(x.shape), (1, 1), 1, (0.0, 0.0), False)
     return _Row(f"torch, 1 process ({fmt})", fmt, (1, 1), 1, timer, memory, lambda: 0.0, model_s)
