@@ -257,6 +257,40 @@ def test_channels_last_blocks_equal_single_process_and_stay_channels_last(comm):
                          f"grid {grid}: output block has strides {y.stride()}, not channels-last")
 
 
+def test_channels_last_weight_gradients_stay_channels_last(comm):
+    # the fused gradient allreduce flattens each gradient in its memory order: no copy, same layout
+    dist = Distribution(comm, (comm.size, 1), 1)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, 1, 1), nn.BatchNorm2d(8)).to(memory_format=torch.channels_last)
+    x = torch.randn(1, 3, 4 * comm.size + 1, 6).contiguous(memory_format=torch.channels_last)
+    gather(parallelize(model, dist)(dist.scatter(x))).square().sum().backward()
+    w = model[0].weight
+    assert_all_ranks(comm, w.grad.stride() == w.stride(), f"grad strides {w.grad.stride()} vs {w.stride()}")
+
+
+def test_tied_weights_get_the_sum_of_both_uses(comm):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(4, 4, 3, 1, 1), nn.ReLU(), nn.Conv2d(4, 4, 3, 1, 1))
+    model[2].weight = model[0].weight  # one parameter, two layers
+    compare(comm, model, torch.randn(2, 4, 13, 11), Distribution(comm, (comm.size, 1), 1), "tied conv weights")
+
+
+def test_a_replaced_parameter_is_used_and_reduced(comm):
+    dist = Distribution(comm, (comm.size, 1), 1)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, 1, 1), nn.Conv2d(4, 2, 3, 1, 1))
+    pm = parallelize(model, dist)
+    x = torch.randn(1, 3, 3 * comm.size + 2, 7)
+    pm(dist.scatter(x))
+    new = nn.Parameter(torch.randn_like(model[1].weight))
+    pm.module[1].weight = new  # after a first forward: the next one must read and reduce the new one
+    ref = copy.deepcopy(model)
+    ref[1].weight = nn.Parameter(new.detach().clone())
+    ref(x).square().sum().backward()
+    gather(pm(dist.scatter(x))).square().sum().backward()
+    assert_close_all_ranks(comm, new.grad, ref[1].weight.grad, TOL, TOL, "replaced weight")
+
+
 def test_no_halo_send_stays_in_flight_after_forward_or_backward(comm):
     from mpitrain.spatial import halo
 

@@ -67,14 +67,15 @@ class _Monitor:
     registered with :func:`watched` and outlived their limit (once per wait)."""
 
     def __init__(self) -> None:
-        self._waits: dict[int, tuple[str, float, float]] = {}  # thread id -> (message, since, warn_after)
+        # thread id -> (label, detail, since, warn_after); the message is formatted only if it is late
+        self._waits: dict[int, tuple[str, str | Callable[[], str], float, float]] = {}
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
 
-    def enter(self, message: str, warn_after: float) -> int:
+    def enter(self, label: str, detail: str | Callable[[], str], warn_after: float) -> int:
         key = threading.get_ident()
         with self._lock:
-            self._waits[key] = (message, time.monotonic(), warn_after)
+            self._waits[key] = (label, detail, time.monotonic(), warn_after)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="mpitrain-stall-monitor", daemon=True)
                 self._thread.start()
@@ -90,25 +91,26 @@ class _Monitor:
             time.sleep(1.0)
             now = time.monotonic()
             with self._lock:
-                late = [(k, w) for k, w in self._waits.items() if now - w[1] > w[2] and (k, w[1]) not in warned]
-            for key, (message, since, _) in late:
+                late = [(k, w) for k, w in self._waits.items() if now - w[2] > w[3] and (k, w[2]) not in warned]
+            for key, (label, detail, since, warn_after) in late:
                 warned.add((key, since))
-                warnings.warn(message, RuntimeWarning, stacklevel=1)
+                text = detail() if callable(detail) else detail
+                warnings.warn(f"{label} stalled for {warn_after:g} s; {text}", RuntimeWarning, stacklevel=1)
 
 
 _monitor = _Monitor()
 
 
 @contextmanager
-def watched(label: str, detail: str, warn_after: float) -> Iterator[None]:
+def watched(label: str, detail: str | Callable[[], str], warn_after: float) -> Iterator[None]:
     """Mark the calling thread as blocked in `label` for the duration of the ``with`` block; if the block
     lasts longer than `warn_after` seconds a shared monitor thread issues one RuntimeWarning
-    "<label> stalled for <warn_after> s; <detail>".
+    "<label> stalled for <warn_after> s; <detail>" (`detail` may be a callable, called only then).
 
     For waits that must block inside MPI rather than poll: a blocked MPI call releases the GIL, while a
     Python polling loop fights the compute thread for it (measured 10-40x slower compute steps on a busy
     machine). Entering and leaving costs a lock and a dict update; the monitor wakes once a second."""
-    key = _monitor.enter(f"{label} stalled for {warn_after:g} s; {detail}", warn_after)
+    key = _monitor.enter(label, detail, warn_after)
     try:
         yield
     finally:

@@ -106,8 +106,7 @@ class _Conv(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, layer: SpatialConv2d, plan: HaloPlan, comm: Communicator):
         ctx.layer, ctx.plan, ctx.comm, ctx.has_bias = layer, plan, comm, bias is not None
-        ctx.mode = "direct" if plan.need == plan.owned else (
-            "implicit" if _aligned(plan, layer.windows) else "extended")
+        ctx.mode, strips = layer.geometry(plan)
         if ctx.mode == "extended":
             x = dense(x)  # the other paths read the block in place (e.g. a view from scatter)
         ex = start_exchange(x, plan, comm) if plan.exchanges else None
@@ -116,7 +115,7 @@ class _Conv(torch.autograd.Function):
         else:
             y = layer.conv(x, weight, bias, layer.pads if ctx.mode == "implicit" else [0, 0])
             halos = _wait(ex, plan, layer.stats)
-            for (r0, r1, c0, c1), box in _strips(plan, layer.windows):
+            for (r0, r1, c0, c1), box in strips:
                 y[:, :, r0:r1, c0:c1] = layer.conv(assemble_box(x, plan, halos, box, 0.0), weight, bias)
         ctx.save_for_backward(x, weight)
         ctx.halos = halos
@@ -132,7 +131,7 @@ class _Conv(torch.autograd.Function):
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         need_b = ctx.has_bias and ctx.needs_input_grad[2]
         pads = layer.pads if ctx.mode == "implicit" else [0, 0]
-        strips = _strips(plan, layer.windows)
+        strips = layer.geometry(plan)[1]
         ex, dw_halo = _strip_backward(x, weight, dy, layer, plan, ctx.halos, strips, ctx.comm, need_x, need_w)
         bias_sizes = [weight.shape[0]] if ctx.has_bias else None
         dx, dw, db = torch.ops.aten.convolution_backward(
@@ -158,12 +157,12 @@ def _strip_backward(x, weight, dy, layer: SpatialConv2d, plan: HaloPlan, halos, 
     whole gradient from this rank's outputs (the conv is linear in its input)."""
     if not (need_x or need_w):
         return None, []
-    grads = [x.new_zeros((x.shape[0], x.shape[1], *box.shape)) for _, box in plan.recvs] if need_x else []
+    grads = [empty_as(x, (x.shape[0], x.shape[1], *box.shape)).zero_() for _, box in plan.recvs] if need_x else []
     dw_parts = []
     for (r0, r1, c0, c1), box in strips:
         only_halo = assemble_box(x, plan, halos, box, 0.0, local=False)
         dsub, dw_part, _ = torch.ops.aten.convolution_backward(
-            dy[:, :, r0:r1, c0:c1].contiguous(), only_halo, weight, None, layer.stride, [0, 0],
+            dense(dy[:, :, r0:r1, c0:c1]), only_halo, weight, None, layer.stride, [0, 0],
             layer.dilation, False, [0, 0], layer.groups, [need_x, need_w, False])
         if need_w:
             dw_parts.append(dw_part)
@@ -257,6 +256,16 @@ class SpatialConv2d(WindowLayer):
         self.overlap = overlap
         self.pads = [w.pad[0] for w in self.windows]
         self.source = repr(conv)
+        self._geometry: dict[int, tuple[HaloPlan, str, list]] = {}
+
+    def geometry(self, plan: HaloPlan) -> tuple[str, list[tuple[tuple[int, int, int, int], Box]]]:
+        """(path, halo-reading strips) for `plan` (see :class:`_Conv`), computed once per plan."""
+        hit = self._geometry.get(id(plan))
+        if hit is None or hit[0] is not plan:
+            mode = "direct" if plan.need == plan.owned else (
+                "implicit" if _aligned(plan, self.windows) else "extended")
+            hit = self._geometry[id(plan)] = (plan, mode, _strips(plan, self.windows))
+        return hit[1], hit[2]
 
     def extra_repr(self) -> str:
         return f"{self.source}, grid={self.dist.grid}, overlap={self.overlap}"

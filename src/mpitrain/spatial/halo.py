@@ -190,7 +190,8 @@ def assemble_box(x: torch.Tensor, plan: HaloPlan, halos: Sequence[torch.Tensor],
                  local: bool = True) -> torch.Tensor:
     """The part `box` (global indices, inside ``plan.need``) of the needed rectangle: padding `fill`,
     the local cells (or zeros when ``local=False``) and the received `halos`. Meant for thin strips."""
-    out = x.new_full((x.shape[0], x.shape[1], *box.shape), fill)
+    out = empty_as(x, (x.shape[0], x.shape[1], *box.shape)).fill_(fill)  # x's memory order: the strip
+    # convolutions run on oneDNN's channels-last path when the model does
     inside = box & plan.valid
     if not inside.empty and fill != 0.0:
         out[(..., *inside.within(box))] = 0.0
@@ -264,20 +265,22 @@ def wait_all(requests: Sequence[Request], plan: HaloPlan, warn_after: float = ST
     """Complete every request (blocking); if that takes more than `warn_after` seconds a watchdog warns
     once, naming this rank's plan (the ranks and boxes it waits for). A dead rank ends the job through
     the launcher; a layer that differs on another rank shows up in the warnings of both."""
-    if not requests:
-        return
-    with watched("halo exchange", str(plan), warn_after):
-        for r in requests:
-            r.wait()
+    late = [r for r in requests if not r.test()]
+    if late:
+        with watched("halo exchange", plan.__str__, warn_after):
+            for r in late:
+                r.wait()
 
 
 def complete_sends(warn_after: float = STALL_WARNING_S) -> None:
     """Wait for every deferred halo send (see :func:`settle`); afterwards nothing is in flight. Called at
     the end of each forward and backward of a parallelized model; collective-free and idempotent."""
     if _pending:
-        with watched("halo sends", f"{len(_pending)} halo sends still in flight", warn_after):
-            for r, _ in _pending:
-                r.wait()
+        late = [r for r, _ in _pending if not r.test()]
+        if late:
+            with watched("halo sends", lambda: f"{len(late)} halo sends still in flight", warn_after):
+                for r in late:
+                    r.wait()
         _pending.clear()
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 import torch.fx
 from torch import nn
-from torch.func import functional_call
 
 from .base import WindowLayer
 from .batchnorm import SpatialBatchNorm2d
@@ -96,20 +95,45 @@ class SpatialParallel(nn.Module):
         super().__init__()
         self.module, self.dist = converted, dist
         self._original = [module]
+        self._slots = _param_slots(converted)
 
     @property
     def original(self) -> nn.Module:
         return self._original[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        named = [(name, p) for name, p in self.module.named_parameters() if p.requires_grad]
-        bucket = GradBucket(self.dist.comm, [p for _, p in named])
-        synced = {name: bucket.sync(i) for i, (name, _) in enumerate(named)}
-        y = functional_call(self.module, synced, (x,), strict=False) if synced else self.module(x)
+        if any(m._parameters.get(name) is not p for p, owners in self._slots for m, name in owners):
+            self._slots = _param_slots(self.module)  # a parameter was replaced since the last call
+        live = [(p, owners) for p, owners in self._slots if p.requires_grad]
+        bucket = GradBucket(self.dist.comm, [p for p, _ in live])
+        # every module that holds a parameter reads the bucket's view of it for this call (an instance
+        # attribute shadows the registered parameter): what torch.func.functional_call does, without
+        # walking the module tree on every step
+        for i, (_, owners) in enumerate(live):
+            view = bucket.sync(i)
+            for m, name in owners:
+                m.__dict__[name] = view
+        try:
+            y = self.module(x)
+        finally:
+            for _, owners in live:
+                for m, name in owners:
+                    del m.__dict__[name]
         complete_sends()  # nothing of this forward stays in flight (backward completes its own)
         if layout_of(y) is None and y.dim() == 4:
             tag(y, self.dist.infer_layout(y))
         return y
+
+
+def _param_slots(module: nn.Module) -> list[tuple[nn.Parameter, list[tuple[nn.Module, str]]]]:
+    """Each parameter of `module` once (in ``named_parameters`` order) with every (module, attribute)
+    that holds it: a tied weight has several."""
+    slots: dict[int, tuple[nn.Parameter, list[tuple[nn.Module, str]]]] = {}
+    for m in module.modules():
+        for name, p in m._parameters.items():
+            if p is not None:
+                slots.setdefault(id(p), (p, []))[1].append((m, name))
+    return list(slots.values())
 
 
 def parallelize(module: nn.Module, dist: Distribution, *, bn_stats: str = "global",

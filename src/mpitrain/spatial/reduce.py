@@ -48,18 +48,34 @@ class GradBucket:
         self.pending[index] = self.pending[index] + grad if index in self.pending else grad
 
     def flush(self) -> None:
-        """Allreduce the stored local gradients as one flat buffer; add the sums to ``.grad``."""
+        """Allreduce the stored local gradients as one flat buffer; add the sums to ``.grad`` (a ``.grad``
+        set here is a view of that buffer)."""
         order = sorted(self.pending)
         grads, self.pending = [self.pending[i] for i in order], {}
-        flat = self.comm.allreduce(torch.cat([g.reshape(-1) for g in grads]), "sum")
+        perms = [_memory_order(g) for g in grads]
+        flat = self.comm.allreduce(torch.cat([g.permute(o).reshape(-1) for g, o in zip(grads, perms)]), "sum")
         offset = 0
-        for i, g in zip(order, grads):
-            p, total = self.params[i], flat[offset:offset + g.numel()].view_as(g)
+        for i, g, o in zip(order, grads, perms):
+            total = flat[offset:offset + g.numel()].view([g.shape[d] for d in o]).permute(_inverse(o))
             offset += g.numel()
+            p = self.params[i]
             if p.grad is None:
-                p.grad = total.clone()
+                p.grad = total  # a view of `flat` in g's memory order (channels-last stays so): no copy
             else:
                 p.grad.add_(total)
+
+
+def _memory_order(t: torch.Tensor) -> list[int]:
+    """Dimensions from outermost to innermost in memory: ``t.permute(order)`` is contiguous when `t` is
+    dense in any memory format (e.g. channels-last), so flattening it needs no copy."""
+    return sorted(range(t.dim()), key=lambda d: (-t.stride(d), d))
+
+
+def _inverse(order: list[int]) -> list[int]:
+    inv = [0] * len(order)
+    for i, d in enumerate(order):
+        inv[d] = i
+    return inv
 
 
 class _SyncGrad(torch.autograd.Function):

@@ -76,7 +76,8 @@ class SpatialTrainer:
 
     def train_step(self, inputs: Any, targets: torch.Tensor) -> float:
         x = self.dist.scatter(self._check(inputs))
-        self.parallel.train()
+        if not self.parallel.training:  # eval_step restores training mode; train() walks every module
+            self.parallel.train()
         outputs = gather(self.parallel(x))
         loss = self.loss_fn(outputs, targets)
         self.optimizer.zero_grad(set_to_none=True)
