@@ -10,6 +10,11 @@ Step memory is tensor-level: the peak rise of live tensor bytes during one step,
 events (:func:`mpitrain.perf.memory.step_memory`): activations, gradients, halos, message buffers and
 kernel workspaces, not the model or the global batch that exist before the step.
 
+``--ceiling`` adds, per grid, every rank training plain torch on its own block at the same time with
+no communication at all: the speed-up a perfect spatial implementation could reach on this machine
+(cores and memory bandwidth shared as in the spatial run), against which the spatial row's overheads
+(halo and BatchNorm synchronisation, strips, Python) can be read.
+
 Times: every contender's median of ``--steps`` steps (each after a barrier, slowest rank), contenders
 interleaved for ``--rounds`` rounds, the least median kept (:func:`~mpitrain.bench.common.best_of_rounds`).
 """
@@ -49,6 +54,8 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--formats", default="nchw,cl", help="memory formats to run: nchw, cl (channels-last)")
     p.add_argument("--no-overlap-row", action="store_true", help="skip the overlap=False comparison row")
     p.add_argument("--baseline", action="store_true", help="time plain torch on rank 0 alone first")
+    p.add_argument("--ceiling", action="store_true",
+                   help="also time every rank training plain torch on its own block at once, no messages")
     return p.parse_args(list(argv))
 
 
@@ -151,6 +158,23 @@ def _spatial_row(args, comm, model: nn.Module, x: torch.Tensor, y: torch.Tensor,
                 lambda: slowest(step_memory(step) / 2**20), lambda: slowest(wait()), model_s)
 
 
+def _ceiling_row(args, comm, model: nn.Module, x: torch.Tensor, y: torch.Tensor, fmt: str,
+                 grid: tuple[int, int], samples: int) -> _Row:
+    """Every rank trains plain torch on its own block (a copy in `fmt`), all at once, with no message:
+    what this machine's cores and shared memory allow a perfect implementation of that split."""
+    dist = Distribution(comm, grid, samples)
+    (n0, n1), (h0, h1), (w0, w1) = dist.box(tuple(x.shape))
+    block = x[n0:n1, :, h0:h1, w0:w1].contiguous(memory_format=_FORMATS[fmt])
+    with torch.no_grad():
+        out = model(block[:1])
+    target = torch.randint(0, out.shape[1], (n1 - n0, *out.shape[2:]), generator=torch.Generator().manual_seed(0))
+    step = _torch_step(copy.deepcopy(model), block, target)
+    label = f"ceiling {grid[0]}x{grid[1]} ({fmt})"
+    return _Row(label, fmt, grid, samples, lambda: median(slowest_rank_times(comm, step, args.steps)),
+                lambda: float(comm.allreduce(torch.tensor([step_memory(step) / 2**20], dtype=torch.float64),
+                                             op="max")[0]), lambda: 0.0, 0.0)
+
+
 def _rows(args, comm, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> list[_Row]:
     rows = []
     for fmt in args.formats:
@@ -159,6 +183,8 @@ def _rows(args, comm, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> lis
         if args.baseline or comm.size == 1:
             rows.append(_torch_row(args, comm, m, xf, y, fmt))
         for ph, pw, samples in _grids(comm.size, args.batch, args.grids):
+            if args.ceiling and comm.size > 1:
+                rows.append(_ceiling_row(args, comm, m, xf, y, fmt, (ph, pw), samples))
             rows.append(_spatial_row(args, comm, m, xf, y, fmt, (ph, pw), samples, True))
             if ph * pw > 1 and not args.no_overlap_row:
                 rows.append(_spatial_row(args, comm, m, xf, y, fmt, (ph, pw), samples, False))
