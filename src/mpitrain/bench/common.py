@@ -11,8 +11,8 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-__all__ = ["machine", "command_line", "time_call", "slowest_rank_times", "median", "best_of_rounds", "on_rank0_alone",
-           "print_table", "header"]
+__all__ = ["machine", "command_line", "time_call", "slowest_rank_times", "median", "paired_rounds",
+           "paired_ratio", "quartiles", "on_rank0_alone", "print_table", "header"]
 
 
 def machine() -> str:
@@ -90,17 +90,33 @@ def on_rank0_alone(comm, fn: Callable[[], float]) -> float:
     return float(out[0])
 
 
-def best_of_rounds(timers: Mapping[str, Callable[[], float]], rounds: int) -> dict[str, float]:
-    """Call every timer once per round, contenders interleaved, and keep each one's least result.
+def paired_rounds(timers: Mapping[str, Callable[[], float]], rounds: int) -> dict[str, list[float]]:
+    """Call every timer once per round, contenders interleaved, after one untimed warm-up round;
+    returns every contender's results in round order. Collective when the timers are (same `timers`
+    order on every rank).
 
-    This VM's speed drifts over seconds (other tenants): interleaving exposes every contender to the
-    same drift, and the least of several rounds' medians estimates the undisturbed time without
-    trusting one lucky step. Collective when the timers are (same `timers` order on every rank)."""
-    best: dict[str, float] = {}
+    This VM's speed drifts by up to ~25 % in phases of seconds (other tenants; measured with one
+    process timing the same step for 12 s: 197 ms rising to 313 ms). Results of different contenders
+    in the same round are seconds apart at most, so compare them round by round (:func:`paired_ratio`)
+    rather than across the whole run."""
+    for timer in timers.values():
+        timer()
+    out: dict[str, list[float]] = {name: [] for name in timers}
     for _ in range(max(rounds, 1)):
         for name, timer in timers.items():
-            best[name] = min(timer(), best.get(name, float("inf")))
-    return best
+            out[name].append(timer())
+    return out
+
+
+def paired_ratio(num: Sequence[float], den: Sequence[float]) -> float:
+    """The median over rounds of ``num[r] / den[r]`` (see :func:`paired_rounds`)."""
+    return median([a / b for a, b in zip(num, den)])
+
+
+def quartiles(values: Sequence[float]) -> str:
+    """``"q25-q75"`` of `values` (the spread of a paired ratio over rounds), to 2 decimals."""
+    v = sorted(values)
+    return f"{v[len(v) // 4]:.2f}-{v[(3 * len(v)) // 4]:.2f}"
 
 
 def print_table(headers: Sequence[str], rows: Sequence[Sequence[object]], file=None) -> None:

@@ -6,9 +6,10 @@ the pipeline
 (P = n), data parallelism (R = n) and, when n is even and >= 4, hybrid (P = 2, R = n/2). Table 2
 measures the pipeline efficiency ``T_seq / (P * T_pipe)`` of both schedules, where T_seq is one
 process running the same M micro-batches (gradient accumulation), against the ideal M / (M + P - 1).
-A time is the median over `--steps` steps of the slowest rank, each step started after a barrier;
-contenders are measured in turn for `--rounds` rounds and each keeps its least median
-(:func:`~mpitrain.bench.common.best_of_rounds`), so drifts of this shared machine hit all alike.
+A contender's time is the median over `--rounds` interleaved rounds of its median over `--steps`
+steps (the slowest rank's, each step started after a barrier); a ratio of two contenders (speed-up,
+efficiency) is the median of their per-round ratios (:func:`~mpitrain.bench.common.paired_rounds`),
+so the drifts of this shared machine, phases of seconds, cancel; "q25-q75" columns give its spread.
 """
 
 from __future__ import annotations
@@ -22,7 +23,17 @@ from torch import nn
 
 from ..fit import FitSpec, make_trainer
 from ..runtime import init
-from .common import best_of_rounds, header, median, on_rank0_alone, print_table, slowest_rank_times, time_call
+from .common import (
+    header,
+    median,
+    on_rank0_alone,
+    paired_ratio,
+    paired_rounds,
+    print_table,
+    quartiles,
+    slowest_rank_times,
+    time_call,
+)
 
 __all__ = ["main", "ResidualCNN"]
 
@@ -66,26 +77,36 @@ Timer = Callable[[], float]
 
 
 def _median_step(comm, step: Callable[[], object], steps: int) -> Timer:
-    """A timer: the median over `steps` steps (after one warm-up) of the slowest rank's seconds."""
-    return lambda: median(slowest_rank_times(comm, step, steps))
+    """A timer: the median over `steps` steps of the slowest rank's seconds (warm-up: the first round)."""
+    return lambda: median(slowest_rank_times(comm, step, steps, warmup=0))
+
+
+def _sequential_step(args: argparse.Namespace, n: int, micro: int) -> Callable[[], None]:
+    """One process's training step of the whole model on `n` samples, M micro-batches accumulated."""
+    torch.manual_seed(0)
+    model, (x, y) = ResidualCNN(args.depth, args.width), _batch(n, args.image)
+    opt, loss_fn = _sgd(model.parameters()), nn.CrossEntropyLoss()
+
+    def step() -> None:
+        opt.zero_grad()
+        for xs, ys in zip(x.chunk(micro), y.chunk(micro)):
+            (loss_fn(model(xs), ys) / micro).backward()
+        opt.step()
+
+    return step
 
 
 def _sequential(comm, args: argparse.Namespace, n: int, micro: int) -> Timer:
     """A timer: rank 0 alone trains the whole model (M micro-batches accumulated) while the other ranks
     sleep (:func:`~mpitrain.bench.common.on_rank0_alone`); the median over `args.steps` steps."""
-    step = None
-    if comm.rank == 0:
-        torch.manual_seed(0)
-        model, (x, y) = ResidualCNN(args.depth, args.width), _batch(n, args.image)
-        opt, loss_fn = _sgd(model.parameters()), nn.CrossEntropyLoss()
+    step = _sequential_step(args, n, micro) if comm.rank == 0 else None
+    return lambda: on_rank0_alone(comm, lambda: median(time_call(step, args.steps, warmup=0)))
 
-        def step() -> None:
-            opt.zero_grad()
-            for xs, ys in zip(x.chunk(micro), y.chunk(micro)):
-                (loss_fn(model(xs), ys) / micro).backward()
-            opt.step()
 
-    return lambda: on_rank0_alone(comm, lambda: median(time_call(step, args.steps)))
+def _sequential_everywhere(comm, args: argparse.Namespace, n: int, micro: int) -> Timer:
+    """A timer: every rank trains the whole model at the same time, no messages (slowest rank): one
+    process's step when P of them share this machine's cores and memory as the pipeline's ranks do."""
+    return _median_step(comm, _sequential_step(args, n, micro), args.steps)
 
 
 def _parallel(comm, args: argparse.Namespace, n: int, strategy: str, partitions: int = 1, micro: int = 1,
@@ -107,14 +128,15 @@ def throughput_table(comm, args: argparse.Namespace) -> None:
                   "data": _parallel(comm, args, n, "data")[0]}
         if size >= 4 and size % 2 == 0:
             timers["hybrid"] = _parallel(comm, args, n, "hybrid", 2, micro)[0]
-        t = best_of_rounds(timers, args.rounds)
-        hy = n / t["hybrid"] if "hybrid" in t else "n/a"
-        rows.append([n, micro, n / t["seq"], n / t["model"], n / t["data"], hy, t["seq"] / t["model"]])
+        t = paired_rounds(timers, args.rounds)
+        hy = n / median(t["hybrid"]) if "hybrid" in t else "n/a"
+        rows.append([n, micro, n / median(t["seq"]), n / median(t["model"]), n / median(t["data"]), hy,
+                     paired_ratio(t["seq"], t["model"]), paired_ratio(t["seq"], t["data"])])
     if comm.rank == 0:
         print(f"\n## img/s per training step (deep residual CNN: {args.depth} blocks x {args.width} ch, "
               f"{args.image}x{args.image} images; model: P={size}, data: R={size}, "
               f"hybrid: P=2 x R={size // 2})")
-        print_table(["batch", "M", "sequential", "model", "data", "hybrid", "model/seq"], rows)
+        print_table(["batch", "M", "sequential", "model", "data", "hybrid", "model/seq", "data/seq"], rows)
 
 
 def efficiency_table(comm, args: argparse.Namespace) -> None:
@@ -122,20 +144,27 @@ def efficiency_table(comm, args: argparse.Namespace) -> None:
     bound = min(1.0, (os.cpu_count() or 1) / P)  # P ranks on fewer cores cannot beat cores/P
     n = args.efficiency_batch
     for micro in args.efficiency_micro:
-        timers, trainers = {"seq": _sequential(comm, args, n, micro)}, {}
+        timers = {"seq": _sequential(comm, args, n, micro), "seq all": _sequential_everywhere(comm, args, n, micro)}
+        trainers = {}
         for schedule in ("gpipe", "1f1b"):
             timers[schedule], trainers[schedule] = _parallel(comm, args, n, "model", P, micro, schedule)
-        t = best_of_rounds(timers, args.rounds)
+        t = paired_rounds(timers, args.rounds)
         for schedule in ("gpipe", "1f1b"):
-            eff, ideal = t["seq"] / (P * t[schedule]), micro / (micro + P - 1)
+            ideal = micro / (micro + P - 1)
+            effs = [a / (P * b) for a, b in zip(t["seq"], t[schedule])]
+            eff = median(effs)
+            machine = paired_ratio(t["seq all"], t[schedule]) / P / ideal
             cuts = ",".join(map(str, trainers[schedule].bounds[1:-1]))
-            rows.append([schedule, P, micro, n, cuts, t["seq"] * 1e3, t[schedule] * 1e3, eff, ideal,
-                         ideal * bound, eff / (ideal * bound)])
+            rows.append([schedule, P, micro, n, cuts, median(t["seq"]) * 1e3, median(t["seq all"]) * 1e3,
+                         median(t[schedule]) * 1e3, eff, quartiles(effs), ideal, eff / (ideal * bound),
+                         machine])
     if comm.rank == 0:
         print("\n## pipeline efficiency T_seq / (P x T_pipe) vs the ideal M / (M + P - 1) (balance='time');"
-              "\n## 'core ideal' = ideal x min(1, cores / P): what P ranks sharing the cores can reach")
-        print_table(["schedule", "P", "M", "batch", "cuts", "T_seq ms", "T_pipe ms", "efficiency", "ideal",
-                     "core ideal", "of core ideal"], rows)
+              "\n## 'of core ideal' = efficiency / (ideal x min(1, cores / P)): what P ranks sharing the "
+              "cores can reach;\n## 'T_seq all' = T_seq with every rank running it at once (no messages); "
+              "'of machine ideal' = T_seq all / (P x T_pipe) / ideal")
+        print_table(["schedule", "P", "M", "batch", "cuts", "T_seq ms", "T_seq all ms", "T_pipe ms",
+                     "efficiency", "q25-q75", "ideal", "of core ideal", "of machine ideal"], rows)
 
 
 def _ints(text: str) -> list[int]:
@@ -152,8 +181,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--depth", type=int, default=12)
     p.add_argument("--width", type=int, default=16)
     p.add_argument("--image", type=int, default=16)
-    p.add_argument("--steps", type=int, default=5, help="timed steps per round (median)")
-    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (least median kept)")
+    p.add_argument("--steps", type=int, default=1, help="timed steps per contender per round (median)")
+    p.add_argument("--rounds", type=int, default=15, help="interleaved rounds (ratios taken per round)")
     args = p.parse_args(list(argv or []))
     comm = init()
     if comm.rank == 0:

@@ -15,8 +15,10 @@ no communication at all: the speed-up a perfect spatial implementation could rea
 (cores and memory bandwidth shared as in the spatial run), against which the spatial row's overheads
 (halo and BatchNorm synchronisation, strips, Python) can be read.
 
-Times: every contender's median of ``--steps`` steps (each after a barrier, slowest rank), contenders
-interleaved for ``--rounds`` rounds, the least median kept (:func:`~mpitrain.bench.common.best_of_rounds`).
+Times: every contender's median over ``--rounds`` interleaved rounds of its median of ``--steps`` steps
+(each after a barrier, slowest rank); a speed-up is the median of the per-round ratios
+(:func:`~mpitrain.bench.common.paired_rounds`), so this VM's drifts (phases of seconds) cancel, and
+"q25-q75" is its spread over the rounds.
 """
 
 from __future__ import annotations
@@ -34,7 +36,17 @@ from ..spatial.conv import SpatialConv2d
 from ..spatial.distribution import Distribution
 from ..spatial.mesh import WIDTHS, mesh_batch, mesh_model
 from ..spatial.trainer import SpatialTrainer
-from .common import best_of_rounds, header, median, on_rank0_alone, print_table, slowest_rank_times, time_call
+from .common import (
+    header,
+    median,
+    on_rank0_alone,
+    paired_ratio,
+    paired_rounds,
+    print_table,
+    quartiles,
+    slowest_rank_times,
+    time_call,
+)
 
 __all__ = ["main"]
 
@@ -46,8 +58,8 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="mpitrain bench spatial", description=__doc__.split("\n")[0])
     p.add_argument("--size", type=int, default=1024, help="input side (paper: 1024 or 2048)")
     p.add_argument("--batch", type=int, default=1, help="global mini-batch N")
-    p.add_argument("--steps", type=int, default=3, help="timed steps per round (median)")
-    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds (least median kept)")
+    p.add_argument("--steps", type=int, default=1, help="timed steps per contender per round (median)")
+    p.add_argument("--rounds", type=int, default=8, help="interleaved rounds (ratios taken per round)")
     p.add_argument("--convs", type=int, default=3, help="conv-BN-ReLU per block (paper: 3 at 1K, 5 at 2K)")
     p.add_argument("--widths", default=",".join(map(str, WIDTHS)), help="filters per block")
     p.add_argument("--grids", default="auto", help="e.g. '2x1,1x2' (ph x pw per sample); auto: all splits")
@@ -124,7 +136,7 @@ def _torch_row(args, comm, model: nn.Module, x: torch.Tensor, y: torch.Tensor, f
     step = _torch_step(model, x, y) if comm.rank == 0 else None
 
     def timer() -> float:
-        return on_rank0_alone(comm, lambda: median(time_call(step, args.steps)))
+        return on_rank0_alone(comm, lambda: median(time_call(step, args.steps, warmup=0)))
 
     def memory() -> float:
         return on_rank0_alone(comm, lambda: step_memory(step) / 2**20)
@@ -154,7 +166,7 @@ def _spatial_row(args, comm, model: nn.Module, x: torch.Tensor, y: torch.Tensor,
 
     model_s = slowest(_predicted(model, tuple(x.shape), grid, samples, args.link, overlap))
     label = f"spatial {grid[0]}x{grid[1]} ({fmt})" + ("" if overlap else " no-overlap")
-    return _Row(label, fmt, grid, samples, lambda: median(slowest_rank_times(comm, step, args.steps)),
+    return _Row(label, fmt, grid, samples, lambda: median(slowest_rank_times(comm, step, args.steps, warmup=0)),
                 lambda: slowest(step_memory(step) / 2**20), lambda: slowest(wait()), model_s)
 
 
@@ -170,7 +182,7 @@ def _ceiling_row(args, comm, model: nn.Module, x: torch.Tensor, y: torch.Tensor,
     target = torch.randint(0, out.shape[1], (n1 - n0, *out.shape[2:]), generator=torch.Generator().manual_seed(0))
     step = _torch_step(copy.deepcopy(model), block, target)
     label = f"ceiling {grid[0]}x{grid[1]} ({fmt})"
-    return _Row(label, fmt, grid, samples, lambda: median(slowest_rank_times(comm, step, args.steps)),
+    return _Row(label, fmt, grid, samples, lambda: median(slowest_rank_times(comm, step, args.steps, warmup=0)),
                 lambda: float(comm.allreduce(torch.tensor([step_memory(step) / 2**20], dtype=torch.float64),
                                              op="max")[0]), lambda: 0.0, 0.0)
 
@@ -206,12 +218,13 @@ def main(argv: Sequence[str]) -> int:
     x, y = mesh_batch(args.batch, args.size, blocks=len(widths))
     args.link = _link(comm)
     rows = _rows(args, comm, model, x, y)
-    times = best_of_rounds({r.label: r.timer for r in rows}, args.rounds)
+    runs = paired_rounds({r.label: r.timer for r in rows}, args.rounds)
+    times = {label: median(v) for label, v in runs.items()}
     mems = {r.label: r.memory() for r in rows}
     waits = {r.label: r.wait() for r in rows}
-    torch_t = {r.fmt: times[r.label] for r in rows if r.label.startswith("torch")}
+    torch_runs = {r.fmt: runs[r.label] for r in rows if r.label.startswith("torch")}
     torch_m = {r.fmt: mems[r.label] for r in rows if r.label.startswith("torch")}
-    best = min(torch_t.values()) if torch_t else None
+    best = min(torch_runs.values(), key=median) if torch_runs else None
     if comm.rank == 0:
         print(header(f"spatial: mesh model {args.size}^2, N={args.batch}, widths {widths}, "
                      f"{args.convs} convs/block", comm.size))
@@ -221,10 +234,17 @@ def main(argv: Sequence[str]) -> int:
         def ratio(a: float | None, b: float | None) -> object:
             return a / b if a and b else "-"
 
+        def speedup(base: list[float] | None, label: str) -> object:
+            return paired_ratio(base, runs[label]) if base else "-"
+
+        def spread(base: list[float] | None, label: str) -> object:
+            return quartiles([a / b for a, b in zip(base, runs[label])]) if base else "-"
+
         table = [[r.label, r.grid[0] * r.grid[1], r.samples, times[r.label],
-                  ratio(torch_t.get(r.fmt), times[r.label]), ratio(best, times[r.label]), mems[r.label],
-                  ratio(mems[r.label], torch_m.get(r.fmt)), waits[r.label], r.model_s] for r in rows]
-        print_table(["config", "ranks/sample", "groups", "step s", "speedup", "vs best torch",
+                  speedup(torch_runs.get(r.fmt), r.label), spread(torch_runs.get(r.fmt), r.label),
+                  speedup(best, r.label), mems[r.label], ratio(mems[r.label], torch_m.get(r.fmt)),
+                  waits[r.label], r.model_s] for r in rows]
+        print_table(["config", "ranks/sample", "groups", "step s", "speedup", "q25-q75", "vs best torch",
                      "step MiB/rank", "mem ratio", "halo wait s", "model conv s"], table)
     return 0
 
