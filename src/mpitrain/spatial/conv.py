@@ -155,7 +155,7 @@ def _strip_backward(x, weight, dy, layer: SpatialConv2d, plan: HaloPlan, halos, 
     returned to be added to the bare block's. dL/d(input) of a convolution does not depend on the
     input's values, so one call gives both; the bare-block backward already gives every local cell its
     whole gradient from this rank's outputs (the conv is linear in its input)."""
-    if not (need_x or need_w):
+    if not (need_x or need_w) or not plan.exchanges:  # no halo: nothing to send, receive or add
         return None, []
     grads = [empty_as(x, (x.shape[0], x.shape[1], *box.shape)).zero_() for _, box in plan.recvs] if need_x else []
     dw_parts = []
