@@ -26,15 +26,19 @@ _DIMS = (0, 2, 3)
 
 def _combine(comm: Communicator, n: int, mean: torch.Tensor, var: torch.Tensor
              ) -> tuple[float, torch.Tensor, torch.Tensor]:
-    """Count, mean and biased variance of the union of every rank's cells (float64 accumulation)."""
+    """Count, mean and biased variance of the union of every rank's cells (Chan's formula, float64)."""
     c = mean.numel()
-    mine = torch.cat([torch.tensor([float(n)], dtype=torch.float64), mean.double(), var.double()])
+    mine = torch.empty(2 * c + 1, dtype=torch.float64)
+    mine[0] = n
+    mine[1:c + 1] = mean
+    mine[c + 1:] = var
     rows = comm.allgather(mine).view(comm.size, 2 * c + 1)
-    ns, means, vars_ = rows[:, :1], rows[:, 1:c + 1], rows[:, c + 1:]
-    total = ns.sum()
-    gmean = (ns * means).sum(0) / total
-    gvar = (ns * (vars_ + (means - gmean) ** 2)).sum(0) / total
-    return float(total), gmean.to(mean.dtype), gvar.to(var.dtype)
+    total = float(rows[:, 0].sum())
+    share = rows[:, 0] / total
+    gmean = share @ rows[:, 1:c + 1]
+    dev = rows[:, 1:c + 1] - gmean
+    gvar = share @ torch.addcmul(rows[:, c + 1:], dev, dev)  # sum_r share_r (var_r + (mean_r - mean)^2)
+    return total, gmean.to(mean.dtype), gvar.to(var.dtype)
 
 
 def _bshape(t: torch.Tensor) -> torch.Tensor:
@@ -83,11 +87,11 @@ class _BatchNorm(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             # dx = scale * (dy - Sdy/n - xhat * Sdyxhat/n) = k0*dy + k1*x + k2, per channel
             scale = invstd if weight is None else invstd * weight
-            k0 = scale
-            k1 = -scale * invstd * total[c:] / ctx.n
-            k2 = -scale * total[:c] / ctx.n - k1 * mean
+            means = total / -ctx.n  # -Sdy/n, -Sdyxhat/n
+            k1 = scale * invstd * means[c:]
+            k2 = torch.addcmul(scale * means[:c], k1, mean, value=-1)
             dx = torch.addcmul(_bshape(k2), x, _bshape(k1))
-            dx.addcmul_(dy, _bshape(k0))
+            dx.addcmul_(dy, _bshape(scale))
         dw = local[c:] if weight is not None and ctx.needs_input_grad[1] else None
         db = local[:c] if ctx.has_bias and ctx.needs_input_grad[2] else None
         return dx, dw, db, None, None
@@ -119,8 +123,8 @@ class SpatialBatchNorm2d(nn.Module):
         with torch.no_grad():
             bn.num_batches_tracked.add_(1)
             f = 1.0 / float(bn.num_batches_tracked) if self.momentum is None else self.momentum
-            bn.running_mean.mul_(1 - f).add_(mean, alpha=f)
-            bn.running_var.mul_(1 - f).add_(var * (n / max(n - 1, 1)), alpha=f)
+            bn.running_mean.lerp_(mean, f)
+            bn.running_var.lerp_(var * (n / max(n - 1, 1)), f)
 
     def _comm(self, dist: Distribution) -> Communicator | None:
         return {"global": dist.comm, "spatial": dist.spatial_comm, "local": None}[self.stats]
