@@ -11,8 +11,8 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-__all__ = ["machine", "command_line", "time_call", "slowest_rank_times", "median", "paired_rounds",
-           "paired_ratio", "quartiles", "on_rank0_alone", "print_table", "header"]
+__all__ = ["machine", "command_line", "time_call", "slowest_rank_times", "step_timer", "rank_max", "median",
+           "paired_rounds", "paired_ratio", "quartiles", "on_rank0_alone", "print_table", "header"]
 
 
 def machine() -> str:
@@ -88,6 +88,17 @@ def on_rank0_alone(comm, fn: Callable[[], float]) -> float:
     while not req.test():
         time.sleep(1e-3)
     return float(out[0])
+
+
+def step_timer(comm, step: Callable[[], object], steps: int) -> Callable[[], float]:
+    """A timer for :func:`paired_rounds`: the median over `steps` calls of `step` of the slowest rank's
+    seconds, no warm-up of its own (the untimed first round is the warm-up). Collective over `comm`."""
+    return lambda: median(slowest_rank_times(comm, step, steps, warmup=0))
+
+
+def rank_max(comm, value: float) -> float:
+    """The largest `value` over the ranks of `comm` (collective: every rank calls it)."""
+    return float(comm.allreduce(torch.tensor([value], dtype=torch.float64), op="max")[0])
 
 
 def paired_rounds(timers: Mapping[str, Callable[[], float]], rounds: int) -> dict[str, list[float]]:

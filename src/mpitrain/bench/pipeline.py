@@ -31,7 +31,7 @@ from .common import (
     paired_rounds,
     print_table,
     quartiles,
-    slowest_rank_times,
+    step_timer,
     time_call,
 )
 
@@ -76,11 +76,6 @@ def _batch(n: int, image: int) -> tuple[torch.Tensor, torch.Tensor]:
 Timer = Callable[[], float]
 
 
-def _median_step(comm, step: Callable[[], object], steps: int) -> Timer:
-    """A timer: the median over `steps` steps of the slowest rank's seconds (warm-up: the first round)."""
-    return lambda: median(slowest_rank_times(comm, step, steps, warmup=0))
-
-
 def _sequential_step(args: argparse.Namespace, n: int, micro: int) -> Callable[[], None]:
     """One process's training step of the whole model on `n` samples, M micro-batches accumulated."""
     torch.manual_seed(0)
@@ -106,7 +101,7 @@ def _sequential(comm, args: argparse.Namespace, n: int, micro: int) -> Timer:
 def _sequential_everywhere(comm, args: argparse.Namespace, n: int, micro: int) -> Timer:
     """A timer: every rank trains the whole model at the same time, no messages (slowest rank): one
     process's step when P of them share this machine's cores and memory as the pipeline's ranks do."""
-    return _median_step(comm, _sequential_step(args, n, micro), args.steps)
+    return step_timer(comm, _sequential_step(args, n, micro), args.steps)
 
 
 def _parallel(comm, args: argparse.Namespace, n: int, strategy: str, partitions: int = 1, micro: int = 1,
@@ -116,7 +111,7 @@ def _parallel(comm, args: argparse.Namespace, n: int, strategy: str, partitions:
     spec = FitSpec(strategy=strategy, partitions=partitions, micro_batches=micro, schedule=schedule)
     trainer = make_trainer(ResidualCNN(args.depth, args.width), nn.CrossEntropyLoss(), _sgd, comm, spec)
     x, y = _batch(n, args.image)
-    return _median_step(comm, lambda: trainer.train_step(x, y), args.steps), trainer
+    return step_timer(comm, lambda: trainer.train_step(x, y), args.steps), trainer
 
 
 def throughput_table(comm, args: argparse.Namespace) -> None:

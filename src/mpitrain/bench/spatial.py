@@ -44,7 +44,8 @@ from .common import (
     paired_rounds,
     print_table,
     quartiles,
-    slowest_rank_times,
+    rank_max,
+    step_timer,
     time_call,
 )
 
@@ -161,13 +162,10 @@ def _spatial_row(args, comm, model: nn.Module, x: torch.Tensor, y: torch.Tensor,
         step()
         return sum(m.stats.wait_s for m in convs)
 
-    def slowest(value: float) -> float:
-        return float(comm.allreduce(torch.tensor([value], dtype=torch.float64), op="max")[0])
-
-    model_s = slowest(_predicted(model, tuple(x.shape), grid, samples, args.link, overlap))
+    model_s = rank_max(comm, _predicted(model, tuple(x.shape), grid, samples, args.link, overlap))
     label = f"spatial {grid[0]}x{grid[1]} ({fmt})" + ("" if overlap else " no-overlap")
-    return _Row(label, fmt, grid, samples, lambda: median(slowest_rank_times(comm, step, args.steps, warmup=0)),
-                lambda: slowest(step_memory(step) / 2**20), lambda: slowest(wait()), model_s)
+    return _Row(label, fmt, grid, samples, step_timer(comm, step, args.steps),
+                lambda: rank_max(comm, step_memory(step) / 2**20), lambda: rank_max(comm, wait()), model_s)
 
 
 def _ceiling_row(args, comm, model: nn.Module, x: torch.Tensor, y: torch.Tensor, fmt: str,
@@ -182,9 +180,8 @@ def _ceiling_row(args, comm, model: nn.Module, x: torch.Tensor, y: torch.Tensor,
     target = torch.randint(0, out.shape[1], (n1 - n0, *out.shape[2:]), generator=torch.Generator().manual_seed(0))
     step = _torch_step(copy.deepcopy(model), block, target)
     label = f"ceiling {grid[0]}x{grid[1]} ({fmt})"
-    return _Row(label, fmt, grid, samples, lambda: median(slowest_rank_times(comm, step, args.steps, warmup=0)),
-                lambda: float(comm.allreduce(torch.tensor([step_memory(step) / 2**20], dtype=torch.float64),
-                                             op="max")[0]), lambda: 0.0, 0.0)
+    return _Row(label, fmt, grid, samples, step_timer(comm, step, args.steps),
+                lambda: rank_max(comm, step_memory(step) / 2**20), lambda: 0.0, 0.0)
 
 
 def _rows(args, comm, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> list[_Row]:
