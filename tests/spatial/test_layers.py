@@ -83,7 +83,10 @@ def compare(comm, model: nn.Module, x: torch.Tensor, dist: Distribution, what: s
     (gather(y) * gy).sum().backward()  # the loss every rank computes on the full output
     assert_close_all_ranks(comm, gather(xl.grad, like=xl), xr.grad, TOL, rtol, f"{what}: dL/dx")
     for (name, p), pr in zip(model.named_parameters(), ref.parameters()):
-        assert_close_all_ranks(comm, p.grad, pr.grad, TOL, rtol, f"{what}: dL/d{name}")
+        if pr.grad is None:  # a parameter the loss does not reach: no gradient, as in torch
+            assert_all_ranks(comm, p.grad is None, f"{what}: dL/d{name} is set, torch leaves it None")
+        else:
+            assert_close_all_ranks(comm, p.grad, pr.grad, TOL, rtol, f"{what}: dL/d{name}")
 
 
 @pytest.mark.parametrize("index", range(4))
@@ -273,6 +276,23 @@ def test_tied_weights_get_the_sum_of_both_uses(comm):
     model = nn.Sequential(nn.Conv2d(4, 4, 3, 1, 1), nn.ReLU(), nn.Conv2d(4, 4, 3, 1, 1))
     model[2].weight = model[0].weight  # one parameter, two layers
     compare(comm, model, torch.randn(2, 4, 13, 11), Distribution(comm, (comm.size, 1), 1), "tied conv weights")
+
+
+class _WithUnused(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, 1, 1)
+        self.spare = nn.Parameter(torch.ones(4))  # never used in forward
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(x)
+
+
+def test_an_unused_parameter_keeps_no_gradient_like_torch(comm):
+    torch.manual_seed(0)
+    model = _WithUnused()
+    compare(comm, model, torch.randn(1, 3, 3 * comm.size + 1, 6), Distribution(comm, (comm.size, 1), 1),
+            "unused parameter")  # checks spare.grad is None on every rank
 
 
 def test_a_replaced_parameter_is_used_and_reduced(comm):

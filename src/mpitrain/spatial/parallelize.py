@@ -107,8 +107,7 @@ class SpatialParallel(nn.Module):
         # every module that holds a parameter reads the bucket's view of it for this call (an instance
         # attribute shadows the registered parameter): what torch.func.functional_call does, at a
         # fraction of its cost
-        for i, (_, owners) in enumerate(live):
-            view = bucket.sync(i)
+        for view, (_, owners) in zip(bucket.views(), live):
             for m, name in owners:
                 m.__dict__[name] = view
         try:
