@@ -166,6 +166,21 @@ def test_local_batchnorm_gradients_equal_torch_on_each_block(comm):
         assert_close_all_ranks(comm, p.grad, comm.allreduce(pr.grad.clone(), "sum"), TOL, TOL, "local BN dL/dw")
 
 
+@pytest.mark.parametrize("momentum", [0.1, None], ids=["momentum", "cumulative"])
+def test_local_batchnorm_running_statistics_equal_torch_on_each_block(comm, momentum):
+    dist = Distribution(comm, (comm.size, 1), 1)
+    bn = nn.BatchNorm2d(3, momentum=momentum)
+    ref = copy.deepcopy(bn)
+    pm = parallelize(nn.Sequential(bn), dist, bn_stats="local")
+    for step in range(3):
+        x = torch.randn(2, 3, 3 * comm.size + 2, 5, generator=torch.Generator().manual_seed(step))
+        pm(dist.scatter(x))
+        ref(dist.scatter(x))
+    for name in ("running_mean", "running_var"):
+        assert_close_all_ranks(comm, getattr(bn, name), getattr(ref, name), TOL, TOL, f"local BN {name}")
+    assert_all_ranks(comm, int(bn.num_batches_tracked) == 3, f"{int(bn.num_batches_tracked)} batches counted")
+
+
 def test_global_batchnorm_running_statistics_equal_single_process(comm):
     grid, samples = layouts(comm.size)[-1]
     dist = Distribution(comm, grid, samples)

@@ -11,6 +11,7 @@ allgather of 2C+1 numbers in the forward, one allreduce of 2C in the backward.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..comm.base import Communicator
@@ -47,19 +48,14 @@ def _bshape(t: torch.Tensor) -> torch.Tensor:
 
 class _BatchNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, layer: SpatialBatchNorm2d, comm: Communicator | None):
+    def forward(ctx, x, weight, bias, layer: SpatialBatchNorm2d, comm: Communicator):
         x = dense(x)
-        n = x.numel() // x.shape[1]
-        if comm is not None and comm.size > 1:
-            # one pass for the local statistics (torch's BN kernel: 10x faster than var_mean on CPU),
-            # one to normalise with the combined ones: the passes of the single-process layer
-            mean, var = torch.batch_norm_update_stats(x, None, None, 0.0)
-            n, mean, var = _combine(comm, n, mean, var)
-            invstd = torch.rsqrt(var + layer.eps)
-            y = torch.batch_norm(x, weight, bias, mean, var, False, 0.0, layer.eps, False)
-        else:
-            y, mean, invstd = torch.native_batch_norm(x, weight, bias, None, None, True, 0.0, layer.eps)
-            var = invstd.pow(-2) - layer.eps
+        # one pass for the local statistics (torch's BN kernel: 10x faster than var_mean on CPU), one
+        # to normalise with the combined ones: the passes of the single-process layer
+        mean, var = torch.batch_norm_update_stats(x, None, None, 0.0)
+        n, mean, var = _combine(comm, x.numel() // x.shape[1], mean, var)
+        invstd = torch.rsqrt(var + layer.eps)
+        y = torch.batch_norm(x, weight, bias, mean, var, False, 0.0, layer.eps, False)
         layer.update_running(mean, var, n)
         ctx.save_for_backward(x, weight, mean, invstd)
         ctx.comm, ctx.n, ctx.has_bias, ctx.eps = comm, n, bias is not None, layer.eps
@@ -69,12 +65,6 @@ class _BatchNorm(torch.autograd.Function):
     def backward(ctx, dy):
         x, weight, mean, invstd = ctx.saved_tensors
         dy = dense(dy)
-        if ctx.comm is None or ctx.comm.size == 1:  # the statistics are this block's: torch's kernel
-            mask = [ctx.needs_input_grad[0], weight is not None and ctx.needs_input_grad[1],
-                    ctx.has_bias and ctx.needs_input_grad[2]]
-            dx, dw, db = torch.ops.aten.native_batch_norm_backward(
-                dy, x, weight, None, None, mean, invstd, True, ctx.eps, mask)
-            return dx, dw, db, None, None
         c = mean.numel()
         # torch's fused kernel gives the local sum(dy * xhat) and sum(dy) for the given (global) stats
         _, sum_dyxhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
@@ -121,10 +111,16 @@ class SpatialBatchNorm2d(nn.Module):
         if not (self.training and self.track):
             return
         with torch.no_grad():
-            bn.num_batches_tracked.add_(1)
-            f = 1.0 / float(bn.num_batches_tracked) if self.momentum is None else self.momentum
+            f = self._factor()
             bn.running_mean.lerp_(mean, f)
             bn.running_var.lerp_(var * (n / max(n - 1, 1)), f)
+
+    def _factor(self) -> float:
+        """Count this training batch and return torch's averaging factor for it (momentum, or the
+        cumulative average's 1/batches when momentum is None), as ``nn.BatchNorm2d`` does."""
+        bn = self.bn[0]
+        bn.num_batches_tracked.add_(1)
+        return 1.0 / float(bn.num_batches_tracked) if self.momentum is None else self.momentum
 
     def _comm(self, dist: Distribution) -> Communicator | None:
         return {"global": dist.comm, "spatial": dist.spatial_comm, "local": None}[self.stats]
@@ -134,10 +130,14 @@ class SpatialBatchNorm2d(nn.Module):
         if layout.kind == "replicated":
             raise SpatialError("SpatialBatchNorm2d on a tensor replicated over the spatial group is not "
                                "supported; normalise before the global pool")
-        bn = self.bn[0]
+        bn, comm = self.bn[0], self._comm(layout.dist)
         if not self.training and self.track:
             y = torch.batch_norm(x, self.weight, self.bias, bn.running_mean, bn.running_var, False, 0.0,
                                  self.eps, False)
+        elif comm is None or comm.size == 1:  # this block's own statistics: torch's layer and autograd
+            running = (bn.running_mean, bn.running_var) if self.track else (None, None)
+            factor = self._factor() if self.track else 0.0
+            y = F.batch_norm(x, *running, self.weight, self.bias, True, factor, self.eps)
         else:
-            y = _BatchNorm.apply(x, self.weight, self.bias, self, self._comm(layout.dist))
+            y = _BatchNorm.apply(x, self.weight, self.bias, self, comm)
         return tag(y, layout)
