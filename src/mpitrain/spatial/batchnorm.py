@@ -22,7 +22,6 @@ from .memory import dense
 __all__ = ["SpatialBatchNorm2d", "STATS"]
 
 STATS = ("global", "spatial", "local")
-_DIMS = (0, 2, 3)
 
 
 def _combine(comm: Communicator, n: int, mean: torch.Tensor, var: torch.Tensor
@@ -70,12 +69,10 @@ class _BatchNorm(torch.autograd.Function):
         _, sum_dyxhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
             dy, x, None, None, None, mean, invstd, True, ctx.eps, [False, True, True])
         local = torch.cat([sum_dy, sum_dyxhat])
-        total = local
-        if ctx.comm is not None and ctx.comm.size > 1:
-            total = ctx.comm.allreduce(local.clone(), "sum")
+        total = ctx.comm.allreduce(local.clone(), "sum")  # local stays: its halves are this rank's dw, db
         dx = None
         if ctx.needs_input_grad[0]:
-            # dx = scale * (dy - Sdy/n - xhat * Sdyxhat/n) = k0*dy + k1*x + k2, per channel
+            # dx = scale * (dy - Sdy/n - xhat * Sdyxhat/n) = scale*dy + k1*x + k2, per channel
             scale = invstd if weight is None else invstd * weight
             means = total / -ctx.n  # -Sdy/n, -Sdyxhat/n
             k1 = scale * invstd * means[c:]

@@ -11,7 +11,7 @@ one message per pair and direction, all in flight at once.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -265,23 +265,25 @@ def wait_all(requests: Sequence[Request], plan: HaloPlan, warn_after: float = ST
     """Complete every request (blocking); if that takes more than `warn_after` seconds a watchdog warns
     once, naming this rank's plan (the ranks and boxes it waits for). A dead rank ends the job through
     the launcher; a layer that differs on another rank shows up in the warnings of both."""
-    late = [r for r in requests if not r.test()]
-    if late:
-        with watched("halo exchange", plan.__str__, warn_after):
-            for r in late:
-                r.wait()
+    _wait_watched(requests, "halo exchange", plan.__str__, warn_after)
 
 
 def complete_sends(warn_after: float = STALL_WARNING_S) -> None:
     """Wait for every deferred halo send (see :func:`settle`); afterwards nothing is in flight. Called at
     the end of each forward and backward of a parallelized model; collective-free and idempotent."""
     if _pending:
-        late = [r for r, _ in _pending if not r.test()]
-        if late:
-            with watched("halo sends", lambda: f"{len(late)} halo sends still in flight", warn_after):
-                for r in late:
-                    r.wait()
+        _wait_watched([r for r, _ in _pending], "halo sends",
+                      lambda: f"{sum(not r.test() for r, _ in _pending)} halo sends still in flight", warn_after)
         _pending.clear()
+
+
+def _wait_watched(requests: Sequence[Request], label: str, detail: Callable[[], str], warn_after: float) -> None:
+    """Complete `requests`; only those not done yet register with the stall watchdog."""
+    late = [r for r in requests if not r.test()]
+    if late:
+        with watched(label, detail, warn_after):
+            for r in late:
+                r.wait()
 
 
 def settle(ex: Exchange, plan: HaloPlan, backward: bool = False) -> None:
