@@ -13,6 +13,7 @@ __all__ = ["main", "BENCHMARKS"]
 
 #: ``mpitrain bench NAME`` runs ``python -m mpitrain.bench.NAME`` under mpiexec.
 BENCHMARKS = {
+    "machine": "each kernel alone vs on every rank at once: the machine's speed-up ceiling",
     "allreduce": "Communicator allreduce vs raw mpi4py (and torch backend): latency, busbw",
     "dataparallel": "DataParallel steps/s per kvstore type vs torch DDP (gloo)",
     "kvstore": "parameter server push+pull (1/2/4 servers) vs allreduce; funnel/concurrent/depchain",
