@@ -4,7 +4,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=.venv/bin
 mkdir -p bench-results
-for name in allreduce dataparallel kvstore pipeline pipesgd spatial; do
+for name in machine allreduce dataparallel kvstore pipeline pipesgd spatial; do
     echo "== mpitrain bench $name -n ${NP:-2}"
     $BIN/mpitrain bench "$name" -n "${NP:-2}" 2>&1 | tee "bench-results/$name.txt"
 done

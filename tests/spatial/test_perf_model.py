@@ -28,7 +28,7 @@ def test_overlap_hides_halo_time_behind_compute_and_never_costs_more():
 
 def test_mesh_model_shapes_and_spatial_prediction_scales_with_the_block():
     shapes = conv_shapes(mesh_model(), (1, 18, 256, 256))
-    assert len(shapes) == 19 and shapes[0] == ConvShape(1, 18, 256, 256, 16, 3, 2)
+    assert len(shapes) == 19 and shapes[0] == ConvShape(1, 18, 256, 256, 32, 3, 2)
     assert shapes[-1].k == 1 and shapes[-1].h == 4
 
     def volume(s):  # compute proportional to the local block

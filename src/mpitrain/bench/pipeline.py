@@ -54,7 +54,7 @@ class _Block(nn.Module):
 class ResidualCNN(nn.Module):
     """ResNet-style: a stem, `depth` identical identity-shortcut blocks (so it balances), a head."""
 
-    def __init__(self, depth: int = 12, width: int = 16, classes: int = 10) -> None:
+    def __init__(self, depth: int = 12, width: int = 64, classes: int = 10) -> None:
         super().__init__()
         self.stem = nn.Conv2d(3, width, 3, padding=1)
         self.blocks = nn.Sequential(*[_Block(width) for _ in range(depth)])
@@ -175,10 +175,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--efficiency-micro", type=_ints, default=[2, 8, 16])
     p.add_argument("--efficiency-batch", type=int, default=64)
     p.add_argument("--depth", type=int, default=12)
-    p.add_argument("--width", type=int, default=16)
+    # ResNet's first-stage width; at 16 channels the steps are bound by memory bandwidth, which the
+    # ranks of a small machine share (`mpitrain bench machine`; docs/pipeline.md)
+    p.add_argument("--width", type=int, default=64)
     p.add_argument("--image", type=int, default=16)
     p.add_argument("--steps", type=int, default=1, help="timed steps per contender per round (median)")
-    p.add_argument("--rounds", type=int, default=15, help="interleaved rounds (ratios taken per round)")
+    p.add_argument("--rounds", type=int, default=10, help="interleaved rounds (ratios taken per round)")
     args = p.parse_args(list(argv or []))
     comm = init()
     if comm.rank == 0:

@@ -9,8 +9,10 @@ from torch import nn
 
 __all__ = ["mesh_model", "mesh_batch", "WIDTHS"]
 
-#: Filters per block. The paper does not list them; these keep a 1024^2 step to seconds on one core.
-WIDTHS = (16, 32, 32, 64, 64, 128)
+#: Filters per block. The paper's model is "adapted from VGGNet" without listing them: VGG's doubling at
+#: each downsampling, at half VGG's widths (64, 128, 256, 512, 512), so that a 1024^2 training step takes
+#: ~2 s on one core. Narrower models are bound by memory bandwidth on small machines (docs/spatial.md).
+WIDTHS = (32, 64, 128, 256, 256, 256)
 
 
 def _block(cin: int, cout: int, convs: int) -> list[nn.Module]:
