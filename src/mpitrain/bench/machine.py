@@ -49,8 +49,8 @@ def _matmul(n: int = 128, repeats: int = 3000) -> tuple[Kernel, float]:
 
 
 def _stream(nbytes: int) -> tuple[Kernel, float]:
-    """``c = a + b`` over float32 vectors whose three buffers total `nbytes`; ~100 MB moved per call
-    at DRAM sizes, the same number of bytes (more passes) at cache sizes."""
+    """``c = a + b`` over float32 vectors whose three buffers total `nbytes`, repeated until ~400 MiB
+    have moved (more passes over smaller buffers)."""
     n = max(nbytes // 12, 1)
     a, b, c = torch.randn(n), torch.randn(n), torch.empty(n)
     repeats = max(1, (400 << 20) // (12 * n))
@@ -114,7 +114,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = [k for k in names if k not in KERNELS]
     if unknown:
         p.error(f"unknown kernel(s) {unknown}; choose from {list(KERNELS)}")
-    torch.set_num_threads(1)  # one core per rank, as `mpitrain run` sets OMP_NUM_THREADS=1
     comm = init()
     rows = measure(comm, names, args.rounds)
     if comm.rank == 0:
