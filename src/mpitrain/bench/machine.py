@@ -119,8 +119,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if comm.rank == 0:
         print(header("machine: each kernel on one rank alone vs on every rank at once (no messages)", comm.size))
         cores = os.cpu_count() or 1
-        if comm.size > cores:
-            print(f"# OVERSUBSCRIBED: {comm.size} ranks on {cores} cores")
+        note = f"OVERSUBSCRIBED: {comm.size} ranks" if comm.size > cores else f"{comm.size} ranks"
+        print(f"# {note} on {cores} cores; torch threads per rank: {torch.get_num_threads()}")
         print(f"# slowdown = all-ranks time / alone time (median of per-round ratios); "
               f"ceiling = {comm.size} / slowdown: the best speed-up {comm.size} ranks can reach on such work")
         print_table(["kernel", "what", "MiB", "alone ms", "all ranks ms", "slowdown", "q25-q75",
