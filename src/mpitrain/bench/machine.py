@@ -25,7 +25,6 @@ from .common import (
     header,
     median,
     on_rank0_alone,
-    paired_ratio,
     paired_rounds,
     print_table,
     quartiles,
@@ -38,7 +37,7 @@ __all__ = ["main", "KERNELS"]
 Kernel = Callable[[], object]
 
 
-def _matmul(n: int = 128, repeats: int = 3000) -> tuple[Kernel, float]:
+def _matmul(n: int = 128, repeats: int = 3000) -> tuple[Kernel, int]:
     a, b, c = torch.randn(n, n), torch.randn(n, n), torch.empty(n, n)
 
     def run() -> None:
@@ -48,7 +47,7 @@ def _matmul(n: int = 128, repeats: int = 3000) -> tuple[Kernel, float]:
     return run, 3 * n * n * 4
 
 
-def _stream(nbytes: int) -> tuple[Kernel, float]:
+def _stream(nbytes: int) -> tuple[Kernel, int]:
     """``c = a + b`` over float32 vectors whose three buffers total `nbytes`, repeated until ~400 MiB
     have moved (more passes over smaller buffers)."""
     n = max(nbytes // 12, 1)
@@ -62,9 +61,10 @@ def _stream(nbytes: int) -> tuple[Kernel, float]:
     return run, 12 * n
 
 
-def _conv_block(channels: int = 16, h: int = 256, w: int = 512) -> tuple[Kernel, float]:
-    """3x3 conv, BatchNorm, ReLU, forward and backward, channels-last: the mesh model's first block on
-    half of a 1024x1024 image (`mpitrain bench spatial`)."""
+def _conv_block(channels: int = 16, h: int = 256, w: int = 512) -> tuple[Kernel, int]:
+    """3x3 conv, BatchNorm, ReLU, forward and backward, channels-last, 16 channels on 256x512: a
+    memory-bound layer (the first block of the narrow mesh model, ``bench spatial --widths 16,...``, on
+    half of a 1024x1024 image)."""
     cl = torch.channels_last
     conv = torch.nn.Conv2d(channels, channels, 3, padding=1, bias=False).to(memory_format=cl)
     bn = torch.nn.BatchNorm2d(channels)
@@ -77,7 +77,7 @@ def _conv_block(channels: int = 16, h: int = 256, w: int = 512) -> tuple[Kernel,
 
 
 #: name -> (kernel factory, what it measures)
-KERNELS: dict[str, tuple[Callable[[], tuple[Kernel, float]], str]] = {
+KERNELS: dict[str, tuple[Callable[[], tuple[Kernel, int]], str]] = {
     "matmul": (_matmul, "128x128 matmul: compute, in L1/L2"),
     "add-l2": (lambda: _stream(768 << 10), "c=a+b, 768 KiB: the private L2"),
     "add-l3": (lambda: _stream(6 << 20), "c=a+b, 6 MiB: the shared L3"),
@@ -98,8 +98,8 @@ def measure(comm, names: Sequence[str], rounds: int) -> list[list[object]]:
         torch.manual_seed(0)
         run, nbytes = factory()
         t = paired_rounds({"alone": _alone(comm, run), "all": step_timer(comm, run, 1)}, rounds)
-        slow = [b / a for a, b in zip(t["alone"], t["all"])]
-        s = paired_ratio(t["all"], t["alone"])
+        slow = [b / a for a, b in zip(t["alone"], t["all"])]  # per round (see paired_ratio)
+        s = median(slow)
         rows.append([name, what, nbytes / 2**20, median(t["alone"]) * 1e3, median(t["all"]) * 1e3, s,
                      quartiles(slow), comm.size / s])
     return rows
