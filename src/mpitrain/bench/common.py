@@ -11,7 +11,8 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-__all__ = ["machine", "command_line", "time_call", "slowest_rank_times", "step_timer", "rank_max", "median",
+__all__ = ["machine", "command_line", "time_call", "slowest_rank_times", "step_timer", "alone_timer", "rank_max",
+           "median",
            "paired_rounds", "paired_ratio", "quartiles", "on_rank0_alone", "print_table", "header"]
 
 
@@ -94,6 +95,13 @@ def step_timer(comm, step: Callable[[], object], steps: int) -> Callable[[], flo
     """A timer for :func:`paired_rounds`: the median over `steps` calls of `step` of the slowest rank's
     seconds, no warm-up of its own (the untimed first round is the warm-up). Collective over `comm`."""
     return lambda: median(slowest_rank_times(comm, step, steps, warmup=0))
+
+
+def alone_timer(comm, step: Callable[[], object] | None, steps: int) -> Callable[[], float]:
+    """A timer for :func:`paired_rounds`: the median over `steps` calls of `step` on rank 0 while the
+    other ranks sleep (:func:`on_rank0_alone`; `step` may be None there), no warm-up of its own.
+    Collective over `comm`."""
+    return lambda: on_rank0_alone(comm, lambda: median(time_call(step, steps, warmup=0)))
 
 
 def rank_max(comm, value: float) -> float:

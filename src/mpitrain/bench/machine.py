@@ -22,14 +22,13 @@ import torch.nn.functional as F
 
 from ..runtime import init
 from .common import (
+    alone_timer,
     header,
     median,
-    on_rank0_alone,
     paired_rounds,
     print_table,
     quartiles,
     step_timer,
-    time_call,
 )
 
 __all__ = ["main", "KERNELS"]
@@ -86,10 +85,6 @@ KERNELS: dict[str, tuple[Callable[[], tuple[Kernel, int]], str]] = {
 }
 
 
-def _alone(comm, run: Kernel) -> Callable[[], float]:
-    return lambda: on_rank0_alone(comm, lambda: median(time_call(run, 1, warmup=0)))
-
-
 def measure(comm, names: Sequence[str], rounds: int) -> list[list[object]]:
     """One table row per kernel: alone ms, all-ranks ms, paired slowdown, its spread and the ceiling."""
     rows = []
@@ -97,7 +92,7 @@ def measure(comm, names: Sequence[str], rounds: int) -> list[list[object]]:
         factory, what = KERNELS[name]
         torch.manual_seed(0)
         run, nbytes = factory()
-        t = paired_rounds({"alone": _alone(comm, run), "all": step_timer(comm, run, 1)}, rounds)
+        t = paired_rounds({"alone": alone_timer(comm, run, 1), "all": step_timer(comm, run, 1)}, rounds)
         slow = [b / a for a, b in zip(t["alone"], t["all"])]  # per round (see paired_ratio)
         s = median(slow)
         rows.append([name, what, nbytes / 2**20, median(t["alone"]) * 1e3, median(t["all"]) * 1e3, s,

@@ -24,15 +24,14 @@ from torch import nn
 from ..fit import FitSpec, make_trainer
 from ..runtime import init
 from .common import (
+    alone_timer,
     header,
     median,
-    on_rank0_alone,
     paired_ratio,
     paired_rounds,
     print_table,
     quartiles,
     step_timer,
-    time_call,
 )
 
 __all__ = ["main", "ResidualCNN"]
@@ -93,9 +92,9 @@ def _sequential_step(args: argparse.Namespace, n: int, micro: int) -> Callable[[
 
 def _sequential(comm, args: argparse.Namespace, n: int, micro: int) -> Timer:
     """A timer: rank 0 alone trains the whole model (M micro-batches accumulated) while the other ranks
-    sleep (:func:`~mpitrain.bench.common.on_rank0_alone`); the median over `args.steps` steps."""
+    sleep (:func:`~mpitrain.bench.common.alone_timer`); the median over `args.steps` steps."""
     step = _sequential_step(args, n, micro) if comm.rank == 0 else None
-    return lambda: on_rank0_alone(comm, lambda: median(time_call(step, args.steps, warmup=0)))
+    return alone_timer(comm, step, args.steps)
 
 
 def _sequential_everywhere(comm, args: argparse.Namespace, n: int, micro: int) -> Timer:

@@ -37,6 +37,7 @@ from ..spatial.distribution import Distribution
 from ..spatial.mesh import WIDTHS, mesh_batch, mesh_model
 from ..spatial.trainer import SpatialTrainer
 from .common import (
+    alone_timer,
     header,
     median,
     on_rank0_alone,
@@ -136,14 +137,12 @@ class _Row:
 def _torch_row(args, comm, model: nn.Module, x: torch.Tensor, y: torch.Tensor, fmt: str) -> _Row:
     step = _torch_step(model, x, y) if comm.rank == 0 else None
 
-    def timer() -> float:
-        return on_rank0_alone(comm, lambda: median(time_call(step, args.steps, warmup=0)))
-
     def memory() -> float:
         return on_rank0_alone(comm, lambda: step_memory(step) / 2**20)
 
     model_s = _predicted(model, tuple(x.shape), (1, 1), 1, (0.0, 0.0), False)
-    return _Row(f"torch, 1 process ({fmt})", fmt, (1, 1), 1, timer, memory, lambda: 0.0, model_s)
+    return _Row(f"torch, 1 process ({fmt})", fmt, (1, 1), 1, alone_timer(comm, step, args.steps), memory,
+                lambda: 0.0, model_s)
 
 
 def _spatial_row(args, comm, model: nn.Module, x: torch.Tensor, y: torch.Tensor, fmt: str,
