@@ -11,7 +11,7 @@ RUN    := $(BIN)/mpitrain run
 # interrupt a rank blocked inside MPI (see tests/README.md).
 MPIPYTEST := python -m mpi4py -m pytest -x -q --color=no -p no:cacheprovider --timeout-method=thread -m mpi
 
-.PHONY: venv test test-serial test-mpi lint demo bench clean
+.PHONY: venv test test-serial test-mpi lint typecheck demo bench clean
 
 venv: $(STAMP)
 
@@ -24,6 +24,9 @@ $(STAMP): pyproject.toml
 
 lint: venv
 	$(BIN)/ruff check src tests benchmarks
+
+typecheck: venv
+	$(BIN)/mypy
 
 test-serial: venv
 	$(BIN)/python -m pytest -q -m "not mpi" --timeout=300 tests
