@@ -30,6 +30,7 @@ from torch import nn
 from ..comm.base import CommError, Communicator
 from ..comm.codecs import Codec, get_codec
 from ..comm.ring import DEFAULT_CHUNK_BYTES, ring_allreduce
+from .base import FitSpec
 from .batching import batch_size, check_divisible, shard
 from .broadcast import broadcast_parameters, check_same_everywhere
 
@@ -37,7 +38,7 @@ __all__ = ["make_trainer", "PipeSGDTrainer", "CommThread", "LinkEmulation", "Pip
 
 #: Options of ``fit(strategy="pipe-sgd", ...)`` and their defaults.
 OPTIONS: dict[str, Any] = {"staleness": 2, "warmup_steps": 0, "compression": None, "error_feedback": False,
-                           "chunk_bytes": DEFAULT_CHUNK_BYTES, "emulate_link": None, "stall_warning_s": 60.0}
+                           "chunk_bytes": DEFAULT_CHUNK_BYTES, "emulate_link": None}
 
 
 class PipeSGDError(RuntimeError):
@@ -157,7 +158,7 @@ class PipeSGDTrainer:
     """
 
     def __init__(self, model: nn.Module, loss_fn: Any, optimizer: Any, comm: Communicator, opts: dict[str, Any],
-                 codec: Codec) -> None:
+                 codec: Codec, spec: FitSpec) -> None:
         self.model, self.loss_fn, self.comm = model, loss_fn, comm
         self.K, self.warmup = opts["staleness"], opts["warmup_steps"]
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -169,7 +170,7 @@ class PipeSGDTrainer:
         link = opts["emulate_link"]
         self.comm_thread = CommThread(comm.split(0), codec, opts["chunk_bytes"], opts["error_feedback"],
                                       LinkEmulation(*link) if link is not None else None, self.K,
-                                      opts["stall_warning_s"])
+                                      spec.stall.warn_after)
         self.t = 0
         self.stats = {"compute_s": 0.0, "wait_s": 0.0, "steps": 0.0}
         self._closed = False
@@ -277,7 +278,7 @@ def make_trainer(model: nn.Module, loss_fn: Any, optimizer: Any, comm: Communica
         codec.check_input(params[0].detach()[:0].reshape(-1), "parameters")
     except CommError as e:
         raise ValueError(str(e)) from None
-    signature = (sorted((k, repr(v)) for k, v in opts.items() if k != "stall_warning_s"),
+    signature = (sorted((k, repr(v)) for k, v in opts.items()),
                  [(tuple(p.shape), str(p.dtype)) for p in params])
     check_same_everywhere(comm, "pipe-sgd options and parameter shapes", signature)
-    return PipeSGDTrainer(model, loss_fn, optimizer, comm, opts, codec)
+    return PipeSGDTrainer(model, loss_fn, optimizer, comm, opts, codec, spec)

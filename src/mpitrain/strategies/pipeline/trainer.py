@@ -76,7 +76,7 @@ def _check_spec(spec: Any, size: int) -> tuple[int, int, dict[str, Any]]:
     if unknown:
         raise FitError(f"unknown option(s) {sorted(unknown)} for strategy {spec.strategy!r}; "
                          f"known: {sorted(OPTIONS)}")
-    return P, R, {**OPTIONS, **spec.options}
+    return P, R, {**OPTIONS, "stall_timeout": spec.stall.warn_after, "stall_abort": spec.stall.abort_after, **spec.options}  # noqa: E501
 
 
 def make_trainer(model: nn.Module, loss_fn: Callable, optimizer: Callable, comm: Communicator,
