@@ -15,8 +15,9 @@ __all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_tenso
            "module_tensors"]
 
 
-def check_same_everywhere(comm: Communicator, what: str, signature: Any) -> None:
-    """Collective: raise ValueError on every rank unless every rank passed an equal `signature`.
+def check_same_everywhere(comm: Communicator, what: str, signature: object,
+                          error: type[ValueError] = ValueError) -> None:
+    """Collective: raise `error` on every rank unless every rank passed an equal `signature`.
 
     One pickled allgather; the message names the ranks that differ from rank 0 and the first entry
     that differs, so a setup mistake fails before any tensor is sent."""
@@ -32,7 +33,7 @@ def check_same_everywhere(comm: Communicator, what: str, signature: Any) -> None
         b = other[diff] if diff < len(other) else "<missing>"
         detail = (f"; entry {diff}: rank 0 has {a!r}, rank {bad[0]} has {b!r} "
                   f"(lengths {len(first)}/{len(other)})")
-    raise ValueError(f"{what}: ranks {bad} disagree with rank 0{detail}")
+    raise error(f"{what}: ranks {bad} disagree with rank 0{detail}")
 
 
 def broadcast_tensors(tensors: list[torch.Tensor], comm: Communicator, root: int = 0) -> None:
