@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from ..comm.base import Communicator
 from ..runtime import world
@@ -249,33 +250,21 @@ class DataParallel(nn.Module):
 
 
 # -- helpers --------------------------------------------------------------------------------------
-def _watch_outputs(out: Any, dp: DataParallel) -> Any:
+def _watch_outputs(out: object, dp: DataParallel) -> object:
     """Queue the final callback when backward reaches the outputs (a pre-hook on their autograd
     nodes), so a backward that reaches them always synchronises, even when no local parameter gets
-    a gradient. Nothing wraps or copies the outputs."""
-    found: list[torch.Tensor] = []
-    _collect_tensors(out, found)
-    for t in found:
-        if t.grad_fn is not None:
+    a gradient. The outputs may be any pytree (tuples, dicts, model-output classes registered with
+    torch.utils._pytree); nothing wraps or copies them."""
+    seen: set[int] = set()
+    for t in tree_leaves(out):
+        if isinstance(t, torch.Tensor) and t.grad_fn is not None and id(t) not in seen:
+            seen.add(id(t))
             t.grad_fn.register_prehook(dp._backward_started)
     return out
 
 
-def _collect_tensors(obj: Any, out: list[torch.Tensor]) -> None:
-    if isinstance(obj, torch.Tensor):
-        if obj.requires_grad and all(obj is not t for t in out):
-            out.append(obj)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            _collect_tensors(v, out)
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            _collect_tensors(v, out)
-
-
 def _unique(params: Iterator[nn.Parameter]) -> list[nn.Parameter]:
-    seen: set[int] = set()
-    return [p for p in params if not (id(p) in seen or seen.add(id(p)))]
+    return list(dict.fromkeys(params))  # tensors hash by identity: tied parameters once, in order
 
 
 def _check_settings(kvstore: object, bucket_mb: float, first_bucket_mb: float) -> None:

@@ -26,6 +26,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from .._utils.flat import views
 from .._utils.stall import DEFAULT_POLICY, StallPolicy, wait_until
 from ..comm.base import CommError, Communicator
 from ..comm.codecs import Codec, get_codec
@@ -226,10 +227,8 @@ class PipeSGDTrainer:
 
     def _bind(self, flat: torch.Tensor) -> None:
         """Make every parameter's .grad a view into `flat` (backward accumulates into it in place)."""
-        offset = 0
-        for p in self.params:
-            p.grad = flat[offset:offset + p.numel()].view_as(p)
-            offset += p.numel()
+        for p, view in zip(self.params, views(flat, [p.shape for p in self.params])):
+            p.grad = view
 
     def _apply(self, handle: _Handle) -> None:
         t0 = time.perf_counter()
