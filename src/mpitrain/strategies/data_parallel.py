@@ -13,6 +13,16 @@ from torch.utils._pytree import tree_leaves
 
 from ..comm.base import Communicator
 from ..runtime import world
+from ._batching import batch_size, check_divisible, chunks, shard
+from ._broadcast import (
+    broadcast_optimizer_state,
+    broadcast_parameters,
+    broadcast_tensors,
+    check_same_everywhere,
+    module_tensors,
+)
+from ._buckets import MB, Bucket, plan_buckets
+from ._grad_allreduce import allreduce_gradients, start_allreduce_gradients
 from .base import (
     Batch,
     FitError,
@@ -23,16 +33,6 @@ from .base import (
     is_number,
     require_whole_model,
 )
-from .batching import batch_size, check_divisible, chunks, shard
-from .broadcast import (
-    broadcast_optimizer_state,
-    broadcast_parameters,
-    broadcast_tensors,
-    check_same_everywhere,
-    module_tensors,
-)
-from .buckets import MB, Bucket, plan_buckets
-from .grad_allreduce import allreduce_gradients, start_allreduce_gradients
 
 if TYPE_CHECKING:
     from ..kvstore.base import KVStore

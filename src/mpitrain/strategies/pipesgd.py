@@ -31,6 +31,8 @@ from .._utils.stall import DEFAULT_POLICY, StallPolicy, wait_until
 from ..comm.base import CommError, Communicator
 from ..comm.codecs import Codec, get_codec
 from ..comm.ring import DEFAULT_CHUNK_BYTES, ring_allreduce
+from ._batching import batch_size, check_divisible, shard
+from ._broadcast import broadcast_parameters, check_same_everywhere
 from .base import (
     Batch,
     FitError,
@@ -42,8 +44,6 @@ from .base import (
     is_number,
     require_whole_model,
 )
-from .batching import batch_size, check_divisible, shard
-from .broadcast import broadcast_parameters, check_same_everywhere
 
 __all__ = ["make_trainer", "PipeSGDTrainer", "PipeSGDOptions", "CommThread", "LinkEmulation", "PipeSGDError"]
 

@@ -26,8 +26,8 @@ from torch import nn
 from ...comm.base import Communicator, split_sizes
 from ...comm.watchdog import DEFAULT_POLICY, watched
 from .. import FitError
-from ..batching import batch_size, check_divisible
-from ..grad_allreduce import start_allreduce_gradients
+from .._batching import batch_size, check_divisible
+from .._grad_allreduce import start_allreduce_gradients
 from .graph import Traced, ValueMeta, cut_points, measure, model_args, param_counts, profile, split, trace
 from .partition import bounds_from_balance
 from .schedule import SCHEDULES, Action

@@ -9,7 +9,7 @@ from torch import nn
 
 from .._utils.flat import copy_from_flat, flatten
 from ..comm.base import Communicator, Request
-from .buckets import MB, plan_buckets
+from ._buckets import MB, plan_buckets
 
 __all__ = ["allreduce_gradients", "start_allreduce_gradients", "GradientAllreduce"]
 
