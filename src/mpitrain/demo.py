@@ -44,7 +44,7 @@ class DigitsCNN(nn.Module):
 def digits(seed: int, held_out: int = 336) -> tuple[torch.Tensor, ...]:
     """(train_x, train_y, test_x, test_y): images scaled to [0, 1], a fixed seeded split. 336 held-out
     images = 2 evaluation batches of 168, which every strategy splits evenly on 1-4, 6 or 8 ranks."""
-    from sklearn.datasets import load_digits  # type: ignore[import-untyped]
+    from sklearn.datasets import load_digits
 
     d = load_digits()
     x = torch.tensor(d.images, dtype=torch.float32).unsqueeze(1) / 16.0
