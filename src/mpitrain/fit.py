@@ -91,15 +91,10 @@ def make_trainer(model: nn.Module, loss_fn: LossFn, optimizer: OptimizerFactory,
     return factory(model, loss_fn, optimizer, comm, spec)
 
 
-def stall_policy(warn_after: float, abort_after: float | None, options: Mapping[str, object]) -> tuple[
-        StallPolicy, dict[str, object]]:
-    """fit's StallPolicy and the strategy options left once the deprecated stall spellings in `options`
-    (:data:`STALL_ALIASES`, each warned about) are taken out. FitError for a value given twice or out
-    of range; local, so every rank raises alike."""
-    try:
-        renamed = renamed_options(options, STALL_ALIASES, "fit", stacklevel=4)
-    except TypeError as e:
-        raise FitError(str(e)) from None
+def stall_policy(warn_after: float, abort_after: float | None, renamed: dict[str, object]) -> StallPolicy:
+    """fit's StallPolicy from its keywords and from `renamed`, fit's other options after
+    ``renamed_options(options, STALL_ALIASES, "fit")``; takes ``warn_after``/``abort_after`` out of
+    `renamed`. FitError for a value given twice or out of range; local, so every rank raises alike."""
     for key, value, default in (("warn_after", warn_after, DEFAULT_WARN_AFTER),
                                 ("abort_after", abort_after, DEFAULT_ABORT_AFTER)):
         if key in renamed and value != default:
@@ -111,7 +106,7 @@ def stall_policy(warn_after: float, abort_after: float | None, options: Mapping[
                        f"{warn!r} and {abort!r}")
     assert isinstance(warn, (int, float)) and (abort is None or isinstance(abort, (int, float)))
     try:
-        return StallPolicy(warn_after=float(warn), abort_after=None if abort is None else float(abort)), renamed
+        return StallPolicy(warn_after=float(warn), abort_after=None if abort is None else float(abort))
     except ValueError as e:
         raise FitError(f"fit: {e}") from None
 
@@ -180,7 +175,11 @@ def fit(model: nn.Module, data: Iterable[tuple[Batch, torch.Tensor]], loss_fn: L
         raise FitError(f"epochs must be >= 1 and steps None or >= 1, got epochs={epochs}, steps={steps}")
     comm = comm or world()
     named = _metrics(metrics)
-    stall, rest = stall_policy(warn_after, abort_after, options)
+    try:  # called here, so that the DeprecationWarning names the caller of fit
+        rest = renamed_options(options, STALL_ALIASES, "fit")
+    except TypeError as e:
+        raise FitError(str(e)) from None
+    stall = stall_policy(warn_after, abort_after, rest)
     spec = FitSpec(strategy=strategy, partitions=partitions, replicas=replicas, micro_batches=micro_batches,
                    schedule=schedule, balance=balance, options=rest, stall=stall)
     trainer = make_trainer(model, loss_fn, optimizer, comm, spec)

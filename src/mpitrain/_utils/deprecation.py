@@ -1,33 +1,26 @@
-"""Old option names that keep working for one release, with a DeprecationWarning."""
+"""Renamed options: the old name keeps working for one release, with a DeprecationWarning."""
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
-from typing import TypeVar
+from typing import Any
 
 __all__ = ["renamed_options"]
 
-V = TypeVar("V")
 
+def renamed_options(options: dict[str, Any], aliases: dict[str, str], where: str) -> dict[str, Any]:
+    """A copy of `options` with every old name in `aliases` (old -> new) replaced by its new name,
+    warning once per old name used (DeprecationWarning naming `where`, e.g. ``"kvstore.create"``).
 
-def renamed_options(options: Mapping[str, V], aliases: Mapping[str, str], where: str, *,
-                    stacklevel: int = 3) -> dict[str, V]:
-    """A copy of `options` with every deprecated name (a key of `aliases`) replaced by its new name.
-
-    Each old name used gives one DeprecationWarning "<where>: option 'old' is deprecated; use 'new'"
-    (attributed `stacklevel` frames up: by default the caller of the function that calls this one).
-    Two spellings of one option (old and new, or two old ones) raise TypeError, as a keyword given
-    twice does. The order of the other options is kept."""
-    out: dict[str, V] = {}
-    given: dict[str, str] = {}  # new name -> the spelling that set it
-    for key, value in options.items():
-        new = aliases.get(key, key)
-        if new in given:
-            raise TypeError(f"{where}: option {new!r} given twice (as {given[new]!r} and {key!r})")
-        if new != key:
-            warnings.warn(f"{where}: option {key!r} is deprecated; use {new!r}", DeprecationWarning,
-                          stacklevel=stacklevel)
-        given[new] = key
-        out[new] = value
+    Raises TypeError if an option is given under both its old and its new name. `options` is not
+    changed; names not in `aliases` pass through."""
+    out = dict(options)
+    for old, new in aliases.items():
+        if old not in out:
+            continue
+        if new in out:
+            raise TypeError(f"{where}: option {old!r} was renamed {new!r}; give only {new!r}, not both")
+        warnings.warn(f"{where}: option {old!r} is deprecated and will be removed in the next release; "
+                      f"use {new!r}", DeprecationWarning, stacklevel=3)
+        out[new] = out.pop(old)
     return out

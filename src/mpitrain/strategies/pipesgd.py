@@ -175,8 +175,9 @@ class CommThread:
         t0 = time.perf_counter()
         if self.error_feedback and self.residual is None:
             self.residual = torch.zeros_like(buf)
-        ring_allreduce(self.comm, buf, self.codec, op="avg", chunk_bytes=self.chunk_bytes,
-                       error_feedback=self.residual, stall_warning_s=self.stall.warn_after, stats=self.stats)
+        # the 7th parameter is the ring's warn-after limit (named stall_warning_s before the rename)
+        ring_allreduce(self.comm, buf, self.codec, "avg", self.chunk_bytes, self.residual, self.stall.warn_after,
+                       stats=self.stats)
         self.stats["comm_s"] += time.perf_counter() - t0
         if self.link is not None:
             wire = self.codec.payload_numel(buf.numel()) * self.codec.empty_payload(0, buf.dtype).element_size()
