@@ -26,9 +26,9 @@ from torch import nn
 
 import mpitrain
 from mpitrain import kvstore
+from mpitrain._utils.stall import StallPolicy, wait_until
 from mpitrain.bench.common import header, print_table, slowest_rank_times
 from mpitrain.comm.base import Communicator
-from mpitrain.kvstore.base import poll_request
 
 __all__ = ["main"]
 
@@ -98,7 +98,8 @@ def _allreduce_rows(world: Communicator, workers: int, n: int, repeats: int) -> 
 
 def _rendezvous(world: Communicator) -> None:
     """Wait for every rank without spinning: ranks left out of a row must not steal the cores."""
-    poll_request(world.iallreduce(torch.zeros(1)), most=2e-3)
+    wait_until(world.iallreduce(torch.zeros(1)).test, "the other ranks between benchmark rows",
+               StallPolicy(max_nap=2e-3), who=f"bench kvstore rank {world.rank}", abort=world.abort)
 
 
 def ps_table(world: Communicator, args: argparse.Namespace) -> None:

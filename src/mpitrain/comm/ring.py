@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
+from .._utils.stall import watched
 from .base import CommError, Communicator, Request, split_sizes
 from .codecs import Codec, get_codec
-from .watchdog import watched
 
 __all__ = ["ring_allreduce", "ring_schedule", "RingStep", "DEFAULT_CHUNK_BYTES", "RING_TAG", "chunk_bounds"]
 
@@ -64,7 +64,7 @@ def chunk_bounds(n: int, size: int, chunk_elems: int) -> list[list[tuple[int, in
 
 
 def _wait(req: Request, what: str, warn_s: float) -> None:
-    """Block inside MPI (no Python polling, see :func:`mpitrain.comm.watchdog.watched`), warning on a stall."""
+    """Block inside MPI (no Python polling, see :func:`mpitrain._utils.stall.watched`), warning on a stall."""
     if req.test():
         return
     with watched("ring_allreduce", f"waiting for {what}; is that rank alive and calling the same allreduce?",

@@ -22,20 +22,21 @@ Semantics common to every type:
 from __future__ import annotations
 
 import abc
+import dataclasses
 import functools
 import logging
 import threading
-import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..comm.base import Communicator, Request
+from .._utils.stall import StallPolicy, wait_until
+from ..comm.base import Communicator
 
 __all__ = ["KVStore", "KVStoreError", "Key", "KeyInfo", "Entry", "Tracker", "make_optimizer_factory",
-           "poll_request", "rendezvous"]
+           "rendezvous", "stall_policy"]
 
 log = logging.getLogger("mpitrain.kvstore")
 
@@ -67,15 +68,24 @@ class Entry:
         self.aux: torch.Tensor | None = None  # a type's private buffer (depchain's comm buffer)
 
 
+def stall_policy(warn_after: float, abort_after: float | None) -> StallPolicy:
+    """The store's limits on a wait (the `warn_after`/`abort_after` options of every type), checked."""
+    try:
+        return StallPolicy(warn_after, abort_after)
+    except ValueError as e:
+        raise KVStoreError(f"kvstore: {e}") from e
+
+
 class Tracker:
     """Counts outstanding entries per key; ``wait`` blocks until the asked keys have none left."""
 
-    def __init__(self, warn_after: float) -> None:
+    def __init__(self, policy: StallPolicy) -> None:
         self._cv = threading.Condition()
         self._open: dict[Key, int] = {}
         self._errors: list[BaseException] = []  # from failed operations: raised once by wait
         self._fatal: BaseException | None = None  # the store is broken: every wait raises it
-        self._warn_after = warn_after
+        # woken by finish(): the sleeps between checks only bound how late a stall warning comes
+        self._policy = dataclasses.replace(policy, max_nap=0.05)
 
     def start(self, key: Key) -> None:
         with self._cv:
@@ -104,54 +114,34 @@ class Tracker:
             return [k for k in (self._open if keys is None else keys) if self._open.get(k, 0)]
 
     def wait(self, keys: Sequence[Key] | None, what: str = "") -> None:
-        """Block until no entry of `keys` (all if None) is open; warn every `warn_after` seconds
-        naming the keys still open. Then raise the first error of a failed operation (once), or the
-        error that broke the store (always)."""
-        start = time.monotonic()
+        """Block until no entry of `keys` (all if None) is open; every `warn_after` seconds one line
+        names the keys still open, after `abort_after` seconds :class:`~mpitrain._utils.stall.StallError`.
+        Then raise the first error of a failed operation (once), or the error that broke the store
+        (always)."""
+        def settled() -> bool:
+            with self._cv:
+                return self._fatal is not None or not self.busy(keys)
+
+        wait_until(settled, lambda: f"keys {self.busy(keys)[:20]}", self._policy, who=f"kvstore{what}",
+                   cv=self._cv)
         with self._cv:
-            while True:
-                if self._fatal is not None:
-                    raise self._fatal
-                pending = [k for k in (self._open if keys is None else keys) if self._open.get(k, 0)]
-                if not pending:
-                    if self._errors:
-                        err, self._errors = self._errors[0], []
-                        raise err
-                    return
-                if not self._cv.wait(self._warn_after):
-                    log.warning("kvstore%s: still waiting after %.0fs for keys %s", what,
-                                time.monotonic() - start, pending[:20])
+            if self._fatal is not None:
+                raise self._fatal
+            if self._errors:
+                err, self._errors = self._errors[0], []
+                raise err
 
 
-def poll_request(req: Request, first: float = 2e-5, most: float = 2e-4, deadline: float | None = None,
-                 spin: float = 0.0) -> bool:
-    """Complete `req` without spinning: test, then sleep with exponential backoff up to `most`
-    seconds (MPI progresses on each test), leaving the cores to computation while peers catch up.
-    ``spin`` seconds of back-to-back tests come first: when the peers are already there (the common
-    case at a synchronization point) the request completes without paying a sleep's timer slack.
-    Returns False if ``time.monotonic()`` passed `deadline` first (the request is still pending)."""
-    if spin > 0:
-        until = time.monotonic() + spin
-        while time.monotonic() < until:
-            if req.test():
-                return True
-    pause = first
-    while not req.test():
-        if deadline is not None and time.monotonic() > deadline:
-            return False
-        time.sleep(pause)
-        pause = min(pause * 2, most)
-    return True
-
-
-def rendezvous(comm: Communicator, what: str = "allreduce", warn_after: float = 60.0) -> None:
+def rendezvous(comm: Communicator, what: str, policy: StallPolicy,
+               abort: Callable[[int], None] | None = None) -> None:
     """Return once every rank of `comm` has called it (which ranks must call: all of `comm`, in the
-    same order as their other collectives on it); polls as :func:`poll_request` does, and warns every
-    `warn_after` seconds, naming `what`, while some rank is missing."""
-    req, start = comm.iallreduce(torch.zeros(1, dtype=torch.int32)), time.monotonic()
-    while not poll_request(req, deadline=time.monotonic() + warn_after, spin=5e-5):
-        log.warning("kvstore: %s has waited %.0fs for the other ranks to join (are they issuing the same "
-                    "keys in the same order?)", what, time.monotonic() - start)
+    same order as their other collectives on it). Polls a 1-element nonblocking allreduce with sleeps
+    (:func:`~mpitrain._utils.stall.wait_until`: 50 us of back-to-back tests, then sleeps backing off to
+    0.2 ms), warning every `policy.warn_after` seconds, naming `what`, while some rank is missing, and
+    calling ``abort(1)`` after `policy.abort_after` seconds."""
+    req = comm.iallreduce(torch.zeros(1, dtype=torch.int32))
+    wait_until(req.test, f"{what} (the other ranks to join: are they issuing the same keys in the same order?)",
+               dataclasses.replace(policy, spin=5e-5, max_nap=2e-4), who=f"kvstore rank {comm.rank}", abort=abort)
 
 
 def make_optimizer_factory(opt: Any) -> Callable[[list[torch.Tensor]], torch.optim.Optimizer]:
@@ -195,13 +185,14 @@ class KVStore(abc.ABC):
 
     type: str = "?"
 
-    def __init__(self, comm: Communicator, warn_after: float = 60.0, ctl: Communicator | None = None) -> None:
+    def __init__(self, comm: Communicator, warn_after: float = 60.0, abort_after: float | None = 600.0,
+                 ctl: Communicator | None = None) -> None:
+        self._policy = stall_policy(warn_after, abort_after)
         self._world = comm
         # the workers' main-thread blocking collectives (init, broadcast, barrier)
         self._ctl = comm.split(0, comm.rank) if ctl is None else ctl
         self._keys: dict[Key, KeyInfo] = {}
-        self._tracker = Tracker(warn_after)
-        self._warn_after = warn_after
+        self._tracker = Tracker(self._policy)
         self._opt_factory: Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None = None
         self._opts: dict[Key, torch.optim.Optimizer] = {}
         self._push_bufs: dict[Key, list[torch.Tensor]] = {}  # idle push buffers per key
@@ -451,7 +442,7 @@ class KVStore(abc.ABC):
         The MPI Communicator reduces a large buffer as consecutive 2 MiB pieces (comm/mpi.py)."""
         if self._codec is None or not buf.is_floating_point():
             if poll:
-                rendezvous(comm, f"{self.type} allreduce of key {key!r}", self._warn_after)
+                rendezvous(comm, f"{self.type} allreduce of key {key!r}", self._policy, self._world.abort)
             comm.allreduce(buf)
         else:
             from ..comm.ring import ring_allreduce

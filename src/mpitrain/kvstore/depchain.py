@@ -29,8 +29,9 @@ class DepChainStore(SequencedStore):
     type = "depchain"
     poll = True
 
-    def __init__(self, comm: Communicator, warn_after: float = 60.0, copy_inputs: bool = True) -> None:
-        super().__init__(comm, warn_after)
+    def __init__(self, comm: Communicator, warn_after: float = 60.0, abort_after: float | None = 600.0,
+                 copy_inputs: bool = True) -> None:
+        super().__init__(comm, warn_after, abort_after)
         self._copy_inputs = copy_inputs
         self._data = comm.split(0, comm.rank)
         self._engine = Engine({"comm": 1}, warn_after=warn_after)

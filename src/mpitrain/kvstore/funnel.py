@@ -16,8 +16,8 @@ class FunnelStore(SequencedStore):
 
     type = "funnel"
 
-    def __init__(self, comm: Communicator, warn_after: float = 60.0) -> None:
-        super().__init__(comm, warn_after)
+    def __init__(self, comm: Communicator, warn_after: float = 60.0, abort_after: float | None = 600.0) -> None:
+        super().__init__(comm, warn_after, abort_after)
         self._data = comm.split(0, comm.rank)
 
     def _dispatch(self, e: Entry) -> None:

@@ -14,7 +14,8 @@ class LocalStore(KVStore):
 
     type = "local"
 
-    def __init__(self, comm: Communicator | None = None, warn_after: float = 60.0) -> None:
+    def __init__(self, comm: Communicator | None = None, warn_after: float = 60.0,
+                 abort_after: float | None = 600.0) -> None:
         if comm is None:
             from mpi4py import MPI
 
@@ -24,7 +25,7 @@ class LocalStore(KVStore):
         if comm.size != 1:
             raise KVStoreError(f"the local kvstore runs in one process; got a communicator of size "
                                f"{comm.size} (use funnel, concurrent, depchain or dist_sync_mpi)")
-        super().__init__(comm, warn_after)
+        super().__init__(comm, warn_after, abort_after)
 
     def _enqueue(self, entry: Entry, priority: int) -> None:
         if entry.finish is not None:

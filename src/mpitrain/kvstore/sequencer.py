@@ -67,8 +67,8 @@ class SequencedStore(KVStore):
     """A KVStore whose operations leave in :class:`Sequencer` order: each type says only what to do
     with a released entry (``_dispatch``, called under the store's lock, in release order)."""
 
-    def __init__(self, comm: Communicator, warn_after: float = 60.0) -> None:
-        super().__init__(comm, warn_after)
+    def __init__(self, comm: Communicator, warn_after: float = 60.0, abort_after: float | None = 600.0) -> None:
+        super().__init__(comm, warn_after, abort_after)
         self._seq = Sequencer()
         self._lock = threading.RLock()
 

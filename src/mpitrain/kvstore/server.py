@@ -11,14 +11,14 @@ shard (no pickling on the data path); each worker's messages are matched in orde
 from __future__ import annotations
 
 import pickle
-import time
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from .._utils.stall import wait_until
 from ..comm.base import DTYPES, Communicator, Request, split_sizes
-from .base import Entry, Key, KeyInfo, KVStore, KVStoreError, log, make_optimizer_factory, pairs, tensors
+from .base import Entry, Key, KeyInfo, KVStore, KVStoreError, make_optimizer_factory, pairs, tensors
 
 __all__ = ["ServerStore"]
 
@@ -35,7 +35,7 @@ class ServerStore(KVStore):
     type = "dist_sync"
 
     def __init__(self, comm: Communicator, num_servers: int = 1, bigarray_bound: int = 1_000_000,
-                 warn_after: float = 60.0) -> None:
+                 warn_after: float = 60.0, abort_after: float | None = 600.0) -> None:
         if not 1 <= num_servers < comm.size:
             raise KVStoreError(f"dist_sync needs 1 <= num_servers < world size ({comm.size}), "
                                f"got {num_servers}")
@@ -44,7 +44,7 @@ class ServerStore(KVStore):
         self._server_ranks = list(range(self._nworkers, comm.size))
         self.is_server = comm.rank >= self._nworkers
         ctl = comm.split(int(self.is_server), comm.rank)
-        super().__init__(comm, warn_after, ctl=ctl)
+        super().__init__(comm, warn_after, abort_after, ctl=ctl)
         self._net = comm.split(0, comm.rank)
         self._bound = bigarray_bound
         self._inflight: dict[Key, list[Request]] = {}
@@ -148,7 +148,7 @@ class ServerStore(KVStore):
         ks = list(self._inflight) if keys is None else [k for k, _ in pairs(keys, None, "wait")]
         for k in ks:
             for r in self._inflight.pop(k, []):
-                _wait_warn(r, self._warn_after, f"key {k!r}")
+                wait_until(r.test, f"key {k!r}", self._policy, who=f"dist_sync worker rank {self._world.rank}")
             self._keep.pop(k, None)
 
     def _enqueue(self, entry: Entry, priority: int) -> None:  # pragma: no cover - push/pull overridden
@@ -221,7 +221,7 @@ class ServerStore(KVStore):
             raise KVStoreError(f"serve(): rank {self._world.rank} is a worker, not a dist_sync server")
         from .shard import ServerLoop
 
-        ServerLoop(self._net, self._nworkers, self._warn_after).run()
+        ServerLoop(self._net, self._nworkers, self._policy.warn_after).run()
         self._closed = True
         self._shutdown()
         self._ctl.free()
@@ -256,14 +256,3 @@ def _recv_blob(comm: Communicator, source: int) -> bytes:
     buf = torch.zeros(max(1, (int(n) + 3) // 4), dtype=torch.int32)
     comm.recv(buf, source, _REPLY)
     return buf.numpy().tobytes()[: int(n)]
-
-
-def _wait_warn(req: Request, warn_after: float, what: str) -> None:
-    """Wait for `req` without spinning; warn every `warn_after` seconds naming what is waited for."""
-    start, last, pause = time.monotonic(), time.monotonic(), 2e-5
-    while not req.test():
-        time.sleep(pause)
-        pause = min(pause * 2, 1e-3)
-        if time.monotonic() - last > warn_after:
-            last = time.monotonic()
-            log.warning("dist_sync: waiting %.0fs for %s", last - start, what)

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from .._utils.stall import Backoff
 from ..comm.base import DTYPES, Communicator, Request
 from .base import log
 from .server import _CLOSE, _DATA, _HDR, _INIT, _LOAD, _PULL, _PUSH, _REPLY, _SAVE, _SETOPT, _pack
@@ -44,7 +45,9 @@ class ServerLoop:
         self._req = {w: comm.irecv(self._hdr[w], w, _HDR) for w in self._open}
 
     def run(self) -> None:
-        pause, idle_since = 2e-5, time.monotonic()
+        """Idle is legitimate (the workers compute between rounds): it warns every `warn_after` seconds
+        and never aborts; the workers' own waits end the job if a server is gone."""
+        nap, idle_since = Backoff(), time.monotonic()
         while self._open:
             progressed = False
             for w in sorted(self._open):
@@ -54,10 +57,10 @@ class ServerLoop:
                         self._req[w] = self._comm.irecv(self._hdr[w], w, _HDR)
                     progressed = True
             if progressed:
-                pause, idle_since = 2e-5, time.monotonic()
+                nap.reset()
+                idle_since = time.monotonic()
             else:
-                time.sleep(pause)
-                pause = min(pause * 2, 1e-3)
+                nap.sleep()
                 if time.monotonic() - idle_since > self._warn_after:
                     idle_since = time.monotonic()
                     log.warning("dist_sync server rank %d: idle for %.0fs, workers %s still open",

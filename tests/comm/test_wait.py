@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 import warnings
 
-from mpitrain.comm.watchdog import watched
+from mpitrain._utils.stall import watched
 
 
 def test_a_long_wait_warns_once_naming_label_and_detail():
