@@ -310,7 +310,7 @@ def test_depchain_late_rank_warning_names_the_key(comm, capfd):
 
 @pytest.mark.mpi
 def test_dist_sync_mpi_idle_comm_thread_does_not_cycle_in_a_loop(comm, monkeypatch):
-    from mpitrain.kvstore.coordinator import CoordinatorStore
+    from mpitrain.kvstore._coordinator import CoordinatorStore
 
     cycles = []
     real = CoordinatorStore._cycle

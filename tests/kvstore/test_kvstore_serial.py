@@ -9,8 +9,8 @@ import torch
 
 from mpitrain import kvstore
 from mpitrain.kvstore import KVStoreError
-from mpitrain.kvstore.base import Entry
-from mpitrain.kvstore.sequencer import Sequencer
+from mpitrain.kvstore._allreduce import Entry
+from mpitrain.kvstore._sequencer import Sequencer
 from tests.helpers import run_job
 
 
@@ -129,7 +129,7 @@ def test_dist_sync_mpi_stall_abort_ends_the_job_naming_rank_and_key():
 
 
 def test_fusion_groups_are_consecutive_same_dtype_and_bounded():
-    from mpitrain.kvstore.coordinator import _fusion_groups
+    from mpitrain.kvstore._coordinator import _fusion_groups
 
     def e(n, dt=torch.float32):
         return Entry("k", torch.zeros(n, dtype=dt), None)
@@ -155,7 +155,7 @@ def test_dist_sync_mpi_old_stall_option_names_warn_and_still_apply():
 
 
 def test_a_real_type_error_in_a_constructor_propagates(monkeypatch):
-    from mpitrain.kvstore.local import LocalStore
+    from mpitrain.kvstore._local import LocalStore
 
     def broken(self, comm=None, warn_after=60.0, abort_after=600.0):
         raise TypeError("a bug inside the constructor")
@@ -163,3 +163,14 @@ def test_a_real_type_error_in_a_constructor_propagates(monkeypatch):
     monkeypatch.setattr(LocalStore, "__init__", broken)
     with pytest.raises(TypeError, match="a bug inside the constructor"):
         kvstore.create("local")
+
+
+def test_every_type_is_a_kvstore_and_takes_the_stall_options():
+    import importlib
+    import inspect
+
+    for name, where in kvstore.TYPES.items():
+        module, cls_name = where.split(":")
+        cls = getattr(importlib.import_module(f"mpitrain.kvstore.{module}"), cls_name)
+        params = inspect.signature(cls).parameters
+        assert issubclass(cls, kvstore.KVStore) and {"warn_after", "abort_after"} <= set(params), name

@@ -9,18 +9,18 @@ from typing import Any
 
 from .._utils.deprecation import renamed_options
 from ..comm.base import Communicator
-from .base import KVStore, KVStoreError
+from ._interface import KVStore, KVStoreError
 
 __all__ = ["create", "TYPES", "KVStore", "KVStoreError"]
 
 #: type name -> "module:class"; each class docstring says how it orders collectives across ranks.
 TYPES = {
-    "local": "local:LocalStore",
-    "funnel": "funnel:FunnelStore",
-    "concurrent": "concurrent:ConcurrentStore",
-    "depchain": "depchain:DepChainStore",
-    "dist_sync_mpi": "coordinator:CoordinatorStore",
-    "dist_sync": "server:ServerStore",
+    "local": "_local:LocalStore",
+    "funnel": "_funnel:FunnelStore",
+    "concurrent": "_concurrent:ConcurrentStore",
+    "depchain": "_depchain:DepChainStore",
+    "dist_sync_mpi": "_coordinator:CoordinatorStore",
+    "dist_sync": "_server:ServerStore",
 }
 
 #: options renamed in this release: type -> {old name: new name}; the old names warn (DeprecationWarning)

@@ -8,8 +8,9 @@ import torch
 
 from ..comm.base import Communicator
 from ..engine import Engine, Var
-from .base import Entry, Key, _copy_to
-from .sequencer import SequencedStore
+from ._allreduce import Entry, _copy_to
+from ._interface import Key
+from ._sequencer import SequencedStore
 
 __all__ = ["DepChainStore"]
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from ..comm.base import Communicator
-from .base import Entry
-from .sequencer import SequencedStore
+from ._allreduce import Entry
+from ._sequencer import SequencedStore
 
 __all__ = ["FunnelStore"]
 

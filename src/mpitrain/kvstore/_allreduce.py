@@ -1,61 +1,34 @@
-"""The KVStore interface (MXNet's API) and the parts every type shares: keys, registry, optimizer.
-
-Semantics common to every type:
-
-* ``init`` is collective over the workers: every worker registers the same keys with the same
-  shape/dtype (checked with one pickled allgather, so a mismatch raises on every worker before any
-  data moves) and rank 0's value becomes the stored value.
-* ``push``/``pushpull``/``pull``/``broadcast`` return after queueing; ``wait(keys)`` returns when every
-  operation issued so far on those keys is complete and their outputs are safe to read. ``pull`` and
-  ``broadcast`` wait for the key themselves, so their output is complete when they return.
-* ``pushpull(key, ins, outs)`` writes the **sum** over workers into `outs` (default `ins`; `outs` may
-  be `ins`, then the sum is computed in place with no copy). Inputs must not be modified, nor outputs
-  read, before ``wait`` covers the key.
-* ``push(key, grad)`` reduces into the stored value: without an optimizer the stored value becomes
-  the sum; with ``set_optimizer`` the optimizer steps the stored value with the summed gradient.
-  ``pull(key, out)`` copies the stored value out. ``pushpull`` is always the plain sum.
-* Every worker must issue the same multiset of operations between two synchronization points
-  (``wait``, ``pull``, ``barrier``, ``broadcast``, ``init``); how each type orders its collectives
-  is stated in its class docstring.
-"""
+"""The allreduce-based implementation shared by local, funnel, concurrent, depchain and dist_sync_mpi:
+queued entries reduced over the workers, a tracker of what is outstanding, a rendezvous, the local
+optimizer and compression. Semantics: see :mod:`mpitrain.kvstore._interface`."""
 
 from __future__ import annotations
 
 import abc
 import dataclasses
 import functools
-import logging
 import threading
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from .._utils.stall import StallPolicy, wait_until
 from ..comm.base import Communicator
+from ._interface import (
+    Key,
+    KeyInfo,
+    KVStore,
+    KVStoreError,
+    Registry,
+    Value,
+    make_optimizer_factory,
+    pairs,
+    stall_policy,
+    tensors,
+)
 
-__all__ = ["KVStore", "KVStoreError", "Key", "KeyInfo", "Entry", "Tracker", "make_optimizer_factory",
-           "rendezvous", "stall_policy"]
-
-log = logging.getLogger("mpitrain.kvstore")
-
-Key = int | str
-Value = torch.Tensor | Sequence[torch.Tensor]
-
-
-class KVStoreError(RuntimeError):
-    """Wrong use of a KVStore, or a cross-rank inconsistency (the message names keys and ranks)."""
-
-
-@dataclass
-class KeyInfo:
-    """A registered key: its position in the init order, signature and stored value."""
-
-    index: int
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    store: torch.Tensor
+__all__ = ["AllreduceStore", "Entry", "Tracker", "rendezvous"]
 
 
 class Entry:
@@ -66,14 +39,6 @@ class Entry:
     def __init__(self, key: Key, buf: torch.Tensor, finish: Callable[[], None] | None) -> None:
         self.key, self.buf, self.finish, self.seq = key, buf, finish, 0
         self.aux: torch.Tensor | None = None  # a type's private buffer (depchain's comm buffer)
-
-
-def stall_policy(warn_after: float, abort_after: float | None) -> StallPolicy:
-    """The store's limits on a wait (the `warn_after`/`abort_after` options of every type), checked."""
-    try:
-        return StallPolicy(warn_after, abort_after)
-    except ValueError as e:
-        raise KVStoreError(f"kvstore: {e}") from e
 
 
 class Tracker:
@@ -144,46 +109,8 @@ def rendezvous(comm: Communicator, what: str, policy: StallPolicy,
                dataclasses.replace(policy, spin=5e-5, max_nap=2e-4), who=f"kvstore rank {comm.rank}", abort=abort)
 
 
-def make_optimizer_factory(opt: Any) -> Callable[[list[torch.Tensor]], torch.optim.Optimizer]:
-    """An optimizer instance (its class and ``defaults`` are reused) or a callable params -> optimizer."""
-    if isinstance(opt, torch.optim.Optimizer):
-        cls, defaults = type(opt), dict(opt.defaults)
-        return lambda params: cls(params, **defaults)
-    if callable(opt):
-        return opt
-    raise KVStoreError(f"set_optimizer takes a torch.optim.Optimizer or a callable params -> optimizer, "
-                       f"got {type(opt).__name__}")
-
-
-def _check_key(key: Any) -> Key:
-    if isinstance(key, bool) or not isinstance(key, (int, str)):
-        raise KVStoreError(f"keys are ints or strings, got {key!r} ({type(key).__name__})")
-    return key
-
-
-def pairs(key: Key | Sequence[Key], value: Any, what: str) -> list[tuple[Key, Any]]:
-    """[(key, value)] for one key or a list of keys with a same-length list of values."""
-    if isinstance(key, (list, tuple)):
-        if value is None:
-            return [(_check_key(k), None) for k in key]
-        if not isinstance(value, (list, tuple)) or len(value) != len(key):
-            raise KVStoreError(f"{what}: {len(key)} keys need a list of {len(key)} values")
-        return [(_check_key(k), v) for k, v in zip(key, value)]
-    return [(_check_key(key), value)]
-
-
-def tensors(value: Value, what: str) -> list[torch.Tensor]:
-    """A value is one tensor or a list of tensors (one per device: they are summed first)."""
-    ts = list(value) if isinstance(value, (list, tuple)) else [value]
-    if not ts or not all(isinstance(t, torch.Tensor) for t in ts):
-        raise KVStoreError(f"{what}: expected a tensor or a non-empty list of tensors, got {value!r}")
-    return ts
-
-
-class KVStore(abc.ABC):
-    """A key-value store whose push/pull/pushpull sum values over the workers (see module doc)."""
-
-    type: str = "?"
+class AllreduceStore(KVStore):
+    """The shared implementation: each type says how a queued :class:`Entry` is reduced (``_enqueue``)."""
 
     def __init__(self, comm: Communicator, warn_after: float = 60.0, abort_after: float | None = 600.0,
                  ctl: Communicator | None = None) -> None:
@@ -191,7 +118,9 @@ class KVStore(abc.ABC):
         self._world = comm
         # the workers' main-thread blocking collectives (init, broadcast, barrier)
         self._ctl = comm.split(0, comm.rank) if ctl is None else ctl
-        self._keys: dict[Key, KeyInfo] = {}
+        assert self._ctl is not None
+        self._registry = Registry(self._ctl)
+        self._keys = self._registry.keys
         self._tracker = Tracker(self._policy)
         self._opt_factory: Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None = None
         self._opts: dict[Key, torch.optim.Optimizer] = {}
@@ -213,37 +142,16 @@ class KVStore(abc.ABC):
     def init(self, key: Key | Sequence[Key], value: Value | Sequence[Value]) -> None:
         """Collective over workers: register keys; rank 0's values become the stored values."""
         self._check_open()
-        items = [(k, tensors(v, f"init({k!r})")[0]) for k, v in pairs(key, value, "init")]
-        for k, _ in items:
-            if k in self._keys:
-                raise KVStoreError(f"init: key {k!r} is already initialized")
-        sigs = [(k, tuple(t.shape), str(t.dtype)) for k, t in items]
-        self._check_same(sigs, "init")
+        items = self._registry.items(key, value)
         self.wait()
-        for k, t in items:
-            store = t.detach().to("cpu", copy=True).contiguous()
-            self._ctl.broadcast(store, 0)
-            self._keys[k] = KeyInfo(len(self._keys), tuple(t.shape), t.dtype, store)
+        for k in self._registry.register(items):
             self._registered(k)
 
     def _registered(self, key: Key) -> None:  # noqa: B027 - optional hook
         """Hook: a key was registered (collectively, in the same order on every worker)."""
 
-    def _check_same(self, sigs: list[Any], what: str) -> None:
-        """One pickled allgather: every worker raises the same error if the signatures differ."""
-        everyone = self._ctl.allgather_object(sigs)
-        if any(s != everyone[0] for s in everyone):
-            lines = "; ".join(f"rank {r}: {s}" for r, s in enumerate(everyone))
-            raise KVStoreError(f"{what}: workers passed different keys/shapes/dtypes: {lines}")
-
     def _info(self, key: Key, t: torch.Tensor | None, what: str) -> KeyInfo:
-        info = self._keys.get(key)
-        if info is None:
-            raise KVStoreError(f"{what}: key {key!r} is not initialized; call kv.init(key, value) first")
-        if t is not None and (tuple(t.shape) != info.shape or t.dtype != info.dtype):
-            raise KVStoreError(f"{what}: key {key!r} was initialized as {info.shape} {info.dtype}, "
-                               f"got {tuple(t.shape)} {t.dtype}")
-        return info
+        return self._registry.info(key, t, what)
 
     # -- data operations -------------------------------------------------------------------------
     def pushpull(self, key: Key | Sequence[Key], ins: Value | Sequence[Value], outs: Any = None,
@@ -258,7 +166,7 @@ class KVStore(abc.ABC):
             dst = tensors(out_pairs[i][1], f"pushpull({k!r}) outs") if out_pairs else src[:1]
             entries.append(self._pushpull_entry(k, src, dst))
         for e in entries:
-            self._enqueue(e, priority)
+            self._enqueue(e)
 
     def _pushpull_entry(self, key: Key, src: list[torch.Tensor], dst: list[torch.Tensor]) -> Entry:
         """The entry reducing in place into the first output, then copying to the others.
@@ -311,7 +219,7 @@ class KVStore(abc.ABC):
             buf.copy_(src[0])
             for s in src[1:]:
                 buf.add_(s)
-            self._enqueue(Entry(k, buf, functools.partial(self._after_push, k, info, buf)), priority)
+            self._enqueue(Entry(k, buf, functools.partial(self._after_push, k, info, buf)))
 
     def _after_push(self, key: Key, info: KeyInfo, summed: torch.Tensor) -> None:
         """Runs where the reduction completed: store the sum or step the optimizer with it."""
@@ -351,20 +259,11 @@ class KVStore(abc.ABC):
         worker. Blocking: completes outstanding operations first, returns with `out` filled."""
         self._check_open()
         self._ctl._check_rank(root_rank, "root_rank")
-        items = pairs(key, value, "broadcast")
-        outs = pairs(key, out, "broadcast outs")
-        new = [(k, v) for k, v in items if k not in self._keys]
-        self._check_same(sorted(str(k) for k, _ in new), "broadcast (keys not yet initialized)")
+        new = self._registry.new_keys(key, value, "broadcast")
         if new:
             self.init([k for k, _ in new], [v for _, v in new])
         self.wait()
-        for (k, v), (_, o) in zip(items, outs):
-            info = self._info(k, tensors(v, "broadcast")[0], "broadcast")
-            if self.rank == root_rank:
-                info.store.copy_(tensors(v, "broadcast")[0])
-            self._ctl.broadcast(info.store, root_rank)
-            for t in tensors(o, f"broadcast({k!r}) out"):
-                t.copy_(info.store)
+        self._registry.broadcast(key, value, out, root_rank)
 
     def barrier(self) -> None:
         """Complete this worker's outstanding operations, then a barrier over the workers."""
@@ -426,7 +325,7 @@ class KVStore(abc.ABC):
             codec = get_codec(name)
         except CommError as e:
             raise KVStoreError(f"set_gradient_compression: {e}") from e
-        self._check_same([str(name)], "set_gradient_compression")
+        self._registry.check_same([str(name)], "set_gradient_compression")
         self.wait()
         self._codec = None if codec.name is None else codec
 
@@ -468,18 +367,9 @@ class KVStore(abc.ABC):
         if self._closed:
             raise KVStoreError(f"this {self.type} kvstore is closed")
 
-    def __enter__(self) -> KVStore:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __repr__(self) -> str:
-        return f"<KVStore type={self.type} rank={self.rank} num_workers={self.num_workers}>"
-
     # -- what a type implements ------------------------------------------------------------------
     @abc.abstractmethod
-    def _enqueue(self, entry: Entry, priority: int) -> None:
+    def _enqueue(self, entry: Entry) -> None:
         """Start summing ``entry.buf`` over workers; call ``entry.finish`` after; track completion."""
 
     def _flush(self) -> None:  # noqa: B027 - optional hook

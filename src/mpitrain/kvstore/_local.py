@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from ..comm.base import Communicator
-from .base import Entry, KVStore, KVStoreError
+from ._allreduce import AllreduceStore, Entry
+from ._interface import KVStoreError
 
 __all__ = ["LocalStore"]
 
 
-class LocalStore(KVStore):
+class LocalStore(AllreduceStore):
     """Single-process store over a size-1 communicator. Operations complete before they return
     (there is nothing to overlap with), which also satisfies the asynchronous contract."""
 
@@ -27,7 +28,7 @@ class LocalStore(KVStore):
                                f"{comm.size} (use funnel, concurrent, depchain or dist_sync_mpi)")
         super().__init__(comm, warn_after, abort_after)
 
-    def _enqueue(self, entry: Entry, priority: int) -> None:
+    def _enqueue(self, entry: Entry) -> None:
         if entry.finish is not None:
             entry.finish()
 

@@ -7,8 +7,9 @@ import threading
 
 from ..comm.base import Communicator
 from ..engine import Engine, Var
-from .base import Entry, KVStoreError, log
-from .sequencer import SequencedStore
+from ._allreduce import Entry
+from ._interface import KVStoreError, log
+from ._sequencer import SequencedStore
 
 __all__ = ["ConcurrentStore"]
 

@@ -31,7 +31,8 @@ import torch
 
 from .._utils.stall import Backoff, say, wait_until
 from ..comm.base import Communicator, Request
-from .base import Entry, Key, KVStore, KVStoreError, log
+from ._allreduce import AllreduceStore, Entry
+from ._interface import Key, KVStoreError, log
 
 __all__ = ["CoordinatorStore"]
 
@@ -40,7 +41,7 @@ Sig = tuple[tuple[int, ...], str]
 _GRACE = 2e-4  # after a local push, how long the comm thread lets the caller reach wait and run the cycle
 
 
-class CoordinatorStore(KVStore):
+class CoordinatorStore(AllreduceStore):
     """Ordering: every rank reduces exactly the keys the shared cycle matrix says are ready on all
     ranks, in cache-slot order, on one comm thread; so the order is identical by construction and
     ranks may push keys in any order. ``pushpull`` needs no ``init`` (the first use negotiates).
@@ -81,7 +82,7 @@ class CoordinatorStore(KVStore):
             raise KVStoreError(f"{what}({key!r}): tensors must be contiguous CPU tensors")
         self._check_codec(key, t, what)
 
-    def _enqueue(self, entry: Entry, priority: int) -> None:
+    def _enqueue(self, entry: Entry) -> None:
         with self._cv:
             if not self._thread.is_alive():
                 raise KVStoreError("the dist_sync_mpi comm thread has stopped (an earlier error)")
