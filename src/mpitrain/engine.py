@@ -19,7 +19,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-__all__ = ["Var", "Task", "Engine", "EngineError", "default_engine"]
+__all__ = ["Var", "Task", "Engine", "EngineError"]
 
 log = logging.getLogger("mpitrain.engine")
 
@@ -277,15 +277,3 @@ class Engine:
 def _noop() -> None:
     pass
 
-
-_default: Engine | None = None
-_default_lock = threading.Lock()
-
-
-def default_engine() -> Engine:
-    """The process-wide engine (2 compute threads, 1 comm thread), created on first use."""
-    global _default
-    with _default_lock:
-        if _default is None:
-            _default = Engine()
-        return _default

@@ -29,6 +29,7 @@ from collections import deque
 
 import torch
 
+from .._utils.flat import copy_from_flat, flatten
 from .._utils.stall import Backoff, say, wait_until
 from ..comm.base import Communicator, Request
 from ._allreduce import AllreduceStore, Entry
@@ -270,11 +271,9 @@ class CoordinatorStore(AllreduceStore):
         if buf is None or buf.numel() < total:
             size = max(total, self._fusion_bytes // _itemsize(dtype))
             buf = self._fusion[dtype] = torch.empty(size, dtype=dtype)
-        flat = buf[:total]
-        torch.cat([e.buf.reshape(-1) for e in group], out=flat)
+        flat = flatten([e.buf for e in group], out=buf)
         self._reduce(self._data, flat)
-        for e, part in zip(group, flat.split(sizes)):
-            e.buf.view(-1).copy_(part)
+        copy_from_flat(flat, [e.buf for e in group])
 
     def _fail_all(self, error: KVStoreError) -> None:
         """A global error (every rank computed it): fail every pending entry, stop the thread."""

@@ -125,7 +125,7 @@ class CommThread:
         if self.error_feedback and self.residual is None:
             self.residual = torch.zeros_like(buf)
         ring_allreduce(self.comm, buf, self.codec, op="avg", chunk_bytes=self.chunk_bytes,
-                       error_feedback=self.residual, stall_warning_s=self.warn_s, stats=self.stats)
+                       error_feedback=self.residual, warn_after=self.warn_s, stats=self.stats)
         self.stats["comm_s"] += time.perf_counter() - t0
         if self.link is not None:
             wire = self.codec.payload_numel(buf.numel()) * self.codec.empty_payload(0, buf.dtype).element_size()
