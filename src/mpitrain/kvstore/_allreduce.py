@@ -335,10 +335,11 @@ class AllreduceStore(KVStore):
         ``poll=True`` (background threads that may start before the peers are ready) first meets the
         peers in a 1-element nonblocking allreduce completed with sleeping tests, then runs the blocking
         allreduce: waiting for a slower peer never busy-waits on the core it needs to finish its
-        backward pass, and the data moves with MPI's tuned blocking algorithm, which is 1.5-2x faster
-        than a polled nonblocking allreduce of the same buffer (Open MPI's nonblocking collectives only
-        progress inside a test, so sleeping between tests stretches every round of a large reduction).
-        The MPI Communicator reduces a large buffer as consecutive 2 MiB pieces (comm/mpi.py)."""
+        backward pass, and the data moves with MPI's tuned blocking algorithm, faster than a polled
+        nonblocking allreduce of the same buffer (Open MPI's nonblocking collectives only progress
+        inside a test, so sleeping between tests stretches every round of a large reduction; measured,
+        dated: docs/engine-kvstore.md, "Performance", item 1). The MPI Communicator reduces a large
+        buffer as consecutive pieces (comm/mpi.py)."""
         if self._codec is None or not buf.is_floating_point():
             if poll:
                 rendezvous(comm, f"{self.type} allreduce of key {key!r}", self._policy, self._world.abort)
