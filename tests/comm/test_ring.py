@@ -136,7 +136,7 @@ def test_bad_arguments_raise_on_every_rank_before_any_message(comm):
 def test_ring_allreduce_former_stall_warning_s_name_warns_and_still_applies():
     from mpi4py import MPI
 
-    from mpitrain.comm.mpi import MPICommunicator
+    from mpitrain.comm._mpi import MPICommunicator
 
     t = torch.ones(3)
     with pytest.warns(DeprecationWarning, match="'stall_warning_s' is deprecated.*'warn_after'"):

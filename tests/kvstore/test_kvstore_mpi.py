@@ -330,7 +330,7 @@ def test_dist_sync_mpi_idle_comm_thread_does_not_cycle_in_a_loop(comm, monkeypat
 
 @pytest.mark.mpi
 def test_a_buffer_larger_than_a_segment_is_summed_exactly_in_segments(kv, comm, monkeypatch):
-    from mpitrain.comm import mpi
+    from mpitrain.comm import _mpi as mpi
 
     monkeypatch.setattr(mpi, "SEGMENT_BYTES", 64)
     monkeypatch.setattr(mpi, "SPLIT_ABOVE", 64)  # the same on every rank: 16 floats per allreduce

@@ -144,7 +144,7 @@ def test_fusion_groups_are_consecutive_same_dtype_and_bounded():
 def test_dist_sync_mpi_old_stall_option_names_warn_and_still_apply():
     from mpi4py import MPI
 
-    from mpitrain.comm.mpi import MPICommunicator
+    from mpitrain.comm._mpi import MPICommunicator
 
     with pytest.warns(DeprecationWarning, match="'stall_timeout' is deprecated"):
         kv = kvstore.create("dist_sync_mpi", MPICommunicator(MPI.COMM_SELF), stall_timeout=0.5, stall_abort=2.0)

@@ -190,7 +190,7 @@ def _dp_runner(comm: Communicator, module: nn.Module, kv: str, bucket_mb: float,
 def _ddp(model: nn.Module, bucket_mb: float) -> nn.Module:
     import torch.distributed as dist
 
-    from mpitrain.comm.torchdist import init_torch_world
+    from mpitrain.comm._torchdist import init_torch_world
 
     if not dist.is_initialized():
         init_torch_world(mpitrain.rank(), mpitrain.size(), mpitrain.init())

@@ -339,7 +339,7 @@ class AllreduceStore(KVStore):
         nonblocking allreduce of the same buffer (Open MPI's nonblocking collectives only progress
         inside a test, so sleeping between tests stretches every round of a large reduction; measured,
         dated: docs/engine-kvstore.md, "Performance", item 1). The MPI Communicator reduces a large
-        buffer as consecutive pieces (comm/mpi.py)."""
+        buffer as consecutive pieces (comm/_mpi.py)."""
         if self._codec is None or not buf.is_floating_point():
             if poll:
                 rendezvous(comm, f"{self.type} allreduce of key {key!r}", self._policy, self._world.abort)
