@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from mpi4py import MPI
@@ -77,7 +77,10 @@ class MPICommunicator(Communicator):
 
     # -- collectives ---------------------------------------------------------------------------
     def allreduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        return self.iallreduce(t, op).wait() if _staged(t) else self._allreduce_inplace(t, op)
+        if not _staged(t):
+            return self._allreduce_inplace(t, op)
+        self.iallreduce(t, op).wait()  # through a float32 copy, copied back into t
+        return t
 
     def _allreduce_inplace(self, t: torch.Tensor, op: str) -> torch.Tensor:
         self._check(t, "t", op)
@@ -199,7 +202,7 @@ class MPICommunicator(Communicator):
     def split(self, color: int | None, key: int = 0) -> MPICommunicator | None:
         self._check_open()
         sub = self._comm.Split(MPI.UNDEFINED if color is None else int(color), int(key))
-        return None if sub == MPI.COMM_NULL else MPICommunicator(sub)
+        return None if sub == MPI.COMM_NULL else MPICommunicator(cast(MPI.Intracomm, sub))
 
     def allgather_object(self, obj: Any) -> list[Any]:
         self._check_open()

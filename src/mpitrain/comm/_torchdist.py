@@ -76,10 +76,12 @@ class TorchCommunicator(Communicator):
 
     # -- collectives ---------------------------------------------------------------------------
     def allreduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        return self.iallreduce(t, op).wait()
+        self.iallreduce(t, op).wait()
+        return t  # reduced in place
 
     def broadcast(self, t: torch.Tensor, root: int = 0) -> torch.Tensor:
-        return self.ibroadcast(t, root).wait()
+        self.ibroadcast(t, root).wait()
+        return t
 
     def allgather(self, t: torch.Tensor) -> torch.Tensor:
         self._c(t, "t")
@@ -124,7 +126,8 @@ class TorchCommunicator(Communicator):
         self.isend(t, dest, tag).wait()
 
     def recv(self, t: torch.Tensor, source: int, tag: int = 0) -> torch.Tensor:
-        return self.irecv(t, source, tag).wait()
+        self.irecv(t, source, tag).wait()
+        return t
 
     def sendrecv(self, send: torch.Tensor, dest: int, recv: torch.Tensor, source: int,
                  sendtag: int = 0, recvtag: int = 0) -> torch.Tensor:
@@ -133,7 +136,8 @@ class TorchCommunicator(Communicator):
         r = self.irecv(recv, source, recvtag)
         s = self.isend(send, dest, sendtag)
         s.wait()
-        return r.wait()
+        r.wait()
+        return recv
 
     # -- nonblocking ---------------------------------------------------------------------------
     def iallreduce(self, t: torch.Tensor, op: str = "sum") -> Request:

@@ -211,7 +211,7 @@ class _CallbackRequest(Request):
     """Wraps a backend request; runs `finish` exactly once on completion (copy-back, avg division)."""
 
     def __init__(self, wait: Callable[[], Any], test: Callable[[], bool], out: torch.Tensor | None,
-                 finish: Callable[[], None] | None = None, keep: Any = None) -> None:
+                 finish: Callable[[], object] | None = None, keep: Any = None) -> None:
         self._wait, self._test, self._out, self._finish = wait, test, out, finish
         self._keep = keep  # buffers the backend still reads/writes; alive until completion
         self._done = False

@@ -24,6 +24,7 @@ from ._interface import (
     Value,
     make_optimizer_factory,
     pairs,
+    split_private,
     stall_policy,
     tensors,
 )
@@ -117,8 +118,7 @@ class AllreduceStore(KVStore):
         self._policy = stall_policy(warn_after, abort_after)
         self._world = comm
         # the workers' main-thread blocking collectives (init, broadcast, barrier)
-        self._ctl = comm.split(0, comm.rank) if ctl is None else ctl
-        assert self._ctl is not None
+        self._ctl = split_private(comm) if ctl is None else ctl
         self._registry = Registry(self._ctl)
         self._keys = self._registry.keys
         self._tracker = Tracker(self._policy)

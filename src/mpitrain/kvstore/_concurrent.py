@@ -8,7 +8,7 @@ import threading
 from ..comm.base import Communicator
 from ..engine import Engine, Var
 from ._allreduce import Entry
-from ._interface import KVStoreError, log
+from ._interface import KVStoreError, log, split_private
 from ._sequencer import SequencedStore
 
 __all__ = ["ConcurrentStore"]
@@ -29,7 +29,7 @@ class ConcurrentStore(SequencedStore):
             raise KVStoreError(f"concurrent needs num_comms >= 1 and outstanding >= 1, got {num_comms}, "
                                f"{outstanding}")
         super().__init__(comm, warn_after, abort_after)
-        self._comms = [comm.split(0, comm.rank) for _ in range(num_comms)]
+        self._comms = [split_private(comm) for _ in range(num_comms)]
         self._vars = [Var(f"concurrent-comm{c}") for c in range(num_comms)]
         self._engine = Engine({"comm": num_comms}, warn_after=warn_after)
         self._outstanding = outstanding or num_comms

@@ -33,7 +33,7 @@ from .._utils.flat import copy_from_flat, flatten
 from .._utils.stall import Backoff, say, wait_until
 from ..comm.base import Communicator, Request
 from ._allreduce import AllreduceStore, Entry
-from ._interface import Key, KVStoreError, log
+from ._interface import Key, KVStoreError, log, split_private
 
 __all__ = ["CoordinatorStore"]
 
@@ -56,7 +56,7 @@ class CoordinatorStore(AllreduceStore):
         if fusion_bytes < 0:
             raise KVStoreError(f"fusion_bytes must be >= 0, got {fusion_bytes}")
         super().__init__(comm, warn_after, abort_after)
-        self._data = comm.split(0, comm.rank)
+        self._data = split_private(comm)
         # the negotiation cycle's wait: 50 us of back-to-back tests, then sleeps backing off to 0.25 ms
         self._cycle_policy = dataclasses.replace(self._policy, spin=5e-5, max_nap=2.5e-4)
         self._fusion_bytes = fusion_bytes
@@ -75,8 +75,7 @@ class CoordinatorStore(AllreduceStore):
         self._draining = 0  # callers running cycles in wait (the comm thread pauses meanwhile)
         self._thread = threading.Thread(target=self._loop, name="kvstore-coordinator", daemon=True)
         self._thread.start()
-        ref = weakref.ref(self)
-        atexit.register(lambda: (s := ref()) is not None and s.close())
+        atexit.register(_close_at_exit, weakref.ref(self))
 
     def _check_tensor(self, key: Key, t: torch.Tensor, what: str) -> None:
         if t.device.type != "cpu" or not t.is_contiguous():
@@ -367,3 +366,10 @@ def _backoff() -> Backoff:
     """Pause between cycles that matched nothing while every rank has work queued (ranks pushing in
     different orders): 50 us doubling to 1 ms. A local push wakes the thread at once."""
     return Backoff(5e-5, 1e-3)
+
+
+def _close_at_exit(ref: weakref.ReferenceType[CoordinatorStore]) -> None:
+    """Close a store the program forgot to close (its comm thread is in collectives with the peers)."""
+    store = ref()
+    if store is not None:
+        store.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ..comm.base import Communicator
 from ._allreduce import Entry
+from ._interface import split_private
 from ._sequencer import SequencedStore
 
 __all__ = ["FunnelStore"]
@@ -18,7 +19,7 @@ class FunnelStore(SequencedStore):
 
     def __init__(self, comm: Communicator, warn_after: float = 60.0, abort_after: float | None = 600.0) -> None:
         super().__init__(comm, warn_after, abort_after)
-        self._data = comm.split(0, comm.rank)
+        self._data = split_private(comm)
 
     def _dispatch(self, e: Entry) -> None:
         err = None

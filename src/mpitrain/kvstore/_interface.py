@@ -36,7 +36,7 @@ from .._utils.stall import StallPolicy
 from ..comm.base import Communicator
 
 __all__ = ["KVStore", "KVStoreError", "Key", "Value", "KeyInfo", "Registry", "make_optimizer_factory",
-           "check_key", "pairs", "tensors", "stall_policy", "log"]
+           "check_key", "pairs", "tensors", "stall_policy", "split_private", "log"]
 
 log = logging.getLogger("mpitrain.kvstore")
 
@@ -46,6 +46,15 @@ Value = torch.Tensor | Sequence[torch.Tensor]
 
 class KVStoreError(RuntimeError):
     """Wrong use of a KVStore, or a cross-rank inconsistency (the message names keys and ranks)."""
+
+
+def split_private(comm: Communicator, color: int = 0) -> Communicator:
+    """Collective over `comm`: a new communicator of the ranks that pass the same `color` (same order),
+    so a store's traffic never mixes with the caller's or with its own other channels."""
+    sub = comm.split(color, comm.rank)
+    if sub is None:  # only color=None joins no group
+        raise KVStoreError(f"kvstore: splitting a private communicator with color {color} failed")
+    return sub
 
 
 def stall_policy(warn_after: float, abort_after: float | None) -> StallPolicy:
@@ -87,7 +96,7 @@ def pairs(key: Key | Sequence[Key], value: Any, what: str) -> list[tuple[Key, An
 
 def tensors(value: Value, what: str) -> list[torch.Tensor]:
     """A value is one tensor or a list of tensors (one per device: they are summed first)."""
-    ts = list(value) if isinstance(value, (list, tuple)) else [value]
+    ts: list[Any] = list(value) if isinstance(value, (list, tuple)) else [value]
     if not ts or not all(isinstance(t, torch.Tensor) for t in ts):
         raise KVStoreError(f"{what}: expected a tensor or a non-empty list of tensors, got {value!r}")
     return ts

@@ -26,6 +26,7 @@ from ._interface import (
     Registry,
     make_optimizer_factory,
     pairs,
+    split_private,
     stall_policy,
     tensors,
 )
@@ -53,13 +54,9 @@ class ServerStore(KVStore):
         self._nworkers = comm.size - num_servers
         self._server_ranks = list(range(self._nworkers, comm.size))
         self.is_server = comm.rank >= self._nworkers
-        ctl = comm.split(int(self.is_server), comm.rank)  # workers' (or servers') main-thread collectives
-        assert ctl is not None
-        self._ctl = ctl
-        self._registry = Registry(ctl)
-        net = comm.split(0, comm.rank)  # the protocol's traffic, apart from the caller's
-        assert net is not None
-        self._net = net
+        self._ctl = split_private(comm, int(self.is_server))  # workers' (or servers') main-thread collectives
+        self._registry = Registry(self._ctl)
+        self._net = split_private(comm)  # the protocol's traffic, apart from the caller's
         self._bound = bigarray_bound
         self._opt_set = False
         self._inflight: dict[Key, list[Request]] = {}
