@@ -39,7 +39,7 @@ from .base import (
 )
 
 if TYPE_CHECKING:
-    from ..kvstore.base import KVStore
+    from ..kvstore import KVStore
 
 __all__ = ["DataParallel", "KVSTORE_TYPES", "COLLECTIVE_TYPES", "FEATURES", "make_trainer", "DataTrainer",
            "DataOptions",
