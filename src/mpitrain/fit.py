@@ -299,10 +299,12 @@ class _Loop:
     """One fit run: epochs of steps over the data, callbacks, checkpoints. Every rank runs it alike."""
 
     def __init__(self, trainer: Trainer, comm: Communicator, data: Any, s: _Settings, sharded: bool,
-                 strategy: str, model_keys: list[str], show: bool) -> None:
+                 strategy: str, model_keys: list[str], show: bool, has_lr: bool) -> None:
         self.trainer, self.comm, self.data, self.s, self.sharded = trainer, comm, data, s, sharded
         self.strategy, self.model_keys, self.show = strategy, model_keys, show
-        self.optimizer: torch.optim.Optimizer | None = getattr(trainer, "optimizer", None)
+        # only a strategy declaring "lr_scheduler" promises an optimizer on every rank (a pipeline stage
+        # without parameters has none): the others record no lr, so every rank's history is the same
+        self.optimizer: torch.optim.Optimizer | None = getattr(trainer, "optimizer", None) if has_lr else None
         self.scheduler = s.lr_scheduler(self.optimizer) if s.lr_scheduler is not None and self.optimizer else None
         self.pos = _Position()
         self.history: list[dict[str, float]] = []
@@ -530,7 +532,8 @@ def fit(model: nn.Module, data: Any, loss_fn: LossFn,
                    schedule=schedule, balance=balance, options=rest, stall=stall, loop=s.loop)
     model_keys = list(model.state_dict())
     trainer = make_trainer(model, loss_fn, optimizer, comm, spec)
-    loop = _Loop(trainer, comm, data, s, sharded, strategy, model_keys, progress and comm.rank == 0)
+    loop = _Loop(trainer, comm, data, s, sharded, strategy, model_keys, progress and comm.rank == 0,
+                 "lr_scheduler" in _features(strategy))
     if resume_from is not None:
         loop.restore(*resume_from)
     loop.run(eval_data, loss_fn, named)

@@ -108,7 +108,13 @@ class FitSpec:
 
 
 class Trainer(Protocol):
-    """What a strategy gives `fit`. Every rank calls every method, with the same global batch."""
+    """What a strategy gives `fit`. Every rank calls every method, with the same global batch.
+
+    These three methods are required. A strategy may implement more (:class:`ShardedTrainer`,
+    :class:`CheckpointTrainer`, an ``optimizer`` attribute, ``spec.loop``) and declares which in its
+    module's ``FEATURES`` (:data:`FEATURE_NAMES`); fit refuses a run needing an undeclared one with a
+    FitError on every rank before any message (docs/training-runs.md lists who supports what).
+    """
 
     def train_step(self, inputs: Batch, targets: torch.Tensor) -> float:
         """One optimizer step on the global mini-batch; returns its mean loss, equal on every rank."""
