@@ -406,8 +406,7 @@ class DataTrainer:
         s = self.share(n)
         with _autocast(self.loop):
             out: torch.Tensor = self.dp.module(rows(inputs, s.start, s.stop))
-        sizes = [self.share(n).rows if r == self.comm.rank else even_share(n, self.comm.size, r).rows
-                 for r in range(self.comm.size)]
+        sizes = [even_share(n, self.comm.size, r).rows for r in range(self.comm.size)]
         return gather_rows(self.comm, out.float() if out.dtype == torch.bfloat16 else out, sizes)
 
     # -- checkpoints (CheckpointTrainer) ---------------------------------------------------------------
