@@ -391,7 +391,9 @@ class _Loop:
         return min(count, s.steps) if (count is not None and s.steps is not None) else (count or s.steps)
 
     def _lr(self) -> float | None:
-        return float(self.optimizer.param_groups[0]["lr"]) if self.optimizer is not None else None
+        """The first parameter group's learning rate (None for an optimizer without one, e.g. duck-typed)."""
+        groups = getattr(self.optimizer, "param_groups", None)
+        return float(groups[0]["lr"]) if groups and "lr" in groups[0] else None
 
     def _callback(self, fn: Callback | None, state: LoopState) -> None:
         """Run `fn`; any rank asking to stop stops every rank (one allreduce per call)."""
