@@ -27,6 +27,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from .._utils.stall import DEFAULT_POLICY, wait_until, watched
 from ..comm.base import Communicator
 from ._basics import HorovodInternalError
@@ -167,7 +169,9 @@ class Engine:
         if joined and op.kind not in JOIN_HANDLERS:
             raise HorovodInternalError(f"{op.describe()}: rank(s) {joined} have called join(); only allreduce "
                                        f"and barrier can run until every rank has joined")
-        with watched(f"rank {self.rank}: horovod {op.kind}", f"{op.describe()} in progress", WARN_AFTER):
+        # no_grad: in-place work on the caller's tensors (leaves that require grad included) is not autograd's
+        with watched(f"rank {self.rank}: horovod {op.kind}", f"{op.describe()} in progress", WARN_AFTER), \
+                torch.no_grad():
             return op.execute(comm, [None if s == JOIN else s[1] for s in sigs])
 
     def _join(self, comm: Communicator) -> int:
@@ -181,5 +185,6 @@ class Engine:
                 self._joined_at.clear()
                 return last
             if all(k == active[0] for k in active) and active[0][0] in JOIN_HANDLERS:
-                with watched(f"rank {self.rank}: horovod join", f"joined rank in {active[0][0]}", WARN_AFTER):
+                with watched(f"rank {self.rank}: horovod join", f"joined rank in {active[0][0]}", WARN_AFTER), \
+                        torch.no_grad():
                     JOIN_HANDLERS[active[0][0]](comm, active[0])

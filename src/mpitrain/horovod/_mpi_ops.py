@@ -49,10 +49,10 @@ _handles = itertools.count(1)
 
 # -- handles ---------------------------------------------------------------------------------------------
 def _submit(op: Op) -> int:
-    if op.name is not None and any(o.name == op.name and o.pset_id == op.pset_id and not o.done.is_set()
-                                   for o in _handle_map.values()):
-        raise ValueError(f"{op.kind}: an operation named {op.name!r} is already in flight on this rank; "
-                         f"names of concurrent operations must be unique")
+    # "in flight" lasts until synchronize(), not until completion, so the rule does not depend on timing
+    if op.name is not None and any(o.name == op.name and o.pset_id == op.pset_id for o in _handle_map.values()):
+        raise ValueError(f"{op.kind}: an operation named {op.name!r} is already in flight on this rank (not yet "
+                         f"synchronized); names of concurrent operations must be unique")
     state().engine.submit(op)
     handle = next(_handles)
     _handle_map[handle] = op
@@ -109,7 +109,7 @@ def _check_tensor(t: Any, what: str = "tensor") -> torch.Tensor:
         raise ValueError(f"{what} is on {t.device}; mpitrain.horovod reduces CPU tensors")
     if not t.is_contiguous():
         raise ValueError("Tensor is required to be contiguous.")
-    return t.detach()
+    return t
 
 
 def _check_op(op: int) -> int:
@@ -209,7 +209,7 @@ def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str
     Average; Adasum raises NotImplementedError. The input is not modified."""
     op = handle_average_backwards_compatibility(op, average)
     t = _check_tensor(tensor)
-    return _allreduce_op([t.clone()], name, op, prescale_factor, postscale_factor, process_set, True)
+    return _allreduce_op([t.detach().clone()], name, op, prescale_factor, postscale_factor, process_set, True)
 
 
 def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
@@ -231,7 +231,7 @@ def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | Non
                             process_set: ProcessSet = global_process_set) -> int:
     """Start reducing a list of tensors as one negotiated, fused operation; results are new tensors."""
     op = handle_average_backwards_compatibility(op, average)
-    outs = [t.clone() for t in _check_list(tensors)]
+    outs = [t.detach().clone() for t in _check_list(tensors)]
     return _allreduce_op(outs, name, op, prescale_factor, postscale_factor, process_set, False)
 
 
@@ -309,7 +309,7 @@ def _broadcast_op(out: torch.Tensor, root_rank: int, name: str | None, process_s
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                     process_set: ProcessSet = global_process_set) -> int:
     """Start copying global rank `root_rank`'s `tensor` into a new tensor on every rank of the set."""
-    return _broadcast_op(_check_tensor(tensor).clone(), root_rank, name, process_set)
+    return _broadcast_op(_check_tensor(tensor).detach().clone(), root_rank, name, process_set)
 
 
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
