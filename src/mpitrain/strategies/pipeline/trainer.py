@@ -26,8 +26,8 @@ from torch import nn
 from ...comm.base import Communicator, split_sizes
 from ...comm.watchdog import DEFAULT_POLICY, watched
 from .. import FitError
-from ..batching import batch_size, check_divisible
-from ..grad_allreduce import start_allreduce_gradients
+from .._batching import batch_size, check_divisible
+from .._grad_allreduce import start_allreduce_gradients
 from .graph import Traced, ValueMeta, cut_points, measure, model_args, param_counts, profile, split, trace
 from .partition import bounds_from_balance
 from .schedule import SCHEDULES, Action
@@ -76,7 +76,7 @@ def _check_spec(spec: Any, size: int) -> tuple[int, int, dict[str, Any]]:
     if unknown:
         raise FitError(f"unknown option(s) {sorted(unknown)} for strategy {spec.strategy!r}; "
                          f"known: {sorted(OPTIONS)}")
-    return P, R, {**OPTIONS, **spec.options}
+    return P, R, {**OPTIONS, "stall_timeout": spec.stall.warn_after, "stall_abort": spec.stall.abort_after, **spec.options}  # noqa: E501
 
 
 def make_trainer(model: nn.Module, loss_fn: Callable, optimizer: Callable, comm: Communicator,
