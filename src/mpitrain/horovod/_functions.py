@@ -8,8 +8,8 @@ from typing import Any
 import torch
 
 from ..comm.base import DTYPES, Communicator
-from ..strategies.broadcast import broadcast_optimizer_state as _broadcast_optimizer_state
-from ..strategies.broadcast import broadcast_tensors
+from ..strategies._broadcast import broadcast_optimizer_state as _broadcast_optimizer_state
+from ..strategies._broadcast import broadcast_tensors
 from ._basics import state
 from ._engine import Key, Op
 from ._mpi_ops import _check_tensor, _specs, _submit, synchronize

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..strategies.buckets import MB, Bucket, plan_buckets
+from ..strategies._buckets import MB, Bucket, plan_buckets
 from ._basics import Adasum, Average, rank
 from ._compression import Compression, Compressor
 from ._engine import Key, Op
@@ -92,6 +92,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self.buckets = [Bucket(i, f"DistributedOptimizer.bucket{i}", [order[j] for j in idx])
                         for i, idx in enumerate(plan)]
         self._slot: dict[Any, tuple[Bucket, int]] = {p: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
+        # what travels: each bucket's gradients, without the "used" slots DataParallel keeps at its tail
+        self._grads = [b.buffer.narrow(0, 0, b.buffer.numel() - len(b.params)) for b in self.buckets]
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._params]
         self._reset()
 
@@ -130,7 +132,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._adopt(p, v)
         pre, post = ((1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor)
                      if self.op == Average else (1.0, 1.0))
-        sent, ctx = self._compression.compress(b.grads)
+        sent, ctx = self._compression.compress(self._grads[b.index])
         handle = allreduce_async_(sent, name=b.key, op=self.op, prescale_factor=pre, postscale_factor=post,
                                   process_set=self.process_set)
         self._handles[b.index] = (handle, ctx, sent)
@@ -148,8 +150,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._next = len(self.buckets)
             for index, (handle, ctx, sent) in sorted(self._handles.items()):
                 out = synchronize(handle)
-                if sent is not self.buckets[index].grads:
-                    self.buckets[index].grads.copy_(self._compression.decompress(out, ctx))
+                if sent is not self._grads[index]:
+                    self._grads[index].copy_(self._compression.decompress(out, ctx))
         finally:
             self._handles.clear()
             self._reset()
