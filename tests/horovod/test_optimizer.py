@@ -358,3 +358,17 @@ def test_fp16_compression(comm):
     got = _grads(model)
     close(comm, got, _grads(ref), "fp16 grads", 2e-3)
     assert_all_ranks(comm, got.dtype == torch.float64)
+
+
+def test_broadcast_parameters_with_a_long_signature(comm):
+    """A state dict whose negotiated signature exceeds the fixed negotiation slot (names of 200 tensors)
+    still negotiates (the pickled fallback) and broadcasts, uint8 and int16 tensors included."""
+    params = {f"layer{i:03d}.a_rather_long_parameter_name": torch.full((3,), float(comm.rank + i)) for i in range(200)}
+    params["bytes"] = torch.full((4,), comm.rank + 7, dtype=torch.uint8)
+    params["shorts"] = torch.full((2,), -comm.rank - 300, dtype=torch.int16)
+    hvd.broadcast_parameters(params, root_rank=comm.size - 1)
+    root = comm.size - 1
+    ok = all(torch.equal(params[f"layer{i:03d}.a_rather_long_parameter_name"], torch.full((3,), float(root + i)))
+             for i in range(200))
+    ok = ok and params["bytes"].tolist() == [root + 7] * 4 and params["shorts"].tolist() == [-root - 300] * 2
+    assert_all_ranks(comm, ok)

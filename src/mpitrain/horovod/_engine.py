@@ -4,12 +4,15 @@ Why a thread: Horovod's ``*_async`` calls return at once and complete later, whi
 (the DistributedOptimizer overlaps gradient reductions with backward this way). Every operation is a
 small :class:`Op` queued by the calling thread; the engine thread runs the queue in order:
 
-1. **Negotiation**: one pickled ``allgather_object`` of the op's signature over the process set's
-   private communicator. The ``key`` part (kind, name, dtypes, shapes, op, root, ...) must be equal on
-   every rank, else *every* rank fails the op with a :class:`HorovodInternalError` naming the ranks,
-   the tensor and what differs, and goes on with the next op (nothing was sent, so nothing hangs and
-   the library stays usable). The ``info`` part carries what may differ per rank (first dimensions of
-   an allgather, splits of an alltoall), so receivers learn their counts without another message.
+1. **Negotiation**: one gather of the op's pickled signature over the process set's private
+   communicator, as a nonblocking int64 sum-allreduce of per-rank slots (:func:`_gather_small`) that
+   the thread polls with short sleeps: a rank that reaches an op before its peers waits without
+   spinning a core that its own backward pass needs. The ``key`` part (kind, name, dtypes, shapes, op,
+   root, ...) must be equal on every rank, else *every* rank fails the op with a
+   :class:`HorovodInternalError` naming the ranks, the tensor and what differs, and goes on with the
+   next op (nothing was sent, so nothing hangs and the library stays usable). The ``info`` part
+   carries what may differ per rank (first dimensions of an allgather, splits of an alltoall), so
+   receivers learn their counts without another message.
 2. **Execution**: blocking collectives of :class:`~mpitrain.comm.base.Communicator` (MPI releases the
    GIL while they run, so the caller's thread computes meanwhile).
 
@@ -17,11 +20,14 @@ Ordering: ops of one process set must be issued in the same order on every rank 
 by name instead). A rank that called ``join()`` keeps negotiating on the global set, contributing
 zeros to allreduces (see :data:`JOIN_HANDLERS`) until every rank has joined.
 
-Every blocking MPI wait of the thread is :func:`~mpitrain._utils.stall.watched`.
+Negotiation waits go through :func:`~mpitrain._utils.stall.wait_until` (a warning after a minute,
+the end of the job after ten); the blocking collectives that follow are
+:func:`~mpitrain._utils.stall.watched`.
 """
 
 from __future__ import annotations
 
+import pickle
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -29,7 +35,7 @@ from typing import Any
 
 import torch
 
-from .._utils.stall import DEFAULT_POLICY, wait_until, watched
+from .._utils.stall import DEFAULT_POLICY, StallPolicy, wait_until, watched
 from ..comm.base import Communicator
 from ._basics import HorovodInternalError
 
@@ -44,6 +50,35 @@ Key = tuple[str, str | None, tuple[tuple[str, Any], ...]]
 JOIN_HANDLERS: dict[str, Callable[[Communicator, Key], None]] = {}
 #: How long a blocked negotiation or collective may last before a warning names it.
 WARN_AFTER = DEFAULT_POLICY.warn_after
+#: Negotiation waits: 50 us of back-to-back tests (peers that are already there), then sleeps growing to
+#: 0.2 ms; a warning after a minute, the end of the job after ten.
+NEGOTIATION_POLICY = StallPolicy(warn_after=WARN_AFTER, abort_after=DEFAULT_POLICY.abort_after, max_nap=2e-4,
+                                 first_nap=1e-5, spin=5e-5)
+#: int64 words per rank in a negotiation round (2 KiB); a longer signature falls back to a pickled allgather.
+SLOT_WORDS = 256
+
+
+def _gather_small(comm: Communicator, obj: Any, wait: Callable[[Callable[[], bool]], None]) -> list[Any]:
+    """Every rank's `obj`, in rank order: each rank writes its pickle into its own slot of a zeroed
+    int64 buffer and one nonblocking sum-allreduce assembles them (adding zeros is exact for any bit
+    pattern); `wait(done)` waits for it. If any pickle exceeds its slot, every rank sees that length and
+    all fall back to a pickled allgather together."""
+    blob = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    cap = (SLOT_WORDS - 1) * 8
+    buf = torch.zeros(comm.size, SLOT_WORDS, dtype=torch.int64)
+    buf[comm.rank, 0] = len(blob)
+    if len(blob) <= cap:
+        padded = bytearray(blob) + bytes(-len(blob) % 8)
+        if padded:
+            buf[comm.rank, 1:1 + len(padded) // 8] = torch.frombuffer(padded, dtype=torch.int64)
+    req = comm.iallreduce(buf, "sum")
+    wait(req.test)
+    lengths = buf[:, 0].tolist()
+    if max(lengths) > cap:
+        return comm.allgather_object(obj)
+    raw = buf[:, 1:].contiguous().view(torch.uint8).numpy().tobytes()
+    row = cap
+    return [pickle.loads(raw[r * row:r * row + n]) for r, n in enumerate(lengths)]
 
 
 class Op:
@@ -143,9 +178,11 @@ class Engine:
         self.comms.clear()
 
     def _negotiate(self, comm: Communicator, pset_id: int, mine: Any, what: str) -> list[Any]:
-        with watched(f"rank {self.rank}: horovod negotiation", f"waiting for every rank to issue {what}",
-                     WARN_AFTER):
-            sigs = comm.allgather_object(mine)
+        def wait(done: Callable[[], bool]) -> None:
+            wait_until(done, f"every rank of the process set to issue {what}", NEGOTIATION_POLICY,
+                       who=f"rank {self.rank} (horovod engine)", abort=self._abort)
+
+        sigs = _gather_small(comm, mine, wait)
         if pset_id == 0:
             self._round += 1
             for r, s in enumerate(sigs):
