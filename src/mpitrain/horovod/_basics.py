@@ -79,7 +79,13 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
             return
         from ._engine import Engine
 
-        world = _mpitrain_init("mpi")
+        world = _mpitrain_init()
+        if world.backend != "mpi":  # mpitrain runs on torch.distributed here; Horovod's engine needs MPI
+            from mpi4py import MPI
+
+            from ..comm.mpi import MPICommunicator
+
+            world = MPICommunicator(MPI.COMM_WORLD)
         layout = _layout(world)
         _state = _State(world, Engine(world), layout)
     from ._process_sets import _on_init
