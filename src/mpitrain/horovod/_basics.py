@@ -103,8 +103,10 @@ def shutdown() -> None:
         st, _state = _state, None
     if st is not None:
         st.engine.stop()
+        from ._mpi_ops import _handle_map
         from ._process_sets import _on_shutdown
 
+        _handle_map.clear()  # handles of the old engine are void, as Horovod's after shutdown
         _on_shutdown()
 
 
