@@ -440,6 +440,10 @@ def test_reducescatter_prescale_postscale_and_async_fused(comm):
         post = hvd.reducescatter(tensor, op=hvd.Sum, postscale_factor=factor)
         expected = ((size * tensor.to(math)) * torch.tensor(factor, dtype=math)).to(dtype)
         same(comm, post, _block(expected, size, rank), f"postscale {dtype}")
+    tensors = [_rand([size * 4, 3], torch.float64, seed=s) for s in range(3)]
+    outs = hvd.grouped_reducescatter(tensors, op=hvd.Sum, prescale_factor=0.5, postscale_factor=3.0)
+    for t, o in zip(tensors, outs):
+        close(comm, o, _block(t * 0.5 * size * 3.0, size, rank), "grouped pre/postscale", 1e-12)
     handles = [(hvd.reducescatter_async(_rand([size * 4, 3], d), op=hvd.Sum), d)
                for d in [torch.int32, torch.float32, torch.float64]]
     for h, d in handles:

@@ -225,6 +225,16 @@ def test_dynamic_requires_grad_and_no_named_parameters(comm):
     assert_all_ranks(comm, ok)
 
 
+def test_unnamed_parameters_in_several_groups_get_unique_names_equal_on_every_rank(comm):
+    model = nn.Sequential(nn.Linear(10, 10), nn.Linear(10, 10))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD([{"params": model[0].parameters()},
+                                                    {"params": model[1].parameters()}], lr=0.001))
+    names = opt._parameter_names
+    everywhere = hvd.allgather_object(set(names.values()))
+    assert_all_ranks(comm, len(names) == len(set(names.values())) == 4 and all(n == everywhere[0]
+                                                                             for n in everywhere))
+
+
 def test_force_allreduce_with_every_optimizer(comm):
     """Rank 0's loss ignores fc3, the others' use it: every optimizer still steps the same everywhere."""
     x, y = torch.randn(16, 10, generator=torch.Generator().manual_seed(0)), torch.randn(16, 10)

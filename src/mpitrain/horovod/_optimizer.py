@@ -66,7 +66,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                  backward_passes_per_step: int, op: int, gradient_predivide_factor: float,
                  process_set: ProcessSet, bucket_mb: float, first_bucket_mb: float) -> None:
         super().__init__(params)  # type: ignore[call-arg]  # the wrapped class's __init__(params)
-        names = {id(p): n for n, p in _check_names(named_parameters, self.param_groups)}
+        named = _check_names(named_parameters, self.param_groups)
+        names = {id(p): n for n, p in named}
+        self._parameter_names = {p: n for n, p in named}  # Horovod's attribute (its tests read it)
         self._compression = compression
         self.backward_passes_per_step = backward_passes_per_step
         self.op, self.gradient_predivide_factor, self.process_set = op, gradient_predivide_factor, process_set
