@@ -16,7 +16,8 @@ from tests.helpers import assert_all_ranks
 
 from ._util import ALL_TYPES, INT_TYPES, close, raises_everywhere, same
 
-pytestmark = pytest.mark.mpi
+# Horovod's cases use the deprecated `average=`; its DeprecationWarning is expected here.
+pytestmark = [pytest.mark.mpi, pytest.mark.filterwarnings("ignore:Parameter `average`:DeprecationWarning")]
 
 
 @pytest.fixture(autouse=True)
@@ -176,6 +177,9 @@ def test_allreduce_shape_dtype_mismatch_raises_everywhere_and_library_stays_usab
     raises_everywhere(comm, RuntimeError, lambda: hvd.allreduce(torch.ones(dims)))
     t = torch.ones(17, dtype=torch.int32 if comm.rank % 2 == 0 else torch.float32)
     raises_everywhere(comm, hvd.HorovodInternalError, lambda: hvd.allreduce(t), match="dtype")
+    msg = raises_everywhere(comm, hvd.HorovodInternalError, lambda: hvd.allreduce(torch.ones(3)) if comm.rank % 2 == 0
+                            else hvd.allgather(torch.ones(3)))  # different collectives: no hang either
+    assert_all_ranks(comm, "runs allreduce" in msg and "runs allgather" in msg, msg)
     same(comm, hvd.allreduce(torch.ones(3), op=hvd.Sum), torch.full((3,), float(comm.size)), "usable after errors")
 
 
