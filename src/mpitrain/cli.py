@@ -20,6 +20,7 @@ BENCHMARKS = {
     "pipeline": "sequential vs model vs data vs hybrid img/s; pipeline efficiency vs M/(M+P-1)",
     "pipesgd": "Pipe-SGD timing model predicted vs measured; Fig. 4-style table",
     "spatial": "mesh model strong scaling and memory per rank",
+    "horovod": "Horovod-style synthetic img/s: mpitrain.horovod DistributedOptimizer vs DataParallel vs DDP",
 }
 
 
