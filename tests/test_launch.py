@@ -220,3 +220,11 @@ def test_stalled_wait_warns_naming_rank_and_tensor_then_aborts():
     """)
     assert rc != 0 and "rank 0: still waiting" in out and "'activation 3' from rank 1" in out, out
     assert 3 <= secs < 13, f"job ended {secs:.1f}s after the stall began"
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs 2 cores to give a rank 2")
+def test_a_rank_with_two_threads_is_not_pinned_to_one_core():
+    out = subprocess.run([*MPITRAIN, "run", "-n", "1", "--threads", "2", "--", sys.executable, "-c",
+                          "import os; print('CORES', len(os.sched_getaffinity(0)))"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "CORES 2" in out.stdout, out.stdout + out.stderr

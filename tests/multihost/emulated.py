@@ -218,11 +218,12 @@ class EmulatedHosts:
         """``mpitrain run -n np --hostfile F [launch_args] -- command`` started inside host 0, the other
         hosts reached through the agent; TCP and out-of-band traffic restricted to the hosts' subnet;
         no binding (every emulated host sees the same cores: PRRTE would pin each host's first rank to
-        core 0)."""
+        core 0); idle ranks yield (all hosts share this machine's cores)."""
         mpitrain = [sys.executable, "-m", "mpitrain", *(verb or ["run"])]
         argv = [*self.enter(0), *mpitrain, "-n", str(np), "--hostfile", str(hostfile),
                 "--mca", "btl_tcp_if_include", self.subnet, "--mca", "oob_tcp_if_include", self.subnet,
-                "--mca", "hwloc_default_binding_policy", "none", *(launch_args or [])]
+                "--mca", "hwloc_default_binding_policy", "none", "--mca", "mpi_yield_when_idle", "1",
+                *(launch_args or [])]
         if command:  # run's COMMAND follows "--"; bench and demo take their own arguments directly
             argv += ["--", *command] if verb is None else command
         full_env = {**os.environ, "PRTE_MCA_plm_ssh_agent": str(self.agent),

@@ -84,7 +84,9 @@ def test_hosts_sharing_a_name_are_told_apart_by_mpi(debian_hosts):
 
 
 def test_failure_on_a_remote_host_ends_the_job_naming_the_rank(debian_hosts):
-    out = debian_hosts.run(3, debian_hosts.hostfile([1, 1, 1]), [PY, f"{JOBS}/fail.py"], timeout=90)
+    """Every rank is gone within seconds. prterun itself (Open MPI 5.0.11) sometimes then hangs in
+    PMIx_server_finalize with no daemon left (docs/multihost.md); the harness kills it at the timeout."""
+    out = debian_hosts.run(3, debian_hosts.hostfile([1, 1, 1]), [PY, f"{JOBS}/fail.py"], timeout=45)
     assert out.returncode != 0 and "failure on the remote rank 2" in out.stdout + out.stderr, out.stderr
 
 
@@ -106,3 +108,13 @@ def test_links_are_shaped_and_latency_emulation_is_checked(debian_hosts):
     assert "tbf" in shown and "rate 1Gbit" in shown, shown
     if not has_netem():
         pytest.skip("this kernel has no netem qdisc: no latency emulation, latency tests skipped")
+
+
+def test_allreduce_across_hosts_is_hierarchical_and_equals_a_flat_one(debian_hosts):
+    """Hosts with 2, 2 and 1 ranks: the world's allreduce finds 3 hosts and matches raw MPI bitwise."""
+    out = debian_hosts.run(5, debian_hosts.hostfile([2, 2, 1]), [PY, f"{JOBS}/hierarchical.py"], timeout=150)
+    assert out.returncode == 0, out.stdout + out.stderr
+    verdicts = [json.loads(ln[5:]) for ln in out.stdout.splitlines() if ln.startswith("HIER ")]
+    assert len(verdicts) == 5, out.stdout + out.stderr
+    for v in verdicts:
+        assert v["failures"] == [] and v["hosts"] == 3 and v["host_sizes"] == [2, 2, 1], v
