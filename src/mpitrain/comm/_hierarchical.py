@@ -61,7 +61,7 @@ class Hierarchy:
                      else comm.Split(host_of, key=rank))
         self.is_leader = self.node.Get_rank() == 0
         leaders = comm.Split(0 if self.is_leader else MPI.UNDEFINED, key=rank)
-        self.leaders: MPI.Intracomm | None = None if leaders == MPI.COMM_NULL else leaders
+        self.leaders: MPI.Intracomm | None = None if leaders == MPI.COMM_NULL else MPI.Intracomm(leaders)
         sizes = comm.allgather(self.node.Get_size() if self.is_leader else 0)
         self.host_sizes = [s for s in sizes if s]  # ranks per host, hosts in order of their lowest rank
         self._queue: queue.Queue[_Job | None] = queue.Queue()
@@ -96,6 +96,14 @@ class Hierarchy:
                 job.done.wait()
         if job.error is not None:
             raise job.error
+
+    def finished(self, job: _Job) -> bool:
+        """Whether `job` is done (without blocking); re-raises its error once it is."""
+        if not job.done.is_set():
+            return False
+        if job.error is not None:
+            raise job.error
+        return True
 
     def close(self) -> None:
         """Stop the worker (after the queued jobs) and free the communicators."""
@@ -137,5 +145,6 @@ class Hierarchy:
         if self._leader_comm is None:
             from .mpi import MPICommunicator
 
+            assert self.leaders is not None  # only leaders run the ring
             self._leader_comm = MPICommunicator(self.leaders)
         return self._leader_comm

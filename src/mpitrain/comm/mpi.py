@@ -190,7 +190,7 @@ class MPICommunicator(Communicator):
                 t.copy_(work)
 
         if hier is not None and job is not None:
-            return _CallbackRequest(lambda: hier.wait(job), lambda: job.done.is_set() and not hier.wait(job), t,
+            return _CallbackRequest(lambda: hier.wait(job), lambda: hier.finished(job), t,
                                     finish, keep=work)
         return _CallbackRequest(lambda: MPI.Request.Waitall(reqs), lambda: MPI.Request.Testall(reqs), t, finish,
                                 keep=work)
