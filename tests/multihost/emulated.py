@@ -244,3 +244,33 @@ def _run_group(argv: list[str], timeout: float, env: dict[str, str]) -> subproce
         err += f"\n[emulated hosts] killed after {timeout} s"
         return subprocess.CompletedProcess(argv, -signal.SIGKILL, out, err)
     return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m tests.multihost.emulated --hosts 4 --slots 2 --rate 1gbit -- VERB ARGS...``: build the
+    hosts, run ``mpitrain VERB -n hosts*slots --hostfile ... ARGS`` from host 0, print its output, tear down."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m tests.multihost.emulated")
+    p.add_argument("--hosts", type=int, default=4)
+    p.add_argument("--slots", type=int, default=1, help="ranks per host")
+    p.add_argument("--rate", default=None, help="tc tbf rate of every link, e.g. 1gbit, 100mbit")
+    p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("rest", nargs=argparse.REMAINDER, help="-- VERB ARGS (run | bench NAME | demo)")
+    args = p.parse_args(argv)
+    rest = args.rest[1:] if args.rest[:1] == ["--"] else args.rest
+    why = missing_prerequisite()
+    if why:
+        print(why, file=sys.stderr)
+        return 2
+    verb = rest[:2] if rest[:1] == ["bench"] else rest[:1]
+    with EmulatedHosts([f"h{i}" for i in range(args.hosts)], rate=args.rate) as hosts:
+        out = hosts.run(args.hosts * args.slots, hosts.hostfile([args.slots] * args.hosts), rest[len(verb):],
+                        verb=verb, timeout=args.timeout)
+    sys.stdout.write(out.stdout)
+    sys.stderr.write(out.stderr)
+    return out.returncode
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
