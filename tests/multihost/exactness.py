@@ -8,7 +8,7 @@ import torch
 from mpi4py import MPI
 
 from mpitrain.comm._hierarchical import HIERARCHY_ABOVE, RING_ABOVE
-from mpitrain.comm.mpi import MPICommunicator
+from mpitrain.comm._mpi import MPICommunicator
 
 __all__ = ["compare_with_flat"]
 

@@ -15,7 +15,7 @@ def test_hierarchical_allreduce_equals_a_flat_allreduce_bitwise(comm):
     if comm.backend != "mpi":
         pytest.skip("the hierarchical allreduce belongs to the mpi backend")  # same verdict on every rank
     from mpitrain.comm._hierarchical import Hierarchy
-    from mpitrain.comm.mpi import MPICommunicator
+    from mpitrain.comm._mpi import MPICommunicator
 
     sub = MPICommunicator(comm.mpi_comm.Dup())
     sub._hierarchy = Hierarchy(sub.mpi_comm, host_of=comm.rank % 2)  # hosts {0, 2}, {1, 3}: leaders 0 and 1

@@ -99,7 +99,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="each host's link speed (Gbit/s): adds the floor 2S(H-1)/H/link and each share of it")
     args = p.parse_args(argv)
 
-    from ..comm.torchdist import init_torch_world
+    from ..comm._torchdist import init_torch_world
     from ..runtime import world
 
     comm = world()

@@ -8,7 +8,7 @@ allreduce (latency-bound; its recursive doubling), above it our pipelined ring
 (:func:`mpitrain.comm.ring.ring_allreduce`: reduce-scatter + allgather, 2S(n-1)/n bytes per link, the
 bandwidth floor), which Open MPI's default over TCP does not reach (docs/multihost.md).
 
-Used by :class:`~mpitrain.comm.mpi.MPICommunicator` for allreduces of at least :data:`HIERARCHY_ABOVE`
+Used by :class:`~mpitrain.comm._mpi.MPICommunicator` for allreduces of at least :data:`HIERARCHY_ABOVE`
 bytes when its ranks span more than one host (:func:`Hierarchy.applies`). All stages run on private
 duplicates of the communicators, on one worker thread per communicator, in submission order: a blocking
 and a nonblocking allreduce issued in the same order on every rank match, and the caller's own
@@ -143,7 +143,7 @@ class Hierarchy:
     def _ring_comm(self) -> Any:
         """The leaders as a Communicator for the ring (its point-to-point calls only)."""
         if self._leader_comm is None:
-            from .mpi import MPICommunicator
+            from ._mpi import MPICommunicator
 
             assert self.leaders is not None  # only leaders run the ring
             self._leader_comm = MPICommunicator(self.leaders)
