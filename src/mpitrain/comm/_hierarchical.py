@@ -12,7 +12,9 @@ Used by :class:`~mpitrain.comm._mpi.MPICommunicator` for allreduces of at least 
 bytes when its ranks span more than one host (:func:`Hierarchy.applies`). All stages run on private
 duplicates of the communicators, on one worker thread per communicator, in submission order: a blocking
 and a nonblocking allreduce issued in the same order on every rank match, and the caller's own
-collectives on the parent communicator never interleave with these.
+collectives on the parent communicator never interleave with these. The first allreduce of at least
+:data:`HIERARCHY_ABOVE` bytes on a communicator finds its hosts (a collective), so that one call blocks
+until every rank has issued it, even when nonblocking.
 """
 
 from __future__ import annotations
