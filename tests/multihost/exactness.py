@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from mpi4py import MPI
 
-from mpitrain.comm._hierarchical import HIERARCHY_ABOVE, PIPELINE_SEGMENT_BYTES, RING_ABOVE
+from mpitrain.comm._hierarchical import HIERARCHY_ABOVE, RING_ABOVE
 from mpitrain.comm._mpi import MPICommunicator
 
 __all__ = ["compare_with_flat"]
@@ -32,8 +32,7 @@ def _check(comm: MPICommunicator, numel: int, dtype: torch.dtype, op: str, nonbl
 def compare_with_flat(comm: MPICommunicator) -> list[str]:
     """Failures (empty: every case equal bitwise). Collective over `comm`."""
     failures = []
-    # below the hierarchy; hierarchical with the leaders on Open MPI (ring only for floats); 2+ pipelined segments
-    for nbytes in (4 << 10, HIERARCHY_ABOVE + 8, 2 * PIPELINE_SEGMENT_BYTES + 24):
+    for nbytes in (4 << 10, HIERARCHY_ABOVE + 8, 2 * RING_ABOVE + 24):
         for dtype, op, nonblocking in _CASES:
             for nb in {False, nonblocking}:
                 bad = _check(comm, nbytes // torch.empty(0, dtype=dtype).element_size(), dtype, op, nb)

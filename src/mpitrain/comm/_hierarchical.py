@@ -27,20 +27,15 @@ from typing import Any
 import torch
 from mpi4py import MPI
 
-from .._utils.flat import spans
 from .._utils.stall import watched
-from .base import split_sizes
 from .ring import ring_allreduce
 
-__all__ = ["Hierarchy", "HIERARCHY_ABOVE", "RING_ABOVE", "PIPELINE_SEGMENT_BYTES", "MAX_SEGMENTS"]
+__all__ = ["Hierarchy", "HIERARCHY_ABOVE", "RING_ABOVE"]
 
 #: Allreduces smaller than this stay flat (one Open MPI call): latency, not bandwidth, dominates them.
 HIERARCHY_ABOVE = 256 << 10
 #: The leaders' allreduce is our ring from this size (floating sum/avg), Open MPI's below it.
 RING_ABOVE = 1 << 20
-#: The stages pipeline over segments of at least this size (at most MAX_SEGMENTS of them).
-PIPELINE_SEGMENT_BYTES = 2 << 20
-MAX_SEGMENTS = 8
 #: A wait on the worker longer than this warns (naming the tensor size), as every blocking wait does.
 _WARN_S = 60.0
 
@@ -136,36 +131,16 @@ class Hierarchy:
                 job.done.set()
 
     def _allreduce(self, job: _Job) -> None:
-        """The three stages, pipelined over segments: every segment's host reduce is posted at once
-        (nonblocking), and segment i's host broadcast runs while segment i+1 crosses the network."""
-        local = self.node.Get_size() > 1
-        remote = self.leaders is not None and self.leaders.Get_size() > 1
-        arr, dtype = job.buf
-        flat = job.tensor.view(-1)
-        segments = spans(split_sizes(flat.numel(), self._segments(job)))
-        reduces = []
-        if local:
-            for lo, hi in segments:
-                seg = [arr[lo:hi], dtype]
-                send = MPI.IN_PLACE if self.is_leader else seg
-                reduces.append(self.node.Ireduce(send, seg if self.is_leader else None, op=job.op, root=0))
-        bcasts = []
-        for i, (lo, hi) in enumerate(segments):
-            if local:
-                reduces[i].Wait()
-            if remote and job.ring:
-                ring_allreduce(self._ring_comm(), flat[lo:hi])
-            elif remote and self.leaders is not None:
-                self.leaders.Allreduce(MPI.IN_PLACE, [arr[lo:hi], dtype], op=job.op)
-            if local:
-                bcasts.append(self.node.Ibcast([arr[lo:hi], dtype], root=0))
-        MPI.Request.Waitall(bcasts)
-
-    @staticmethod
-    def _segments(job: _Job) -> int:
-        """How many pieces the stages pipeline over: 1 below 2 segments' worth, at most 8."""
-        nbytes = job.tensor.numel() * job.tensor.element_size()
-        return max(1, min(MAX_SEGMENTS, nbytes // PIPELINE_SEGMENT_BYTES)) if job.ring else 1
+        if self.node.Get_size() > 1:
+            send = MPI.IN_PLACE if self.is_leader else job.buf
+            self.node.Reduce(send, job.buf if self.is_leader else None, op=job.op, root=0)
+        if self.leaders is not None and self.leaders.Get_size() > 1:
+            if job.ring:
+                ring_allreduce(self._ring_comm(), job.tensor.view(-1))
+            else:
+                self.leaders.Allreduce(MPI.IN_PLACE, job.buf, op=job.op)
+        if self.node.Get_size() > 1:
+            self.node.Bcast(job.buf, root=0)
 
     def _ring_comm(self) -> Any:
         """The leaders as a Communicator for the ring (its point-to-point calls only)."""
