@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import mpitrain
+from mpitrain._utils.flat import copy_from_flat, flatten
 from mpitrain.bench.common import header, print_table
 from mpitrain.comm.base import Communicator
 from mpitrain.fit import FitSpec
@@ -173,9 +174,12 @@ def run_ps(comm: Communicator, model_fn: Callable[[], nn.Module], data: tuple, l
            target: float, epochs: int) -> Run | None:
     """PS-Sync: workers push gradients to the dist_sync server (the last rank) and pull the sum."""
     from mpitrain import kvstore
+    from mpitrain.kvstore._server import ServerStore
 
     kv = kvstore.create("dist_sync", comm, num_servers=1)
+    assert isinstance(kv, ServerStore)
     workers = comm.split(1 if kv.is_server else 0)
+    assert workers is not None
     if kv.is_server:
         kv.serve()
         return None
@@ -193,16 +197,15 @@ def run_ps(comm: Communicator, model_fn: Callable[[], nn.Module], data: tuple, l
         opt.zero_grad()
         F.cross_entropy(model(xb[workers.rank * k:(workers.rank + 1) * k]),
                         yb[workers.rank * k:(workers.rank + 1) * k]).backward()
-        torch.cat([p.grad.reshape(-1) for p in params], out=flat)
+        grads = [p.grad for p in params if p.grad is not None]
+        assert len(grads) == len(params), "every parameter of the benchmark model gets a gradient"
+        flatten(grads, out=flat)
         t1 = time.perf_counter()
         kv.push("g", flat)
         kv.pull("g", flat)
         time.sleep(delay)
         t2 = time.perf_counter()
-        off = 0
-        for p in params:
-            p.grad.copy_(flat[off:off + p.numel()].view_as(p)).div_(nw)
-            off += p.numel()
+        copy_from_flat(flat.div_(nw), grads)
         opt.step()
         t["compute"] += (t1 - t0) + (time.perf_counter() - t2)
         t["comm"] += t2 - t1
