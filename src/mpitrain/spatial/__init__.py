@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
+from ._reduce import GradBucket, allreduce_sum
 from .batchnorm import SpatialBatchNorm2d
 from .conv import SpatialConv2d
-from .distribution import Distribution, Layout, SpatialError, gather, layout_of
+from .distribution import Distribution, gather
 from .halo import HaloPlan, Window, halo_exchange, plan_grid, plan_halo, window_of
 from .parallelize import SpatialParallel, SpatialSequential, parallelize
 from .pooling import SpatialAdaptiveAvgPool2d, SpatialAvgPool2d, SpatialMaxPool2d
 from .redistribute import Redistribute, redistribute
-from .reduce import GradBucket, allreduce_sum
+from .tensor import Layout, SpatialError, SpatialTensor, layout_of
 
 __all__ = [
-    "Distribution", "Layout", "SpatialError", "gather", "layout_of",
+    "Distribution", "Layout", "SpatialTensor", "SpatialError", "gather", "layout_of",
     "HaloPlan", "Window", "halo_exchange", "plan_grid", "plan_halo", "window_of",
     "SpatialConv2d", "SpatialMaxPool2d", "SpatialAvgPool2d", "SpatialAdaptiveAvgPool2d", "SpatialBatchNorm2d",
     "parallelize", "SpatialParallel", "SpatialSequential", "Redistribute", "redistribute",

@@ -15,9 +15,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..comm.base import Communicator
-from .base import input_layout
-from .distribution import Distribution, SpatialError, tag
-from .memory import dense
+from ._memory import dense
+from ._window import input_layout
+from .distribution import Distribution
+from .tensor import SpatialError, tag
 
 __all__ = ["SpatialBatchNorm2d", "STATS"]
 
@@ -123,7 +124,7 @@ class SpatialBatchNorm2d(nn.Module):
         return {"global": dist.comm, "spatial": dist.spatial_comm, "local": None}[self.stats]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        layout = input_layout(self.dist, x)
+        x, layout = input_layout(self, x)
         if layout.kind == "replicated":
             raise SpatialError("SpatialBatchNorm2d on a tensor replicated over the spatial group is not "
                                "supported; normalise before the global pool")

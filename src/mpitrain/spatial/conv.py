@@ -17,15 +17,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..comm.base import Communicator
-from .base import WindowLayer
-from .distribution import Distribution, SpatialError
-from .halo import (
+from ._exchange import (
     BACKWARD_TAG,
-    Box,
     Exchange,
-    HaloPlan,
     HaloStats,
-    Window,
+    SendQueue,
     assemble,
     assemble_box,
     finish_adjoint,
@@ -35,9 +31,12 @@ from .halo import (
     settle,
     start_adjoint,
     start_exchange,
-    window_of,
 )
-from .memory import dense, empty_as
+from ._memory import dense, empty_as
+from ._window import WindowLayer, input_layout
+from .distribution import Distribution
+from .halo import Box, HaloPlan, Window, window_of
+from .tensor import SpatialError
 
 __all__ = ["SpatialConv2d", "interior"]
 
@@ -104,17 +103,18 @@ class _Conv(torch.autograd.Function):
     and "extended" (the halo-extended block is assembled; any geometry)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, layer: SpatialConv2d, plan: HaloPlan, comm: Communicator):
-        ctx.layer, ctx.plan, ctx.comm, ctx.has_bias = layer, plan, comm, bias is not None
+    def forward(ctx, x, weight, bias, layer: SpatialConv2d, plan: HaloPlan, comm: Communicator,
+                queue: SendQueue):
+        ctx.layer, ctx.plan, ctx.comm, ctx.has_bias, ctx.queue = layer, plan, comm, bias is not None, queue
         ctx.mode, strips = layer.geometry(plan)
         if ctx.mode == "extended":
             x = dense(x)  # the other paths read the block in place (e.g. a view from scatter)
         ex = start_exchange(x, plan, comm) if plan.exchanges else None
         if ctx.mode == "extended":
-            y, halos = _forward_extended(x, weight, bias, layer, plan, ex)
+            y, halos = _forward_extended(x, weight, bias, layer, plan, ex, queue)
         else:
             y = layer.conv(x, weight, bias, layer.pads if ctx.mode == "implicit" else [0, 0])
-            halos = _wait(ex, plan, layer.stats)
+            halos = _wait(ex, plan, layer.stats, queue)
             for (r0, r1, c0, c1), box in strips:
                 y[:, :, r0:r1, c0:c1] = layer.conv(assemble_box(x, plan, halos, box, 0.0), weight, bias)
         ctx.save_for_backward(x, weight)
@@ -126,7 +126,7 @@ class _Conv(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         dy = dense(dy)
         if ctx.mode == "extended":
-            return (*_backward_extended(ctx, x, weight, dy), None, None, None)
+            return (*_backward_extended(ctx, x, weight, dy), None, None, None, None)
         layer, plan = ctx.layer, ctx.plan
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         need_b = ctx.has_bias and ctx.needs_input_grad[2]
@@ -141,9 +141,9 @@ class _Conv(torch.autograd.Function):
             dw += part
         if ex is not None:
             t0 = time.perf_counter()
-            _add_received(dx, plan, ex)
+            _add_received(dx, plan, ex, ctx.queue)
             layer.stats.wait_s += time.perf_counter() - t0
-        return dx, dw, db, None, None, None
+        return dx, dw, db, None, None, None, None
 
 
 def _strip_backward(x, weight, dy, layer: SpatialConv2d, plan: HaloPlan, halos, strips,
@@ -178,13 +178,13 @@ def _strip_backward(x, weight, dy, layer: SpatialConv2d, plan: HaloPlan, halos, 
     return Exchange(parts, reqs, sends), dw_parts
 
 
-def _add_received(dx: torch.Tensor, plan: HaloPlan, ex: Exchange) -> None:
-    settle(ex, plan, backward=True)
+def _add_received(dx: torch.Tensor, plan: HaloPlan, ex: Exchange, queue: SendQueue) -> None:
+    settle(ex, plan, queue, backward=True)
     for (_, box), part in zip(plan.sends, ex.halos):
         dx[(..., *box.within(plan.owned))] += part
 
 
-def _forward_extended(x, weight, bias, layer: SpatialConv2d, plan: HaloPlan, ex):
+def _forward_extended(x, weight, bias, layer: SpatialConv2d, plan: HaloPlan, ex, queue: SendQueue):
     ext = assemble(x, plan, (), 0.0)
     oh, ow = plan.out.shape
     rows, cols = interior(plan, layer.windows)
@@ -192,7 +192,7 @@ def _forward_extended(x, weight, bias, layer: SpatialConv2d, plan: HaloPlan, ex)
     y = empty_as(x, (x.shape[0], weight.shape[0], oh, ow)) if split else None
     if split:
         layer.region(y, ext, weight, bias, (*rows, *cols))
-    halos = _wait(ex, plan, layer.stats)
+    halos = _wait(ex, plan, layer.stats, queue)
     place_halos(ext, plan, halos)
     if split:
         for region in _regions(oh, ow, rows, cols):
@@ -217,7 +217,7 @@ def _backward_extended(ctx, x, weight, dy):
         _, dw, db = torch.ops.aten.convolution_backward(dy, ext, weight, bias_sizes, *args, mask)
     if ctx.needs_input_grad[0]:
         t0 = time.perf_counter()
-        dx = finish_adjoint(dext, plan, ex) if ex is not None else _crop(dext, plan)
+        dx = finish_adjoint(dext, plan, ex, ctx.queue) if ex is not None else _crop(dext, plan)
         layer.stats.wait_s += time.perf_counter() - t0
     return dx, dw, db
 
@@ -229,11 +229,11 @@ def _crop(dext: torch.Tensor, plan: HaloPlan) -> torch.Tensor:
     return dx
 
 
-def _wait(ex: Exchange | None, plan: HaloPlan, stats: HaloStats) -> list[torch.Tensor]:
+def _wait(ex: Exchange | None, plan: HaloPlan, stats: HaloStats, queue: SendQueue) -> list[torch.Tensor]:
     if ex is None:
         return []
     t0 = time.perf_counter()
-    halos = finish_exchange(ex, plan)
+    halos = finish_exchange(ex, plan, queue)
     stats.wait_s += time.perf_counter() - t0
     stats.exchanges += 1
     return halos
@@ -283,7 +283,7 @@ class SpatialConv2d(WindowLayer):
         y[:, :, r0:r1, c0:c1] = self.conv(part, weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        layout = self.input_layout(x)
+        x, layout = input_layout(self, x)
         if layout.kind == "replicated":
             pads = [p for w in reversed(self.windows) for p in w.pad]
             y = F.conv2d(F.pad(x, pads), self.weight, self.bias, self.stride, 0, self.dilation, self.groups)
@@ -291,7 +291,7 @@ class SpatialConv2d(WindowLayer):
         plan = self.plan(layout, x)
         mode, _ = self.geometry(plan)
         if plan.exchanges or mode == "extended":
-            y = _Conv.apply(x, self.weight, self.bias, self, plan, layout.dist.spatial_comm)
+            y = _Conv.apply(x, self.weight, self.bias, self, plan, layout.dist.spatial_comm, layout.dist.sends)
         else:  # this block reads no other rank's cells: the torch layer on it, with torch's own autograd
             y = self.conv(x, self.weight, self.bias, self.pads if mode == "implicit" else 0)
         return self.tag_output(y, layout)

@@ -2,29 +2,20 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from .._utils.flat import spans
 from ..comm.base import Communicator, split_sizes
+from ._exchange import SendQueue
+from .tensor import Layout, SpatialError, layout_of, plain, tag
 
-__all__ = ["Distribution", "Layout", "layout_of", "tag", "gather", "ranges", "SpatialError"]
+__all__ = ["Distribution", "Layout", "SpatialError", "layout_of", "gather", "ranges"]
 
-#: Attribute under which a block carries its :class:`Layout` (set by scatter and the spatial layers).
-LAYOUT_ATTR = "_mpitrain_layout"
-
-
-class SpatialError(ValueError):
-    """A spatial layer, distribution or shape cannot work; raised on every rank before any message."""
-
+NONSPATIAL = ("replicate", "error")
 
 def ranges(n: int, parts: int) -> list[tuple[int, int]]:
     """Half-open ``[start, stop)`` index ranges of the `parts` blocks of `n` items (:func:`split_sizes`)."""
-    out, start = [], 0
-    for size in split_sizes(n, parts):
-        out.append((start, start + size))
-        start += size
-    return out
+    return spans(split_sizes(n, parts))
 
 
 class Distribution:
@@ -35,9 +26,16 @@ class Distribution:
     Constructing one sends nothing; the spatial and sample communicators are split from `comm` once,
     collectively, by :meth:`connect` (which :func:`~mpitrain.spatial.parallelize` calls after it has
     checked the model, so a model it refuses is refused before any message) or at their first use.
+
+    `nonspatial` says what a non-spatial op (flatten, linear, ...) does to a block split over the grid
+    (see :mod:`mpitrain.spatial.tensor`): ``"replicate"`` redistributes it to whole samples first (one
+    allgather over the spatial group, warned once per op and counted in :attr:`redistributions`),
+    ``"error"`` raises :class:`SpatialError`. The distribution owns the queue of halo sends left in
+    flight by the layers of the models parallelized over it (:attr:`sends`).
     """
 
-    def __init__(self, comm: Communicator, grid: tuple[int, int] = (1, 1), samples: int = 1) -> None:
+    def __init__(self, comm: Communicator, grid: tuple[int, int] = (1, 1), samples: int = 1,
+                 nonspatial: str = "replicate") -> None:
         grid = tuple(grid)
         if len(grid) != 2 or any(not isinstance(g, int) or g < 1 for g in grid):
             raise SpatialError(f"grid must be two positive ints (ph, pw), got {grid!r}")
@@ -46,7 +44,11 @@ class Distribution:
         if grid[0] * grid[1] * samples != comm.size:
             raise SpatialError(f"samples x ph x pw = {samples} x {grid[0]} x {grid[1]} = "
                                f"{samples * grid[0] * grid[1]} ranks, but the communicator has {comm.size}")
-        self.comm, self.grid, self.samples = comm, grid, samples
+        if nonspatial not in NONSPATIAL:
+            raise SpatialError(f"nonspatial must be one of {NONSPATIAL}, got {nonspatial!r}")
+        self.comm, self.grid, self.samples, self.nonspatial = comm, grid, samples, nonspatial
+        self.redistributions: dict[str, int] = {}
+        self.sends = SendQueue()
         self.per_sample = grid[0] * grid[1]
         self.group, self.spatial_rank = divmod(comm.rank, self.per_sample)
         self.coords = divmod(self.spatial_rank, grid[1])
@@ -101,13 +103,30 @@ class Distribution:
         (n0, n1), (h0, h1), (w0, w1) = self.box(shape, rank)
         return (n1 - n0, shape[1], h1 - h0, w1 - w0)
 
+    def local_samples(self, n: int) -> int:
+        """How many of `n` samples this rank's group holds."""
+        a, b = ranges(n, self.samples)[self.group]
+        return b - a
+
+    def replicate(self, t: torch.Tensor) -> torch.Tensor:
+        """The whole samples of this group from this rank's block `t` (a SpatialTensor of kind "block"),
+        replicated over the spatial group: one allgather over the spatial group (collective there).
+        Differentiable: the gradient shares of the replicated result are summed over the group and each
+        rank keeps its block's part."""
+        layout = layout_of(t)
+        if layout is None or layout.kind != "block":
+            raise SpatialError("replicate needs a block (a SpatialTensor of kind 'block')")
+        y = _Replicate.apply(plain(t), layout)
+        return tag(y, Layout(self, "replicated", layout.shape))
+
     def scatter(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's block of the full NCHW `x` (a view, no copy: leave `x` unchanged while the block is
         in use), which must be equal on every rank.
 
-        Differentiable: the gradient of `x` is the assembled gradient of all blocks, on every rank."""
+        Differentiable: the gradient of `x` is the assembled gradient of all blocks, on every rank.
+        Returns a :class:`~mpitrain.spatial.tensor.SpatialTensor`."""
         self.check_shape(tuple(x.shape), "scatter input")
-        return tag(_Scatter.apply(x, self), Layout(self, "block", tuple(x.shape)))
+        return tag(_Scatter.apply(plain(x), self), Layout(self, "block", tuple(x.shape)))
 
     def infer_layout(self, t: torch.Tensor) -> Layout:
         """The block layout of an untagged local block, from one allgather of the local sizes (collective
@@ -129,31 +148,11 @@ class Distribution:
         return Layout(self, "block", shape)
 
 
-@dataclass(frozen=True)
-class Layout:
-    """How a local tensor sits in the global one. ``kind="block"``: the NCHW block of `dist`;
-    ``kind="replicated"``: samples split over the groups, the rest replicated in each spatial group
-    (e.g. after a global AdaptiveAvgPool2d). `shape` is the global shape."""
-
-    dist: Distribution
-    kind: str
-    shape: tuple[int, ...]
-
-
-def layout_of(t: torch.Tensor) -> Layout | None:
-    return getattr(t, LAYOUT_ATTR, None)
-
-
-def tag(t: torch.Tensor, layout: Layout) -> torch.Tensor:
-    """Attach `layout` to `t` (in place, returns `t`)."""
-    setattr(t, LAYOUT_ATTR, layout)
-    return t
-
-
 def gather(t: torch.Tensor, like: torch.Tensor | None = None) -> torch.Tensor:
     """The full tensor on every rank, from this rank's block `t` (collective over the world).
 
-    `t` must come from ``Distribution.scatter`` or a parallelized module; with `like`, `t` is shaped like
+    `t` must be a SpatialTensor (from ``Distribution.scatter`` or a parallelized module); with `like`, `t` is
+    shaped like
     such a block (e.g. its ``.grad``) and is laid out the same way. Differentiable: the backward takes
     this rank's block of the (replicated) output gradient; for a tensor replicated inside the spatial
     group only spatial rank 0 keeps it (gradients of replicated tensors are shares summed by the group).
@@ -164,7 +163,7 @@ def gather(t: torch.Tensor, like: torch.Tensor | None = None) -> torch.Tensor:
                            "(or pass like=<such a block> for a tensor shaped like one, e.g. its .grad)")
     if like is not None and like.shape != t.shape:
         raise SpatialError(f"gather: tensor shape {tuple(t.shape)} differs from like's {tuple(like.shape)}")
-    return _Gather.apply(t, layout)
+    return _Gather.apply(plain(t), layout)
 
 
 def _padded_allgather(comm: Communicator, t: torch.Tensor, numel: int) -> torch.Tensor:
@@ -224,3 +223,27 @@ class _Gather(torch.autograd.Function):
         n0, n1 = ranges(layout.shape[0], dist.samples)[dist.group]
         share = g[n0:n1].contiguous()
         return (share if dist.spatial_rank == 0 else torch.zeros_like(share)), None
+
+
+class _Replicate(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, layout: Layout) -> torch.Tensor:
+        ctx.layout = layout
+        dist, shape = layout.dist, layout.shape
+        n = dist.local_samples(shape[0])
+        boxes = [dist.box(shape, dist.world_rank(dist.group, s))[1:] for s in range(dist.per_sample)]
+        numel = max(n * shape[1] * (h1 - h0) * (w1 - w0) for (h0, h1), (w0, w1) in boxes)
+        rows = _padded_allgather(dist.spatial_comm, t.contiguous(), numel)
+        out = t.new_empty((n, *shape[1:]))
+        for s, ((h0, h1), (w0, w1)) in enumerate(boxes):
+            size = n * shape[1] * (h1 - h0) * (w1 - w0)
+            out[:, :, h0:h1, w0:w1] = rows[s, :size].view(n, shape[1], h1 - h0, w1 - w0)
+        return out
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        layout = ctx.layout
+        dist = layout.dist
+        total = dist.spatial_comm.allreduce(g.contiguous().clone(), "sum")
+        _, (h0, h1), (w0, w1) = dist.box(layout.shape)
+        return total[:, :, h0:h1, w0:w1].contiguous(), None

@@ -11,22 +11,17 @@ one message per pair and direction, all in flight at once.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
-from ..comm.base import Communicator, Request
-from ..comm.watchdog import watched
+from ..comm.base import Communicator
+from ._exchange import SendQueue, adjoint_exchange, assemble, finish_exchange, start_exchange
+from ._memory import dense
 from .distribution import SpatialError, ranges
-from .memory import dense, empty_as
 
-__all__ = ["Window", "Box", "HaloPlan", "HaloStats", "Exchange", "plan_halo", "plan_grid", "window_of",
-           "start_exchange", "finish_exchange", "assemble", "assemble_box", "place_halos", "start_adjoint",
-           "finish_adjoint", "adjoint_exchange", "halo_exchange", "wait_all", "settle", "complete_sends",
-           "isend_all", "FORWARD_TAG", "BACKWARD_TAG", "STALL_WARNING_S"]
-
-FORWARD_TAG, BACKWARD_TAG = 7301, 7302
+__all__ = ["Window", "Box", "HaloPlan", "plan_grid", "plan_halo", "window_of", "halo_exchange"]
 
 
 @dataclass(frozen=True)
@@ -162,191 +157,26 @@ def plan_halo(size: tuple[int, int], grid: tuple[int, int], windows: tuple[Windo
     return plan_grid(size, grid, windows)[rank]
 
 
-def _fill_padding(ext: torch.Tensor, plan: HaloPlan, fill: float) -> None:
-    """Write `fill` where the needed rectangle lies outside the global tensor (four strips)."""
-    inside = plan.need & plan.valid
-    if inside.empty:
-        ext.fill_(fill)
-        return
-    rs, cs = inside.within(plan.need)
-    r0, r1, c0, c1 = rs.start, rs.stop, cs.start, cs.stop
-    ext[:, :, :r0, :].fill_(fill)
-    ext[:, :, r1:, :].fill_(fill)
-    ext[:, :, r0:r1, :c0].fill_(fill)
-    ext[:, :, r0:r1, c1:].fill_(fill)
-
-
-def assemble(x: torch.Tensor, plan: HaloPlan, halos: Sequence[torch.Tensor], fill: float) -> torch.Tensor:
-    """The needed rectangle as one tensor from the local block `x` and the received `halos`."""
-    ext = empty_as(x, (x.shape[0], x.shape[1], *plan.ext_shape))
-    _fill_padding(ext, plan, fill)
-    if not plan.local.empty:
-        ext[(..., *plan.local.within(plan.need))] = x[(..., *plan.local.within(plan.owned))]
-    place_halos(ext, plan, halos)
-    return ext
-
-
-def assemble_box(x: torch.Tensor, plan: HaloPlan, halos: Sequence[torch.Tensor], box: Box, fill: float,
-                 local: bool = True) -> torch.Tensor:
-    """The part `box` (global indices, inside ``plan.need``) of the needed rectangle: padding `fill`,
-    the local cells (or zeros when ``local=False``) and the received `halos`. Meant for thin strips."""
-    out = empty_as(x, (x.shape[0], x.shape[1], *box.shape)).fill_(fill)  # x's memory order: the strip
-    # convolutions run on oneDNN's channels-last path when the model does
-    inside = box & plan.valid
-    if not inside.empty and fill != 0.0:
-        out[(..., *inside.within(box))] = 0.0
-    mine = plan.owned & box
-    if local and not mine.empty:
-        out[(..., *mine.within(box))] = x[(..., *mine.within(plan.owned))]
-    for (_, rbox), buf in zip(plan.recvs, halos):
-        part = rbox & box
-        if not part.empty:
-            out[(..., *part.within(box))] = buf[(..., *part.within(rbox))]
-    return out
-
-
-def place_halos(ext: torch.Tensor, plan: HaloPlan, halos: Sequence[torch.Tensor]) -> None:
-    """Copy the received `halos` into the needed rectangle `ext` (in place)."""
-    for (_, box), buf in zip(plan.recvs, halos):
-        ext[(..., *box.within(plan.need))] = buf
-
-
-@dataclass
-class HaloStats:
-    """Seconds a layer spent blocked on halo messages (after any overlapped compute), and exchanges."""
-
-    wait_s: float = 0.0
-    exchanges: int = 0
-
-    def reset(self) -> None:
-        self.wait_s, self.exchanges = 0.0, 0
-
-
-@dataclass
-class Exchange:
-    """Halo messages in flight: receive buffers (in ``plan.recvs`` order), their requests, and the sends
-    with the buffers they read (kept alive until the send completes)."""
-
-    halos: list[torch.Tensor]
-    requests: list[Request]
-    sends: list[tuple[Request, torch.Tensor]] = field(default_factory=list)
-
-
-def isend_all(comm: Communicator, parts: Sequence[tuple[torch.Tensor, int]], tag: int
-              ) -> list[tuple[Request, torch.Tensor]]:
-    """Post a nonblocking send of each (tensor, destination); returns (request, the buffer it reads)."""
-    out = []
-    for t, dst in parts:
-        buf = t.contiguous()
-        out.append((comm.isend(buf, dst, tag), buf))
-    return out
-
-
-def start_exchange(x: torch.Tensor, plan: HaloPlan, comm: Communicator, tag: int = FORWARD_TAG) -> Exchange:
-    """Post every receive and send of the forward halo exchange of block `x` (nonblocking)."""
-    n, c = x.shape[0], x.shape[1]
-    halos = [x.new_empty((n, c, *box.shape)) for _, box in plan.recvs]
-    reqs = [comm.irecv(buf, src, tag) for (src, _), buf in zip(plan.recvs, halos)]
-    sends = isend_all(comm, [(x[(..., *box.within(plan.owned))], dst) for dst, box in plan.sends], tag)
-    return Exchange(halos, reqs, sends)
-
-
-#: Seconds a halo wait may take before it warns (naming the plan: ranks and boxes still expected).
-STALL_WARNING_S = 60.0
-
-# Sends of earlier exchanges not yet waited for. A rank waits only for its *receives* (its neighbours'
-# data) when it needs them; waiting for its own sends there would also wait for each neighbour to reach
-# that layer (the receiver completes a large send), which measured 3-5 ms of a 2-rank mesh-model step.
-# They are completed after the next exchange's receives and at the end of every forward and backward.
-_pending: list[tuple[Request, torch.Tensor]] = []
-
-
-def wait_all(requests: Sequence[Request], plan: HaloPlan, warn_after: float = STALL_WARNING_S) -> None:
-    """Complete every request (blocking); if that takes more than `warn_after` seconds a watchdog warns
-    once, naming this rank's plan (the ranks and boxes it waits for). A dead rank ends the job through
-    the launcher; a layer that differs on another rank shows up in the warnings of both."""
-    _wait_watched(requests, "halo exchange", plan.__str__, warn_after)
-
-
-def complete_sends(warn_after: float = STALL_WARNING_S) -> None:
-    """Wait for every deferred halo send (see :func:`settle`); afterwards nothing is in flight. Called at
-    the end of each forward and backward of a parallelized model; collective-free and idempotent."""
-    if _pending:
-        _wait_watched([r for r, _ in _pending], "halo sends",
-                      lambda: f"{sum(not r.test() for r, _ in _pending)} halo sends still in flight", warn_after)
-        _pending.clear()
-
-
-def _wait_watched(requests: Sequence[Request], label: str, detail: Callable[[], str], warn_after: float) -> None:
-    """Complete `requests`; only those not done yet register with the stall watchdog."""
-    late = [r for r in requests if not r.test()]
-    if late:
-        with watched(label, detail, warn_after):
-            for r in late:
-                r.wait()
-
-
-def settle(ex: Exchange, plan: HaloPlan, backward: bool = False) -> None:
-    """Wait for the receives of `ex`, complete the sends of earlier exchanges, and defer those of `ex`
-    (their buffers stay referenced until they complete). With `backward` (called from an autograd
-    backward) the deferred sends are also completed when that backward pass ends."""
-    wait_all(ex.requests, plan)
-    complete_sends()
-    _pending.extend(ex.sends)
-    if backward and ex.sends:  # one callback per exchange: cheap, and none is lost to an exception
-        torch.autograd.Variable._execution_engine.queue_callback(complete_sends)
-
-
-def finish_exchange(ex: Exchange, plan: HaloPlan) -> list[torch.Tensor]:
-    """Wait for the halos of `ex` (see :func:`settle`); returns them."""
-    settle(ex, plan)
-    return ex.halos
-
-
-def start_adjoint(dext: torch.Tensor, plan: HaloPlan, comm: Communicator,
-                  tag: int = BACKWARD_TAG) -> Exchange:
-    """Post the adjoint of the halo exchange of the gradient `dext` of the needed rectangle: each halo
-    goes back to its owner, each rank receives the gradients of its cells that others read."""
-    n, c = dext.shape[0], dext.shape[1]
-    parts = [dext.new_empty((n, c, *box.shape)) for _, box in plan.sends]
-    reqs = [comm.irecv(buf, dst, tag) for (dst, _), buf in zip(plan.sends, parts)]
-    sends = isend_all(comm, [(dext[(..., *box.within(plan.need))], src) for src, box in plan.recvs], tag)
-    return Exchange(parts, reqs, sends)
-
-
-def finish_adjoint(dext: torch.Tensor, plan: HaloPlan, ex: Exchange) -> torch.Tensor:
-    """The gradient of the local block: its own cells of `dext` plus, in rank order, what others sent."""
-    n, c = dext.shape[0], dext.shape[1]
-    dx = empty_as(dext, (n, c, *plan.owned.shape)).zero_()
-    if not plan.local.empty:
-        dx[(..., *plan.local.within(plan.owned))] = dext[(..., *plan.local.within(plan.need))]
-    settle(ex, plan, backward=True)
-    for (_, box), part in zip(plan.sends, ex.halos):
-        dx[(..., *box.within(plan.owned))] += part
-    return dx
-
-
-def adjoint_exchange(dext: torch.Tensor, plan: HaloPlan, comm: Communicator) -> torch.Tensor:
-    """Blocking adjoint of the halo exchange (see :func:`start_adjoint`)."""
-    return finish_adjoint(dext, plan, start_adjoint(dense(dext), plan, comm))
-
-
 class _HaloExchange(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, plan: HaloPlan, comm: Communicator, fill: float) -> torch.Tensor:
-        ctx.plan, ctx.comm = plan, comm
+    def forward(ctx, x: torch.Tensor, plan: HaloPlan, comm: Communicator, fill: float,
+                queue: SendQueue | None) -> torch.Tensor:
+        ctx.plan, ctx.comm, ctx.queue = plan, comm, queue
         x = dense(x)
-        return assemble(x, plan, finish_exchange(start_exchange(x, plan, comm), plan), fill)
+        return assemble(x, plan, finish_exchange(start_exchange(x, plan, comm), plan, queue), fill)
 
     @staticmethod
     def backward(ctx, dext: torch.Tensor):
-        return adjoint_exchange(dext, ctx.plan, ctx.comm), None, None, None
+        return adjoint_exchange(dext, ctx.plan, ctx.comm, ctx.queue), None, None, None, None
 
 
-def halo_exchange(x: torch.Tensor, plan: HaloPlan, comm: Communicator, fill: float = 0.0) -> torch.Tensor:
+def halo_exchange(x: torch.Tensor, plan: HaloPlan, comm: Communicator, fill: float = 0.0,
+                  queue: SendQueue | None = None) -> torch.Tensor:
     """The needed rectangle of `plan` (halos from the other ranks of `comm`, `fill` as padding) for
     the local block `x`. Every rank of the spatial group `comm` must call it for the same layer.
-    Differentiable: the backward is the exact adjoint (halo gradients are added to their owners)."""
+    Differentiable: the backward is the exact adjoint (halo gradients are added to their owners).
+    With a `queue` (a distribution's :class:`SendQueue`) this rank's sends are left in flight there
+    until the next exchange or the end of the pass; without one they are completed before returning."""
     if tuple(x.shape[2:]) != plan.owned.shape:
         raise SpatialError(f"block of shape {tuple(x.shape)} does not match the plan's {plan.owned.shape}")
-    return _HaloExchange.apply(x, plan, comm, fill)
+    return _HaloExchange.apply(x, plan, comm, fill, queue)

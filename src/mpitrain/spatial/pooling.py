@@ -7,10 +7,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import WindowLayer, input_layout
-from .distribution import Distribution, Layout, SpatialError, tag
+from ._window import WindowLayer, input_layout
+from .distribution import Distribution
 from .halo import HaloPlan, halo_exchange, window_of
-from .reduce import allreduce_sum
+from .tensor import SpatialError, global_avg_pool
 
 __all__ = ["SpatialMaxPool2d", "SpatialAvgPool2d", "SpatialAdaptiveAvgPool2d"]
 
@@ -36,12 +36,13 @@ class SpatialMaxPool2d(WindowLayer):
         self.dilation = [w.dilation for w in self.windows]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        layout = self.input_layout(x)
+        x, layout = input_layout(self, x)
         if layout.kind == "replicated":
             pads = [p for w in reversed(self.windows) for p in w.pad]
             ext = F.pad(x, pads, value=float("-inf"))
         else:
-            ext = halo_exchange(x, self.plan(layout, x), layout.dist.spatial_comm, float("-inf"))
+            ext = halo_exchange(x, self.plan(layout, x), layout.dist.spatial_comm, float("-inf"),
+                                layout.dist.sends)
         return self.tag_output(F.max_pool2d(ext, self.kernel, self.stride_, 0, self.dilation), layout)
 
 
@@ -69,29 +70,17 @@ class SpatialAvgPool2d(WindowLayer):
         return self._counts[key]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        layout = self.input_layout(x)
+        x, layout = input_layout(self, x)
         if layout.kind == "replicated":
             raise SpatialError("SpatialAvgPool2d on a tensor replicated over the spatial group: "
                                "use nn.AvgPool2d")
         plan = self.plan(layout, x)
-        ext = halo_exchange(x, plan, layout.dist.spatial_comm, 0.0)
+        ext = halo_exchange(x, plan, layout.dist.spatial_comm, 0.0, layout.dist.sends)
         if self.divisor_override or self.count_include_pad:
             y = F.avg_pool2d(ext, self.kernel, self.stride_, 0, divisor_override=self.divisor_override)
         else:
             y = F.avg_pool2d(ext, self.kernel, self.stride_, 0, divisor_override=1) / self._count(plan, x)
         return self.tag_output(y, layout)
-
-
-def _membership(n: int, out: int, lo: int, hi: int, like: torch.Tensor) -> torch.Tensor:
-    """(out, hi-lo) 0/1 matrix: global cell lo+k is in adaptive window
-    i = [floor(i*n/out), ceil((i+1)*n/out))."""
-    m = like.new_zeros((out, hi - lo))
-    for i in range(out):
-        a, b = (i * n) // out, -((-(i + 1) * n) // out)
-        a, b = max(a, lo), min(b, hi)
-        if b > a:
-            m[i, a - lo:b - lo] = 1.0
-    return m
 
 
 class SpatialAdaptiveAvgPool2d(nn.Module):
@@ -108,15 +97,5 @@ class SpatialAdaptiveAvgPool2d(nn.Module):
         self.dist = dist
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        layout = input_layout(self.dist, x)
-        if layout.kind == "replicated":
-            return tag(F.adaptive_avg_pool2d(x, self.output_size), layout)
-        dist = layout.dist
-        (_, _), (h0, h1), (w0, w1) = dist.box(layout.shape)
-        (oh, ow), (h, w) = self.output_size, layout.shape[2:]
-        rows, cols = _membership(h, oh, h0, h1, x), _membership(w, ow, w0, w1, x)
-        partial = torch.einsum("ih,nchw,jw->ncij", rows, x, cols)
-        total = allreduce_sum(partial, dist.spatial_comm)
-        area = _membership(h, oh, 0, h, x).sum(1)[:, None] * _membership(w, ow, 0, w, x).sum(1)[None, :]
-        y = total / area
-        return tag(y, Layout(dist, "replicated", (layout.shape[0], *y.shape[1:])))
+        input_layout(self, x)  # refuses a tensor without a layout
+        return global_avg_pool(x, self.output_size)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .distribution import Distribution, Layout, SpatialError, layout_of, tag
+from .distribution import Distribution
+from .tensor import Layout, SpatialError, layout_of, plain, tag
 
 __all__ = ["Redistribute", "redistribute"]
 
@@ -70,11 +71,11 @@ def redistribute(x: torch.Tensor, src: Distribution, dst: Distribution) -> torch
         raise SpatialError(f"cannot redistribute between {src} and {dst}: they are over different ranks")
     layout = layout_of(x)
     if layout is None:
-        layout = src.infer_layout(x)
+        layout = src.infer_layout(x)  # a bare local block: its sizes tell the global shape
     if layout.kind != "block":
         raise SpatialError("redistribute needs a spatial block (not a tensor replicated over the group)")
     dst.check_shape(layout.shape, "redistributed tensor")
-    return tag(_Shuffle.apply(x, layout.shape, src, dst), Layout(dst, "block", layout.shape))
+    return tag(_Shuffle.apply(plain(x), layout.shape, src, dst), Layout(dst, "block", layout.shape))
 
 
 class Redistribute(nn.Module):

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from ..comm.base import Communicator
+from ..strategies.broadcast import broadcast_tensors
 from .batchnorm import STATS
 from .distribution import Distribution, SpatialError, gather
 from .parallelize import SpatialParallel, parallelize
@@ -46,13 +47,9 @@ def _options(spec: Any, comm: Communicator) -> dict[str, Any]:
 
 
 def _broadcast_state(model: nn.Module, comm: Communicator) -> None:
-    """Start every rank from rank 0's parameters and buffers (in place)."""
+    """Start every rank from rank 0's parameters and buffers (in place; one fused broadcast per dtype)."""
     with torch.no_grad():
-        for t in [*model.parameters(), *model.buffers()]:
-            if t.is_contiguous():
-                comm.broadcast(t.data, 0)
-            else:
-                t.data.copy_(comm.broadcast(t.data.contiguous(), 0))
+        broadcast_tensors([t.data for t in [*model.parameters(), *model.buffers()]], comm, 0)
 
 
 class SpatialTrainer:
