@@ -10,12 +10,14 @@ from .halo import HaloPlan, Window, halo_exchange, plan_grid, plan_halo, window_
 from .parallelize import SpatialParallel, SpatialSequential, parallelize
 from .pooling import SpatialAdaptiveAvgPool2d, SpatialAvgPool2d, SpatialMaxPool2d
 from .redistribute import Redistribute, redistribute
+from .resample import SpatialConvTranspose2d, SpatialUpsample, interpolate
 from .tensor import Layout, SpatialError, SpatialTensor, layout_of
 
 __all__ = [
     "Distribution", "Layout", "SpatialTensor", "SpatialError", "gather", "layout_of",
     "HaloPlan", "Window", "halo_exchange", "plan_grid", "plan_halo", "window_of",
     "SpatialConv2d", "SpatialMaxPool2d", "SpatialAvgPool2d", "SpatialAdaptiveAvgPool2d", "SpatialBatchNorm2d",
+    "SpatialConvTranspose2d", "SpatialUpsample", "interpolate",
     "parallelize", "SpatialParallel", "SpatialSequential", "Redistribute", "redistribute",
     "allreduce_sum", "GradBucket",
 ]

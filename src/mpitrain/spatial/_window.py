@@ -36,11 +36,16 @@ class WindowLayer(nn.Module):
         self.stats = HaloStats()
         self._plans: dict[tuple[int, int, int], HaloPlan] = {}
 
+    def windows_for(self, size: tuple[int, int]) -> tuple[Window, Window]:
+        """The (height, width) windows for a global input of `size` (fixed, unless a layer's geometry
+        depends on the input size, as an upsampling's does)."""
+        return self.windows
+
     def plan(self, layout: Layout, x: torch.Tensor) -> HaloPlan:
         dist, size = layout.dist, (layout.shape[2], layout.shape[3])
         key = (id(dist), *size)
         if key not in self._plans:
-            self._plans[key] = plan_halo(size, dist.grid, self.windows, dist.spatial_rank)
+            self._plans[key] = plan_halo(size, dist.grid, self.windows_for(size), dist.spatial_rank)
         plan = self._plans[key]
         if tuple(x.shape[2:]) != plan.owned.shape:
             raise SpatialError(f"{type(self).__name__}: local block {tuple(x.shape)} is not this rank's "
@@ -50,5 +55,6 @@ class WindowLayer(nn.Module):
     def tag_output(self, y: torch.Tensor, layout: Layout) -> torch.Tensor:
         if layout.kind == "replicated":
             return tag(y, Layout(layout.dist, "replicated", (layout.shape[0], *y.shape[1:])))
-        out_h, out_w = self.windows[0].out_size(layout.shape[2]), self.windows[1].out_size(layout.shape[3])
+        wh, ww = self.windows_for((layout.shape[2], layout.shape[3]))
+        out_h, out_w = wh.out_size(layout.shape[2]), ww.out_size(layout.shape[3])
         return tag(y, Layout(layout.dist, "block", (layout.shape[0], y.shape[1], out_h, out_w)))

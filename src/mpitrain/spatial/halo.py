@@ -27,12 +27,15 @@ __all__ = ["Window", "Box", "HaloPlan", "plan_grid", "plan_halo", "window_of", "
 @dataclass(frozen=True)
 class Window:
     """One spatial dimension of a sliding-window op: output ``o`` reads inputs
-    ``o*stride - pad[0] + dilation*t`` for ``t in range(kernel)``; inputs outside ``[0, n)`` are padding."""
+    ``o*stride - pad[0] + dilation*t`` for ``t in range(kernel)``; inputs outside ``[0, n)`` are padding.
+    ``ceil``: pooling's ``ceil_mode`` (one more output when a last, partial window starts inside the
+    input or its left padding)."""
 
     kernel: int = 1
     stride: int = 1
     pad: tuple[int, int] = (0, 0)
     dilation: int = 1
+    ceil: bool = False
 
     @property
     def span(self) -> int:
@@ -40,7 +43,12 @@ class Window:
 
     def out_size(self, n: int) -> int:
         room = n + self.pad[0] + self.pad[1] - self.span
-        return room // self.stride + 1 if room >= 0 else 0
+        if room < 0:
+            return 0
+        if not self.ceil:
+            return room // self.stride + 1
+        out = -(-room // self.stride) + 1
+        return out - 1 if (out - 1) * self.stride >= n + self.pad[0] else out
 
     def needed(self, o0: int, o1: int) -> tuple[int, int]:
         """Half-open global input range read by outputs ``[o0, o1)`` (may extend below 0 or past n)."""
@@ -51,7 +59,8 @@ def _pair(v: int | Sequence[int]) -> tuple[int, int]:
     return (v, v) if isinstance(v, int) else (int(v[0]), int(v[1]))
 
 
-def window_of(kernel, stride, padding, dilation) -> tuple[Window, Window]:
+def window_of(kernel: int | Sequence[int], stride: int | Sequence[int], padding: int | str | Sequence[int],
+              dilation: int | Sequence[int], ceil: bool = False) -> tuple[Window, Window]:
     """(height, width) windows of a torch conv/pool configuration; ``padding="same"`` splits the total
     padding ``dilation*(kernel-1)`` as torch does (the extra one on the high side)."""
     k, s, d = _pair(kernel), _pair(stride), _pair(dilation)
@@ -60,9 +69,9 @@ def window_of(kernel, stride, padding, dilation) -> tuple[Window, Window]:
     if padding == "same":
         pads = [(d[i] * (k[i] - 1) // 2, d[i] * (k[i] - 1) - d[i] * (k[i] - 1) // 2) for i in range(2)]
     else:
-        p = _pair(padding)
+        p = _pair(padding)  # type: ignore[arg-type]
         pads = [(p[0], p[0]), (p[1], p[1])]
-    return Window(k[0], s[0], pads[0], d[0]), Window(k[1], s[1], pads[1], d[1])
+    return Window(k[0], s[0], pads[0], d[0], ceil), Window(k[1], s[1], pads[1], d[1], ceil)
 
 
 @dataclass(frozen=True)

@@ -20,13 +20,14 @@ from .conv import SpatialConv2d
 from .distribution import Distribution
 from .pooling import SpatialAdaptiveAvgPool2d, SpatialAvgPool2d, SpatialMaxPool2d
 from .redistribute import Redistribute
+from .resample import SpatialConvTranspose2d, SpatialUpsample
 from .tensor import SpatialError, layout_of, tag
 
 __all__ = ["parallelize", "SpatialParallel", "SpatialSequential", "convert"]
 
-_SPATIAL = (WindowLayer, SpatialBatchNorm2d, SpatialAdaptiveAvgPool2d, Redistribute)
-_REFUSED = (nn.Conv1d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d,
-            nn.AdaptiveMaxPool2d, nn.Upsample, nn.MaxPool1d, nn.MaxPool3d, nn.AvgPool3d, nn.BatchNorm3d,
+_SPATIAL = (WindowLayer, SpatialBatchNorm2d, SpatialAdaptiveAvgPool2d, SpatialUpsample, Redistribute)
+_REFUSED = (nn.Conv1d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose3d,
+            nn.AdaptiveMaxPool2d, nn.MaxPool1d, nn.MaxPool3d, nn.AvgPool3d, nn.BatchNorm3d,
             nn.LPPool2d, nn.FractionalMaxPool2d, nn.SyncBatchNorm, nn.GroupNorm, nn.InstanceNorm2d,
             nn.LocalResponseNorm)
 
@@ -47,6 +48,10 @@ def convert(m: nn.Module, dist: Distribution, bn_stats: str = "global", overlap:
         return SpatialAvgPool2d(m, dist)
     if isinstance(m, nn.AdaptiveAvgPool2d):
         return SpatialAdaptiveAvgPool2d(m, dist)
+    if isinstance(m, nn.ConvTranspose2d):
+        return SpatialConvTranspose2d(m, dist)
+    if isinstance(m, nn.Upsample):
+        return SpatialUpsample(m, dist)
     if isinstance(m, _REFUSED):
         raise SpatialError(f"{type(m).__name__} has no spatially parallel form; redistribute before it")
     if next(m.children(), None) is None:
@@ -118,7 +123,8 @@ def parallelize(module: nn.Module, dist: Distribution, *, bn_stats: str = "globa
                 overlap: bool = True) -> SpatialParallel:
     """The spatially parallel form of `module` over `dist`, sharing its weights and BN buffers.
 
-    Conv2d, MaxPool2d, AvgPool2d, AdaptiveAvgPool2d and BatchNorm2d become their spatial forms (see
+    Conv2d, ConvTranspose2d, MaxPool2d, AvgPool2d, AdaptiveAvgPool2d, BatchNorm2d and Upsample become
+    their spatial forms (see
     those classes); every other op runs on the blocks by the rules of
     :mod:`mpitrain.spatial.tensor` (element-wise ops keep the layout, global pools replicate the pooled
     vectors, any other op redistributes to whole samples first, visibly, or is refused). `bn_stats`:

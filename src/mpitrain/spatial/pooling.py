@@ -1,5 +1,5 @@
-"""Spatially parallel pooling: MaxPool2d (padding is -inf), AvgPool2d (count_include_pad honoured) and
-AdaptiveAvgPool2d whose output is replicated over the spatial group."""
+"""Spatially parallel pooling: MaxPool2d (padding is -inf), AvgPool2d (count_include_pad honoured), both
+with ``ceil_mode``, and AdaptiveAvgPool2d whose output is replicated over the spatial group."""
 
 from __future__ import annotations
 
@@ -9,16 +9,10 @@ from torch import nn
 
 from ._window import WindowLayer, input_layout
 from .distribution import Distribution
-from .halo import HaloPlan, halo_exchange, window_of
+from .halo import Box, HaloPlan, halo_exchange, window_of
 from .tensor import SpatialError, global_avg_pool
 
 __all__ = ["SpatialMaxPool2d", "SpatialAvgPool2d", "SpatialAdaptiveAvgPool2d"]
-
-
-def _refuse_ceil(pool: nn.Module) -> None:
-    if getattr(pool, "ceil_mode", False):
-        raise SpatialError(f"{type(pool).__name__}(ceil_mode=True) is not supported spatially; use "
-                           f"ceil_mode=False (pad the input instead)")
 
 
 class SpatialMaxPool2d(WindowLayer):
@@ -26,11 +20,11 @@ class SpatialMaxPool2d(WindowLayer):
     output and its gradient (to the first maximal cell, as torch) equal the single-process layer."""
 
     def __init__(self, pool: nn.MaxPool2d, dist: Distribution) -> None:
-        _refuse_ceil(pool)
         if pool.return_indices:
             raise SpatialError("SpatialMaxPool2d cannot return indices (they would be local to each block)")
         super().__init__(dist, window_of(pool.kernel_size, pool.stride or pool.kernel_size, pool.padding,
-                                         pool.dilation))
+                                         pool.dilation, pool.ceil_mode))
+        self.ceil_mode = pool.ceil_mode
         self.kernel = [w.kernel for w in self.windows]
         self.stride_ = [w.stride for w in self.windows]
         self.dilation = [w.dilation for w in self.windows]
@@ -38,32 +32,39 @@ class SpatialMaxPool2d(WindowLayer):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x, layout = input_layout(self, x)
         if layout.kind == "replicated":
-            pads = [p for w in reversed(self.windows) for p in w.pad]
-            ext = F.pad(x, pads, value=float("-inf"))
-        else:
-            ext = halo_exchange(x, self.plan(layout, x), layout.dist.spatial_comm, float("-inf"),
-                                layout.dist.sends)
+            pads = [w.pad[0] for w in self.windows]
+            y = F.max_pool2d(x, self.kernel, self.stride_, pads, self.dilation, self.ceil_mode)
+            return self.tag_output(y, layout)
+        # the needed rectangle covers exactly this block's windows (ceil_mode's partial last window
+        # included: the cells past the padded input are -inf too)
+        ext = halo_exchange(x, self.plan(layout, x), layout.dist.spatial_comm, float("-inf"), layout.dist.sends)
         return self.tag_output(F.max_pool2d(ext, self.kernel, self.stride_, 0, self.dilation), layout)
 
 
 class SpatialAvgPool2d(WindowLayer):
-    """AvgPool2d on local blocks. ``count_include_pad=False`` divides by the number of real cells in
-    each window (counted on a mask of the global tensor), ``divisor_override`` is honoured."""
+    """AvgPool2d on local blocks. Each window's divisor is counted on a mask of the global tensor as
+    torch counts it: the real cells (``count_include_pad=False``) or the cells of the padded input
+    (``True``; with ``ceil_mode`` a partial last window counts only those); ``divisor_override`` is
+    honoured."""
 
     def __init__(self, pool: nn.AvgPool2d, dist: Distribution) -> None:
-        _refuse_ceil(pool)
-        super().__init__(dist, window_of(pool.kernel_size, pool.stride or pool.kernel_size, pool.padding, 1))
+        super().__init__(dist, window_of(pool.kernel_size, pool.stride or pool.kernel_size, pool.padding, 1,
+                                         pool.ceil_mode))
+        self.ceil_mode = pool.ceil_mode
         self.kernel = [w.kernel for w in self.windows]
         self.stride_ = [w.stride for w in self.windows]
         self.count_include_pad, self.divisor_override = pool.count_include_pad, pool.divisor_override
         self._counts: dict[int, torch.Tensor] = {}
 
     def _count(self, plan: HaloPlan, like: torch.Tensor) -> torch.Tensor:
-        """Real (non-padding) cells per output window of this rank's block, shape (1, 1, oh, ow)."""
+        """Cells counted by torch per output window of this rank's block, shape (1, 1, oh, ow)."""
         key = id(plan)
         if key not in self._counts:
             mask = like.new_zeros((1, 1, *plan.ext_shape))
-            inside = plan.need & plan.valid
+            (h0, h1), (w0, w1) = plan.valid.rows, plan.valid.cols
+            (pt, pb), (pl, pr) = self.windows[0].pad, self.windows[1].pad
+            counted = plan.valid if not self.count_include_pad else Box((h0 - pt, h1 + pb), (w0 - pl, w1 + pr))
+            inside = plan.need & counted
             if not inside.empty:
                 mask[(..., *inside.within(plan.need))] = 1.0
             self._counts[key] = F.avg_pool2d(mask, self.kernel, self.stride_, 0, divisor_override=1)
@@ -76,7 +77,7 @@ class SpatialAvgPool2d(WindowLayer):
                                "use nn.AvgPool2d")
         plan = self.plan(layout, x)
         ext = halo_exchange(x, plan, layout.dist.spatial_comm, 0.0, layout.dist.sends)
-        if self.divisor_override or self.count_include_pad:
+        if self.divisor_override or (self.count_include_pad and not self.ceil_mode):
             y = F.avg_pool2d(ext, self.kernel, self.stride_, 0, divisor_override=self.divisor_override)
         else:
             y = F.avg_pool2d(ext, self.kernel, self.stride_, 0, divisor_override=1) / self._count(plan, x)

@@ -11,6 +11,7 @@ over the spatial grid (``"block"``) or holds whole samples replicated over the s
   block); a replicated operand must have 1x1 spatial extent (squeeze-and-excitation scales);
 * a global average pool (``F.adaptive_avg_pool2d``, ``mean`` over H and W) sums each block and moves
   only the pooled vectors (one allreduce over the spatial group): the result is replicated;
+* ``F.interpolate`` runs its spatial form (:mod:`mpitrain.spatial.resample`);
 * any op on a replicated tensor runs as it is (every rank of the group computes the same result);
 * any other op on a block is not spatial (flatten, linear, reductions over H or W, ...): the block is
   redistributed to whole samples first, explicitly — a ``RuntimeWarning`` names the op once and
@@ -25,6 +26,7 @@ Spatial layers (conv, pools, BN) take these tensors, compute on the plain local 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -36,7 +38,8 @@ from ._reduce import allreduce_sum
 if TYPE_CHECKING:
     from .distribution import Distribution
 
-__all__ = ["SpatialTensor", "Layout", "SpatialError", "layout_of", "tag", "plain", "global_avg_pool"]
+__all__ = ["SpatialTensor", "Layout", "SpatialError", "layout_of", "tag", "plain", "global_avg_pool",
+           "register_spatial_function"]
 
 
 class SpatialError(ValueError):
@@ -94,6 +97,16 @@ def plain(t: torch.Tensor) -> torch.Tensor:
         return t.as_subclass(torch.Tensor)
 
 
+#: Functions with a spatial form of their own (``F.interpolate``), by name: called instead of the
+#: torch function when a block is among the arguments. Filled by the modules that define them.
+_SPATIAL_FUNCTIONS: dict[str, Callable[..., Any]] = {}
+
+
+def register_spatial_function(name: str, fn: Callable[..., Any]) -> None:
+    """Route the torch function called `name` to `fn` (same signature) when it gets a block."""
+    _SPATIAL_FUNCTIONS[name] = fn
+
+
 # --- op classes -------------------------------------------------------------------------------------
 
 _ELEMENTWISE = frozenset("""
@@ -136,6 +149,8 @@ def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
     if not blocks:  # whole samples replicated over the group: any op applies
         return _retag(_run(func, args, kwargs), layouts[0], "replicated")
     first = blocks[0]
+    if name in _SPATIAL_FUNCTIONS:
+        return _SPATIAL_FUNCTIONS[name](*args, **kwargs)
     if name in ("adaptive_avg_pool2d", "adaptive_avg_pool3d") or (name == "mean" and _spatial_mean(args, kwargs)):
         return _global_pool_op(name, args, kwargs, first)
     if _elementwise(name) and _compatible(name, flat, args, kwargs, first):

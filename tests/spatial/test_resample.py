@@ -1,0 +1,109 @@
+"""Upsampling layers (ConvTranspose2d, Upsample / F.interpolate), ceil_mode pooling and a U-Net with skip
+concatenations equal the single-process layers: output, dL/dx and every dL/dw."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mpitrain.spatial import Distribution
+from tests.helpers import assert_all_ranks
+from tests.spatial.test_layers import compare, layouts
+
+pytestmark = pytest.mark.mpi
+TOL = 1e-10
+
+TRANSPOSED = [dict(k=2, s=2, p=0, op=0, d=1), dict(k=3, s=2, p=1, op=1, d=1), dict(k=4, s=2, p=1, op=0, d=1),
+              dict(k=3, s=1, p=1, op=0, d=2), dict(k=3, s=3, p=0, op=2, d=1)]
+
+
+@pytest.mark.parametrize("index", range(len(TRANSPOSED)))
+def test_conv_transpose_equals_single_process(comm, index):
+    c = TRANSPOSED[index]
+    torch.manual_seed(index)
+    model = nn.Sequential(nn.ConvTranspose2d(4, 3, c["k"], c["s"], c["p"], c["op"], groups=1, dilation=c["d"]),
+                          nn.ReLU(), nn.ConvTranspose2d(3, 2, 3, 1, 1, groups=1, bias=False)).double()
+    for grid, samples in layouts(comm.size):
+        x = torch.randn(max(2, samples), 4, 3 * comm.size + 1, 2 * comm.size + 1, dtype=torch.float64)
+        dist = Distribution(comm, grid, samples)
+        compare(comm, copy.deepcopy(model), x, dist, f"transposed {c} grid {grid}x{samples}", rtol=TOL)
+
+
+INTERP = [dict(scale_factor=2, mode="nearest"), dict(scale_factor=3, mode="nearest"),
+          dict(scale_factor=2, mode="bilinear", align_corners=False),
+          dict(scale_factor=2, mode="bilinear", align_corners=True),
+          dict(size=(23, 17), mode="bilinear", align_corners=False)]
+
+
+class Interp(nn.Module):
+    def __init__(self, **kw) -> None:
+        super().__init__()
+        self.conv, self.kw = nn.Conv2d(3, 3, 3, 1, 1), kw
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(F.interpolate(self.conv(x), **self.kw))  # functional: routed by the SpatialTensor
+
+
+@pytest.mark.parametrize("index", range(len(INTERP)))
+def test_interpolate_and_upsample_equal_single_process(comm, index):
+    kw = INTERP[index]
+    torch.manual_seed(index)
+    for grid, samples in layouts(comm.size):
+        x = torch.randn(max(2, samples), 3, 3 * comm.size + 2, 2 * comm.size + 3, dtype=torch.float64)
+        dist = Distribution(comm, grid, samples)
+        compare(comm, Interp(**kw).double(), x, dist, f"F.interpolate {kw} grid {grid}x{samples}", rtol=TOL)
+        module = nn.Sequential(nn.Conv2d(3, 3, 3, 1, 1), nn.Upsample(**kw), nn.Conv2d(3, 2, 3, 1, 1)).double()
+        compare(comm, module, x, dist, f"nn.Upsample {kw} grid {grid}x{samples}", rtol=TOL)
+        assert_all_ranks(comm, dist.redistributions == {}, f"redistributed {dist.redistributions}")
+
+
+@pytest.mark.parametrize("include_pad", [True, False])
+def test_ceil_mode_pools_equal_single_process(comm, include_pad):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(2, 3, 3, 1, 1), nn.MaxPool2d(3, 2, 1, ceil_mode=True),
+                          nn.Conv2d(3, 3, 3, 1, 1),
+                          nn.AvgPool2d(3, 2, 1, ceil_mode=True, count_include_pad=include_pad),
+                          nn.Conv2d(3, 2, 1)).double()
+    for grid, samples in layouts(comm.size):
+        x = torch.randn(max(2, samples), 2, 8 * comm.size + 2, 6 * comm.size + 2, dtype=torch.float64)
+        dist = Distribution(comm, grid, samples)
+        compare(comm, copy.deepcopy(model), x, dist, f"ceil_mode pools grid {grid}x{samples}", rtol=TOL)
+
+
+def _block(cin: int, cout: int) -> nn.Sequential:
+    return nn.Sequential(nn.Conv2d(cin, cout, 3, 1, 1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(inplace=True))
+
+
+class UNet(nn.Module):
+    """Two down steps (max pool), a bottleneck, two up steps (a transposed conv, then a bilinear
+    F.interpolate) each concatenated with its skip along channels, a 1x1 head."""
+
+    def __init__(self, cin: int = 3, w: int = 4, classes: int = 2) -> None:
+        super().__init__()
+        self.enc1, self.enc2, self.mid = _block(cin, w), _block(w, 2 * w), _block(2 * w, 4 * w)
+        self.pool = nn.MaxPool2d(2)
+        self.up2 = nn.ConvTranspose2d(4 * w, 2 * w, 2, stride=2)
+        self.dec2, self.dec1 = _block(4 * w, 2 * w), _block(2 * w + w, w)
+        self.head = nn.Conv2d(w, classes, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s1 = self.enc1(x)
+        s2 = self.enc2(self.pool(s1))
+        m = self.mid(self.pool(s2))
+        d2 = self.dec2(torch.cat([self.up2(m), s2], dim=1))
+        up = F.interpolate(d2, scale_factor=2, mode="bilinear", align_corners=False)
+        return self.head(self.dec1(torch.cat([up, s1], dim=1)))
+
+
+def test_unet_with_skip_concatenations_and_transposed_convs_equals_single_process(comm):
+    torch.manual_seed(0)
+    model = UNet().double()
+    for grid, samples in layouts(comm.size):
+        x = torch.randn(max(2, samples), 3, 8 * comm.size, 8 * comm.size, dtype=torch.float64)
+        dist = Distribution(comm, grid, samples)
+        compare(comm, copy.deepcopy(model), x, dist, f"U-Net grid {grid}x{samples}", rtol=1e-9)
+        assert_all_ranks(comm, dist.redistributions == {}, f"redistributed {dist.redistributions}")
