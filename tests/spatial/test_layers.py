@@ -342,8 +342,8 @@ def test_no_halo_send_stays_in_flight_after_forward_or_backward(comm):
 def test_unsupported_layer_is_refused_on_every_rank_before_any_message(comm):
     grid, samples = layouts(comm.size)[0]
     dist = Distribution(comm, grid, samples)  # sends nothing
-    model = nn.Sequential(nn.Conv2d(3, 4, 3, 1, 1), nn.ConvTranspose2d(4, 4, 2))
-    with pytest.raises(SpatialError, match="ConvTranspose2d has no spatially parallel form"):
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, 1, 1), nn.LPPool2d(2, 2))
+    with pytest.raises(SpatialError, match="LPPool2d has no spatially parallel form"):
         parallelize(model, dist)
     assert_all_ranks(comm, dist._comms is None, "the communicators were split before the refusal")
     parallelize(model[:1], dist)  # an accepted model connects the distribution

@@ -1,4 +1,7 @@
-"""`fit(..., strategy="spatial", grid=(ph, pw), samples=g)`: hybrid sample x spatial training."""
+"""`fit(..., strategy="spatial", grid=(ph, pw), samples=g)`: hybrid sample x spatial training.
+
+Inputs are full NCHW batches (every rank holds the whole batch; each takes a view of its block) or
+:class:`~mpitrain.spatial.data.RegionBatch` objects (each rank reads only its block from the dataset)."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ from torch import nn
 from ..comm.base import Communicator
 from ..strategies.broadcast import broadcast_tensors
 from .batchnorm import STATS
+from .data import RegionBatch, read_block
 from .distribution import Distribution, SpatialError, gather
 from .parallelize import SpatialParallel, parallelize
 
@@ -65,14 +69,19 @@ class SpatialTrainer:
         _broadcast_state(model, dist.comm)
         self.optimizer = optimizer(model.parameters())
 
-    def _check(self, inputs: Any) -> torch.Tensor:
+    def _block(self, inputs: Any) -> torch.Tensor:
+        """This rank's block of a global batch: read by region from a RegionBatch's dataset (no other
+        block's pixels touched), or a view of a full tensor."""
+        if isinstance(inputs, RegionBatch):
+            return read_block(inputs, self.dist)
         if not isinstance(inputs, torch.Tensor):
-            raise SpatialError(f"strategy 'spatial' takes NCHW tensor inputs, got {type(inputs).__name__}")
+            raise SpatialError(f"strategy 'spatial' takes NCHW tensors or RegionBatch inputs, got "
+                               f"{type(inputs).__name__}")
         self.dist.check_shape(tuple(inputs.shape), "input batch")
-        return inputs
+        return self.dist.scatter(inputs)
 
     def train_step(self, inputs: Any, targets: torch.Tensor) -> float:
-        x = self.dist.scatter(self._check(inputs))
+        x = self._block(inputs)
         if not self.parallel.training:  # eval_step restores training mode; train() walks every module
             self.parallel.train()
         outputs = gather(self.parallel(x))
@@ -83,7 +92,7 @@ class SpatialTrainer:
         return float(loss.detach())
 
     def eval_step(self, inputs: Any, targets: torch.Tensor) -> torch.Tensor:
-        x = self.dist.scatter(self._check(inputs))
+        x = self._block(inputs)
         self.parallel.eval()
         try:
             with torch.no_grad():
