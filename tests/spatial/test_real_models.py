@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 from mpitrain.spatial import Distribution
+from mpitrain.spatial.models import torchvision_module
 from mpitrain.spatial.trainer import SpatialTrainer
 from tests.helpers import assert_all_ranks
-from tests.spatial.torchvision_models import torchvision_module
 
 pytestmark = pytest.mark.mpi
 STEPS, RTOL = 2, 1e-9

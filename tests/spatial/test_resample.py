@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mpitrain.spatial import Distribution
+from mpitrain.spatial.models import UNet
 from tests.helpers import assert_all_ranks
 from tests.spatial.test_layers import compare, layouts
 
@@ -74,34 +75,9 @@ def test_ceil_mode_pools_equal_single_process(comm, include_pad):
         compare(comm, copy.deepcopy(model), x, dist, f"ceil_mode pools grid {grid}x{samples}", rtol=TOL)
 
 
-def _block(cin: int, cout: int) -> nn.Sequential:
-    return nn.Sequential(nn.Conv2d(cin, cout, 3, 1, 1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(inplace=True))
-
-
-class UNet(nn.Module):
-    """Two down steps (max pool), a bottleneck, two up steps (a transposed conv, then a bilinear
-    F.interpolate) each concatenated with its skip along channels, a 1x1 head."""
-
-    def __init__(self, cin: int = 3, w: int = 4, classes: int = 2) -> None:
-        super().__init__()
-        self.enc1, self.enc2, self.mid = _block(cin, w), _block(w, 2 * w), _block(2 * w, 4 * w)
-        self.pool = nn.MaxPool2d(2)
-        self.up2 = nn.ConvTranspose2d(4 * w, 2 * w, 2, stride=2)
-        self.dec2, self.dec1 = _block(4 * w, 2 * w), _block(2 * w + w, w)
-        self.head = nn.Conv2d(w, classes, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        s1 = self.enc1(x)
-        s2 = self.enc2(self.pool(s1))
-        m = self.mid(self.pool(s2))
-        d2 = self.dec2(torch.cat([self.up2(m), s2], dim=1))
-        up = F.interpolate(d2, scale_factor=2, mode="bilinear", align_corners=False)
-        return self.head(self.dec1(torch.cat([up, s1], dim=1)))
-
-
 def test_unet_with_skip_concatenations_and_transposed_convs_equals_single_process(comm):
     torch.manual_seed(0)
-    model = UNet().double()
+    model = UNet(in_channels=3, width=4, depth=2).double()  # one transposed-conv and one bilinear up step
     for grid, samples in layouts(comm.size):
         x = torch.randn(max(2, samples), 3, 8 * comm.size, 8 * comm.size, dtype=torch.float64)
         dist = Distribution(comm, grid, samples)
