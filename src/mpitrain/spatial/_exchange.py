@@ -163,7 +163,7 @@ def settle(ex: Exchange, plan: HaloPlan, queue: SendQueue | None, backward: bool
     `queue` (their buffers stay referenced until they complete; with no queue they are completed now).
     With `backward` (called from an autograd backward) the deferred sends are also completed when that
     backward pass ends."""
-    wait_all(ex.requests, plan)
+    wait_all(ex.requests, plan, queue.warn_after if queue is not None else DEFAULT_POLICY.warn_after)
     if queue is None:
         _wait_watched([r for r, _ in ex.sends], "halo sends", plan.__str__, DEFAULT_POLICY.warn_after)
         return

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .._utils.flat import spans
+from .._utils.stall import DEFAULT_POLICY, StallPolicy
 from ..comm.base import Communicator, split_sizes
 from ._exchange import SendQueue
 from .tensor import Layout, SpatialError, layout_of, plain, tag
@@ -31,11 +32,12 @@ class Distribution:
     (see :mod:`mpitrain.spatial.tensor`): ``"replicate"`` redistributes it to whole samples first (one
     allgather over the spatial group, warned once per op and counted in :attr:`redistributions`),
     ``"error"`` raises :class:`SpatialError`. The distribution owns the queue of halo sends left in
-    flight by the layers of the models parallelized over it (:attr:`sends`).
+    flight by the layers of the models parallelized over it (:attr:`sends`); a halo wait longer than
+    ``stall.warn_after`` seconds warns, naming the ranks and boxes it waits for.
     """
 
     def __init__(self, comm: Communicator, grid: tuple[int, int] = (1, 1), samples: int = 1,
-                 nonspatial: str = "replicate") -> None:
+                 nonspatial: str = "replicate", stall: StallPolicy = DEFAULT_POLICY) -> None:
         grid = tuple(grid)
         if len(grid) != 2 or any(not isinstance(g, int) or g < 1 for g in grid):
             raise SpatialError(f"grid must be two positive ints (ph, pw), got {grid!r}")
@@ -48,7 +50,7 @@ class Distribution:
             raise SpatialError(f"nonspatial must be one of {NONSPATIAL}, got {nonspatial!r}")
         self.comm, self.grid, self.samples, self.nonspatial = comm, grid, samples, nonspatial
         self.redistributions: dict[str, int] = {}
-        self.sends = SendQueue()
+        self.sends = SendQueue(stall.warn_after)
         self.per_sample = grid[0] * grid[1]
         self.group, self.spatial_rank = divmod(comm.rank, self.per_sample)
         self.coords = divmod(self.spatial_rank, grid[1])

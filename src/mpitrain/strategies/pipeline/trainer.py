@@ -23,11 +23,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..._utils.stall import DEFAULT_POLICY, watched
 from ...comm.base import Communicator, split_sizes
-from ...comm.watchdog import DEFAULT_POLICY, watched
 from .. import FitError
-from ..batching import batch_size, check_divisible
-from ..grad_allreduce import start_allreduce_gradients
+from .._batching import batch_size, check_divisible
+from .._grad_allreduce import start_allreduce_gradients
 from .graph import Traced, ValueMeta, cut_points, measure, model_args, param_counts, profile, split, trace
 from .partition import bounds_from_balance
 from .schedule import SCHEDULES, Action
@@ -37,7 +37,7 @@ __all__ = ["make_trainer", "PipelineTrainer", "OPTIONS"]
 
 #: Strategy options (``fit(..., stall_timeout=60)``): seconds before a stage waiting for a message warns
 #: (naming it), seconds after which such a wait ends the job (None: never) -- the defaults of
-#: :data:`mpitrain.comm.watchdog.DEFAULT_POLICY` -- and the profiling passes of ``balance="time"``.
+#: :data:`mpitrain._utils.stall.DEFAULT_POLICY` -- and the profiling passes of ``balance="time"``.
 OPTIONS = {"stall_timeout": DEFAULT_POLICY.warn_after, "stall_abort": DEFAULT_POLICY.abort_after,
            "profile_passes": 5}
 
@@ -76,7 +76,7 @@ def _check_spec(spec: Any, size: int) -> tuple[int, int, dict[str, Any]]:
     if unknown:
         raise FitError(f"unknown option(s) {sorted(unknown)} for strategy {spec.strategy!r}; "
                          f"known: {sorted(OPTIONS)}")
-    return P, R, {**OPTIONS, **spec.options}
+    return P, R, {**OPTIONS, "stall_timeout": spec.stall.warn_after, "stall_abort": spec.stall.abort_after, **spec.options}  # noqa: E501
 
 
 def make_trainer(model: nn.Module, loss_fn: Callable, optimizer: Callable, comm: Communicator,
