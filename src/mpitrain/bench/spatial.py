@@ -34,6 +34,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from ..comm.base import Communicator
 from ..perf.memory import step_memory
 from ..perf.spatial import conv_shapes, predict, time_local_conv
 from ..spatial.conv import SpatialConv2d
@@ -109,7 +110,7 @@ def _torch_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[
     return step
 
 
-def _link(comm) -> tuple[float, float]:
+def _link(comm: Communicator) -> tuple[float, float]:
     """(alpha, beta) of a halo-sized exchange between neighbours: sendrecv times at 8 B and 4 MiB."""
     if comm.size == 1:
         return 0.0, 0.0
@@ -117,7 +118,10 @@ def _link(comm) -> tuple[float, float]:
     times = []
     for n in (2, 1 << 20):
         buf, out = torch.zeros(n), torch.empty(n)
-        ts = time_call(lambda b=buf, o=out: comm.sendrecv(b, peer, o, peer), 5, warmup=1, sync=comm.barrier)
+        def exchange(b: torch.Tensor = buf, o: torch.Tensor = out) -> object:
+            return comm.sendrecv(b, peer, o, peer)
+
+        ts = time_call(exchange, 5, warmup=1, sync=comm.barrier)
         times.append(min(ts))
     alpha = times[0]
     return alpha, max(0.0, (times[1] - alpha) / (4 << 20))
@@ -140,8 +144,9 @@ class _Row:
         self.timer, self.memory, self.wait, self.model_s = timer, memory, wait, model_s
 
 
-def _torch_row(args, comm, model: nn.Module, x: torch.Tensor, y: torch.Tensor, fmt: str) -> _Row:
-    step = _torch_step(model, x, y) if comm.rank == 0 else None
+def _torch_row(args: argparse.Namespace, comm: Communicator, model: nn.Module,
+               x: torch.Tensor, y: torch.Tensor, fmt: str) -> _Row:
+    step = _torch_step(model, x, y)  # only rank 0 runs it
 
     def memory() -> float:
         return on_rank0_alone(comm, lambda: step_memory(step) / 2**20)
@@ -151,7 +156,8 @@ def _torch_row(args, comm, model: nn.Module, x: torch.Tensor, y: torch.Tensor, f
                 lambda: 0.0, model_s)
 
 
-def _spatial_row(args, comm, model: nn.Module, x: torch.Tensor, y: torch.Tensor, fmt: str,
+def _spatial_row(args: argparse.Namespace, comm: Communicator, model: nn.Module,
+                 x: torch.Tensor, y: torch.Tensor, fmt: str,
                  grid: tuple[int, int], samples: int, overlap: bool) -> _Row:
     dist = Distribution(comm, grid, samples)
     trainer = SpatialTrainer(copy.deepcopy(model), nn.CrossEntropyLoss(),
@@ -174,7 +180,8 @@ def _spatial_row(args, comm, model: nn.Module, x: torch.Tensor, y: torch.Tensor,
                 lambda: rank_max(comm, step_memory(step) / 2**20), lambda: rank_max(comm, wait()), model_s)
 
 
-def _ceiling_row(args, comm, model: nn.Module, x: torch.Tensor, y: torch.Tensor, fmt: str,
+def _ceiling_row(args: argparse.Namespace, comm: Communicator, model: nn.Module,
+                 x: torch.Tensor, y: torch.Tensor, fmt: str,
                  grid: tuple[int, int], samples: int) -> _Row:
     """Every rank trains plain torch on its own block (a copy in `fmt`), all at once, with no message:
     what this machine's cores and shared memory allow a perfect implementation of that split."""
@@ -190,10 +197,11 @@ def _ceiling_row(args, comm, model: nn.Module, x: torch.Tensor, y: torch.Tensor,
                 lambda: rank_max(comm, step_memory(step) / 2**20), lambda: 0.0, 0.0)
 
 
-def _rows(args, comm, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> list[_Row]:
+def _rows(args: argparse.Namespace, comm: Communicator, model: nn.Module,
+          x: torch.Tensor, y: torch.Tensor) -> list[_Row]:
     rows = []
     for fmt in args.formats:
-        m = copy.deepcopy(model).to(memory_format=_FORMATS[fmt])
+        m = copy.deepcopy(model).to(memory_format=_FORMATS[fmt])  # type: ignore[call-overload]
         xf = x.contiguous(memory_format=_FORMATS[fmt])
         if args.baseline or comm.size == 1:
             rows.append(_torch_row(args, comm, m, xf, y, fmt))

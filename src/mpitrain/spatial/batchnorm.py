@@ -10,6 +10,8 @@ allgather of 2C+1 numbers in the forward, one allreduce of 2C in the backward.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -48,7 +50,8 @@ def _bshape(t: torch.Tensor) -> torch.Tensor:
 
 class _BatchNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, layer: SpatialBatchNorm2d, comm: Communicator):
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                layer: SpatialBatchNorm2d, comm: Communicator) -> torch.Tensor:
         x = dense(x)
         # one pass for the local statistics (torch's BN kernel: 10x faster than var_mean on CPU), one
         # to normalise with the combined ones: the passes of the single-process layer
@@ -62,7 +65,7 @@ class _BatchNorm(torch.autograd.Function):
         return y
 
     @staticmethod
-    def backward(ctx, dy):
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, weight, mean, invstd = ctx.saved_tensors
         dy = dense(dy)
         c = mean.numel()
@@ -108,6 +111,7 @@ class SpatialBatchNorm2d(nn.Module):
         bn = self.bn[0]
         if not (self.training and self.track):
             return
+        assert bn.running_mean is not None and bn.running_var is not None  # tracked: torch made them
         with torch.no_grad():
             f = self._factor()
             bn.running_mean.lerp_(mean, f)
@@ -117,6 +121,7 @@ class SpatialBatchNorm2d(nn.Module):
         """Count this training batch and return torch's averaging factor for it (momentum, or the
         cumulative average's 1/batches when momentum is None), as ``nn.BatchNorm2d`` does."""
         bn = self.bn[0]
+        assert bn.num_batches_tracked is not None  # only called when statistics are tracked
         bn.num_batches_tracked.add_(1)
         return 1.0 / float(bn.num_batches_tracked) if self.momentum is None else self.momentum
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import time
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -103,8 +104,8 @@ class _Conv(torch.autograd.Function):
     and "extended" (the halo-extended block is assembled; any geometry)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, layer: SpatialConv2d, plan: HaloPlan, comm: Communicator,
-                queue: SendQueue):
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: SpatialConv2d,
+                plan: HaloPlan, comm: Communicator, queue: SendQueue) -> torch.Tensor:
         ctx.layer, ctx.plan, ctx.comm, ctx.has_bias, ctx.queue = layer, plan, comm, bias is not None, queue
         ctx.mode, strips = layer.geometry(plan)
         if ctx.mode == "extended":
@@ -122,7 +123,7 @@ class _Conv(torch.autograd.Function):
         return y
 
     @staticmethod
-    def backward(ctx, dy):
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, weight = ctx.saved_tensors
         dy = dense(dy)
         if ctx.mode == "extended":
@@ -146,7 +147,8 @@ class _Conv(torch.autograd.Function):
         return dx, dw, db, None, None, None, None
 
 
-def _strip_backward(x, weight, dy, layer: SpatialConv2d, plan: HaloPlan, halos, strips,
+def _strip_backward(x: torch.Tensor, weight: torch.Tensor, dy: torch.Tensor, layer: SpatialConv2d, plan: HaloPlan,
+                    halos: list[torch.Tensor], strips: list[tuple[tuple[int, int, int, int], Box]],
                     comm: Communicator, need_x: bool, need_w: bool
                     ) -> tuple[Exchange | None, list[torch.Tensor]]:
     """The halo cells' share of the backward, one small convolution backward per strip on the strip's
@@ -184,17 +186,19 @@ def _add_received(dx: torch.Tensor, plan: HaloPlan, ex: Exchange, queue: SendQue
         dx[(..., *box.within(plan.owned))] += part
 
 
-def _forward_extended(x, weight, bias, layer: SpatialConv2d, plan: HaloPlan, ex, queue: SendQueue):
+def _forward_extended(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: SpatialConv2d,
+                      plan: HaloPlan, ex: Exchange | None, queue: SendQueue
+                      ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     ext = assemble(x, plan, (), 0.0)
     oh, ow = plan.out.shape
     rows, cols = interior(plan, layer.windows)
     split = layer.overlap and ex is not None and rows[1] > rows[0] and cols[1] > cols[0]
     y = empty_as(x, (x.shape[0], weight.shape[0], oh, ow)) if split else None
-    if split:
+    if y is not None:
         layer.region(y, ext, weight, bias, (*rows, *cols))
     halos = _wait(ex, plan, layer.stats, queue)
     place_halos(ext, plan, halos)
-    if split:
+    if y is not None:
         for region in _regions(oh, ow, rows, cols):
             layer.region(y, ext, weight, bias, region)
     else:
@@ -202,7 +206,8 @@ def _forward_extended(x, weight, bias, layer: SpatialConv2d, plan: HaloPlan, ex,
     return y, halos
 
 
-def _backward_extended(ctx, x, weight, dy):
+def _backward_extended(ctx: Any, x: torch.Tensor, weight: torch.Tensor, dy: torch.Tensor
+                       ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     layer, plan = ctx.layer, ctx.plan
     ext = assemble(x, plan, ctx.halos, 0.0)
     dx = dw = db = None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from .._utils.flat import spans
@@ -38,7 +40,7 @@ class Distribution:
 
     def __init__(self, comm: Communicator, grid: tuple[int, int] = (1, 1), samples: int = 1,
                  nonspatial: str = "replicate", stall: StallPolicy = DEFAULT_POLICY) -> None:
-        grid = tuple(grid)
+        grid = tuple(grid)  # type: ignore[assignment]  # a list is accepted too
         if len(grid) != 2 or any(not isinstance(g, int) or g < 1 for g in grid):
             raise SpatialError(f"grid must be two positive ints (ph, pw), got {grid!r}")
         if not isinstance(samples, int) or samples < 1:
@@ -59,19 +61,23 @@ class Distribution:
     def connect(self) -> None:
         """Split the spatial and sample communicators (collective over `comm`; later calls do nothing)."""
         if self._comms is None:
-            self._comms = (self.comm.split(self.group, self.spatial_rank),
-                           self.comm.split(self.spatial_rank, self.group))
+            spatial = self.comm.split(self.group, self.spatial_rank)
+            sample = self.comm.split(self.spatial_rank, self.group)
+            assert spatial is not None and sample is not None  # every rank passes a colour
+            self._comms = (spatial, sample)
 
     @property
     def spatial_comm(self) -> Communicator:
         """The ph x pw ranks of this rank's sample group (halo exchanges)."""
         self.connect()
+        assert self._comms is not None
         return self._comms[0]
 
     @property
     def sample_comm(self) -> Communicator:
         """The ranks at this rank's grid position in every group (gathering whole samples)."""
         self.connect()
+        assert self._comms is not None
         return self._comms[1]
 
     def __repr__(self) -> str:
@@ -135,12 +141,12 @@ class Distribution:
         over the world); refuses, on every rank, blocks that do not follow the blocking rule."""
         if t.dim() != 4:
             raise SpatialError(f"a spatial block must be NCHW, got shape {tuple(t.shape)}")
-        sizes = self.comm.allgather(torch.tensor([t.shape[0], t.shape[2], t.shape[3]], dtype=torch.int64))
-        sizes = sizes.view(self.comm.size, 3).tolist()
+        gathered = self.comm.allgather(torch.tensor([t.shape[0], t.shape[2], t.shape[3]], dtype=torch.int64))
+        sizes: list[list[int]] = gathered.view(self.comm.size, 3).tolist()
         per, pw = self.per_sample, self.grid[1]
-        n = sum(sizes[g * per][0] for g in range(self.samples))
-        h = sum(sizes[i * pw][1] for i in range(self.grid[0]))
-        w = sum(sizes[j][2] for j in range(pw))
+        n = int(sum(sizes[g * per][0] for g in range(self.samples)))
+        h = int(sum(sizes[i * pw][1] for i in range(self.grid[0])))
+        w = int(sum(sizes[j][2] for j in range(pw)))
         shape = (n, t.shape[1], h, w)
         expected = [[s[0], s[2], s[3]] for s in (self.local_shape(shape, r) for r in range(len(sizes)))]
         if expected != sizes:
@@ -165,7 +171,8 @@ def gather(t: torch.Tensor, like: torch.Tensor | None = None) -> torch.Tensor:
                            "(or pass like=<such a block> for a tensor shaped like one, e.g. its .grad)")
     if like is not None and like.shape != t.shape:
         raise SpatialError(f"gather: tensor shape {tuple(t.shape)} differs from like's {tuple(like.shape)}")
-    return _Gather.apply(plain(t), layout)
+    out: torch.Tensor = _Gather.apply(plain(t), layout)
+    return out
 
 
 def _padded_allgather(comm: Communicator, t: torch.Tensor, numel: int) -> torch.Tensor:
@@ -197,26 +204,26 @@ def _assemble_samples(t: torch.Tensor, layout: Layout) -> torch.Tensor:
 
 class _Scatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, dist: Distribution) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, dist: Distribution) -> torch.Tensor:
         ctx.dist, ctx.shape = dist, tuple(x.shape)
         (n0, n1), (h0, h1), (w0, w1) = dist.box(ctx.shape)
         return x[n0:n1, :, h0:h1, w0:w1]  # a view: no copy
 
     @staticmethod
-    def backward(ctx, g: torch.Tensor):
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
         return _assemble_blocks(g.contiguous(), Layout(ctx.dist, "block", ctx.shape)), None
 
 
 class _Gather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, t: torch.Tensor, layout: Layout) -> torch.Tensor:
+    def forward(ctx: Any, t: torch.Tensor, layout: Layout) -> torch.Tensor:
         ctx.layout = layout
         if layout.kind == "block":
             return _assemble_blocks(t, layout)
         return _assemble_samples(t, layout)
 
     @staticmethod
-    def backward(ctx, g: torch.Tensor):
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
         layout = ctx.layout
         dist = layout.dist
         if layout.kind == "block":
@@ -229,7 +236,7 @@ class _Gather(torch.autograd.Function):
 
 class _Replicate(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, t: torch.Tensor, layout: Layout) -> torch.Tensor:
+    def forward(ctx: Any, t: torch.Tensor, layout: Layout) -> torch.Tensor:
         ctx.layout = layout
         dist, shape = layout.dist, layout.shape
         n = dist.local_samples(shape[0])
@@ -243,7 +250,7 @@ class _Replicate(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, g: torch.Tensor):
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
         layout = ctx.layout
         dist = layout.dist
         total = dist.spatial_comm.allreduce(g.contiguous().clone(), "sum")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -168,14 +169,14 @@ def plan_halo(size: tuple[int, int], grid: tuple[int, int], windows: tuple[Windo
 
 class _HaloExchange(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, plan: HaloPlan, comm: Communicator, fill: float,
+    def forward(ctx: Any, x: torch.Tensor, plan: HaloPlan, comm: Communicator, fill: float,
                 queue: SendQueue | None) -> torch.Tensor:
         ctx.plan, ctx.comm, ctx.queue = plan, comm, queue
         x = dense(x)
         return assemble(x, plan, finish_exchange(start_exchange(x, plan, comm), plan, queue), fill)
 
     @staticmethod
-    def backward(ctx, dext: torch.Tensor):
+    def backward(ctx: Any, dext: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
         return adjoint_exchange(dext, ctx.plan, ctx.comm, ctx.queue), None, None, None, None
 
 
@@ -188,4 +189,5 @@ def halo_exchange(x: torch.Tensor, plan: HaloPlan, comm: Communicator, fill: flo
     until the next exchange or the end of the pass; without one they are completed before returning."""
     if tuple(x.shape[2:]) != plan.owned.shape:
         raise SpatialError(f"block of shape {tuple(x.shape)} does not match the plan's {plan.owned.shape}")
-    return _HaloExchange.apply(x, plan, comm, fill, queue)
+    out: torch.Tensor = _HaloExchange.apply(x, plan, comm, fill, queue)
+    return out

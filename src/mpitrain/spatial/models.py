@@ -70,4 +70,5 @@ class UNet(nn.Module):
             else:
                 x = up(x)
             x = merge(torch.cat([x, skips.pop()], dim=1))
-        return self.head(x)
+        out: torch.Tensor = self.head(x)
+        return out

@@ -105,7 +105,8 @@ class SpatialParallel(nn.Module):
                 for m, name in owners:
                     del m.__dict__[name]
         self.dist.sends.complete()  # nothing of this forward stays in flight (backward completes its own)
-        return y
+        out: torch.Tensor = y
+        return out
 
 
 def _param_slots(module: nn.Module) -> list[tuple[nn.Parameter, list[tuple[nn.Module, str]]]]:

@@ -92,9 +92,10 @@ class SpatialAdaptiveAvgPool2d(nn.Module):
     def __init__(self, pool: nn.AdaptiveAvgPool2d, dist: Distribution) -> None:
         super().__init__()
         size = pool.output_size
-        self.output_size = (size, size) if isinstance(size, int) else tuple(size)
-        if any(s is None for s in self.output_size):
+        sizes = (size, size) if isinstance(size, int) else tuple(size)  # type: ignore[arg-type]
+        if any(s is None for s in sizes):
             raise SpatialError("SpatialAdaptiveAvgPool2d needs an explicit output size (no None)")
+        self.output_size: tuple[int, ...] = tuple(int(s) for s in sizes if s is not None)
         self.dist = dist
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

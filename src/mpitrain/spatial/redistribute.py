@@ -3,6 +3,8 @@ is the reverse shuffle (a permutation's adjoint is its inverse)."""
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import torch
 from torch import nn
 
@@ -36,9 +38,9 @@ def shuffle(x: torch.Tensor, shape: tuple[int, ...], src: Distribution, dst: Dis
     """This rank's `dst` block of the global `shape` tensor whose `src` blocks the ranks hold (collective:
     one alltoallv over ``src.comm``; every rank sends each other rank the intersection of the blocks)."""
     comm, me, c = src.comm, src.comm.rank, shape[1]
-    mine, want = src.box(shape, me), dst.box(shape, me)
-    outgoing = [_meet(mine, dst.box(shape, q)) for q in range(comm.size)]
-    incoming = [_meet(src.box(shape, q), want) for q in range(comm.size)]
+    mine, want = cast(Box3, src.box(shape, me)), cast(Box3, dst.box(shape, me))
+    outgoing = [_meet(mine, cast(Box3, dst.box(shape, q))) for q in range(comm.size)]
+    incoming = [_meet(cast(Box3, src.box(shape, q)), want) for q in range(comm.size)]
     pieces = [x[_index(b, mine)].reshape(-1) for b in outgoing if b is not None]
     send = torch.cat(pieces) if pieces else x.new_empty(0)
     recv = comm.alltoallv(send, [_numel(b, c) for b in outgoing], [_numel(b, c) for b in incoming])
@@ -55,12 +57,13 @@ def shuffle(x: torch.Tensor, shape: tuple[int, ...], src: Distribution, dst: Dis
 
 class _Shuffle(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, shape, src, dst):
+    def forward(ctx: Any, x: torch.Tensor, shape: tuple[int, ...], src: Distribution, dst: Distribution
+                ) -> torch.Tensor:
         ctx.shape, ctx.src, ctx.dst = shape, src, dst
         return shuffle(x.contiguous(), shape, src, dst)
 
     @staticmethod
-    def backward(ctx, g):
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         return shuffle(g.contiguous(), ctx.shape, ctx.dst, ctx.src), None, None, None
 
 

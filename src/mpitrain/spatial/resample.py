@@ -68,8 +68,8 @@ class SpatialConvTranspose2d(WindowLayer):
         x, layout = input_layout(self, x)
         c = self.conv
         if layout.kind == "replicated":
-            y = F.conv_transpose2d(x, self.weight, self.bias, c.stride, c.padding, c.output_padding, c.groups,
-                                   c.dilation)
+            y = F.conv_transpose2d(x, self.weight, self.bias, c.stride, c.padding,  # type: ignore[arg-type]
+                                   c.output_padding, c.groups, c.dilation)
             return self.tag_output(y, layout)
         plan = self.plan(layout, x)
         ext = halo_exchange(x, plan, layout.dist.spatial_comm, 0.0, layout.dist.sends)

@@ -67,7 +67,7 @@ class SpatialTensor(torch.Tensor):
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         return _dispatch(func, args, kwargs or {})
 
-    def __repr__(self, *, tensor_contents: Any = None) -> str:
+    def __repr__(self, *, tensor_contents: Any = None) -> Any:  # type: ignore[override]
         with torch._C.DisableTorchFunctionSubclass():
             local = torch.Tensor.__repr__(self)
         return f"SpatialTensor({self.placement.kind} of {self.placement.shape}, local={local})"
@@ -229,7 +229,7 @@ def _global_pool_op(name: str, args: tuple, kwargs: dict, layout: Layout) -> Spa
         return tag(plain(y).flatten(2).squeeze(2), Layout(layout.dist, "replicated", y.placement.shape[:2]))
     size = kwargs.get("output_size", args[1] if len(args) > 1 else None)
     nd = x.dim() - 2
-    size = (size,) * nd if isinstance(size, int) else tuple(size)
+    size = (size,) * nd if isinstance(size, int) else tuple(size)  # type: ignore[arg-type]
     return global_avg_pool(x, size)
 
 
@@ -257,7 +257,7 @@ def global_avg_pool(x: torch.Tensor, output_size: tuple[int, ...]) -> SpatialTen
     local = plain(x)
     if layout.kind == "replicated":
         pool = torch.nn.functional.adaptive_avg_pool2d if local.dim() == 4 else torch.nn.functional.adaptive_avg_pool3d
-        return tag(pool(local, output_size), layout)
+        return tag(pool(local, output_size), layout)  # type: ignore[arg-type]
     dist = layout.dist
     box = dist.box(layout.shape)[1:]
     mats = [_membership(n, o, a, b, local) for n, o, (a, b) in zip(layout.shape[2:], output_size, box)]
@@ -266,10 +266,9 @@ def global_avg_pool(x: torch.Tensor, output_size: tuple[int, ...]) -> SpatialTen
     spec = ",".join(f"{o}{s}" for o, s in zip(outs, letters))
     partial = torch.einsum(f"nc{letters},{spec}->nc{outs}", local, *mats)
     total = allreduce_sum(partial, dist.spatial_comm)
-    area = None
+    area = local.new_ones(())
     for n, o in zip(layout.shape[2:], output_size):
-        counts = _membership(n, o, 0, n, local).sum(1)
-        area = counts if area is None else area[..., None] * counts
+        area = area[..., None] * _membership(n, o, 0, n, local).sum(1)
     y = total / area
     return tag(y, Layout(dist, "replicated", (layout.shape[0], *y.shape[1:])))
 
