@@ -83,3 +83,31 @@ def test_unet_with_skip_concatenations_and_transposed_convs_equals_single_proces
         dist = Distribution(comm, grid, samples)
         compare(comm, copy.deepcopy(model), x, dist, f"U-Net grid {grid}x{samples}", rtol=1e-9)
         assert_all_ranks(comm, dist.redistributions == {}, f"redistributed {dist.redistributions}")
+
+
+@pytest.mark.parametrize("mode", ["reflect", "replicate", "circular"])
+def test_padding_modes_equal_single_process(comm, mode):
+    # circular wraps to the far edge: only along the dimension the grid leaves whole (the columns here)
+    pads = ((0, 1), (0, 2)) if mode == "circular" else (1, 2)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(2, 3, 3, 1, pads[0], padding_mode=mode), nn.ReLU(),
+                          nn.Conv2d(3, 2, 5, 2, pads[1], padding_mode=mode)).double()
+    chosen = [((comm.size, 1), 1)] if mode == "circular" else layouts(comm.size)
+    for grid, samples in chosen:
+        x = torch.randn(max(2, samples), 2, 4 * comm.size + 3, 4 * comm.size + 2, dtype=torch.float64)
+        dist = Distribution(comm, grid, samples)
+        compare(comm, copy.deepcopy(model), x, dist, f"padding_mode={mode} grid {grid}x{samples}", rtol=TOL)
+
+
+@pytest.mark.mpi
+def test_circular_padding_along_a_split_dimension_is_refused(comm):
+    from mpitrain.spatial import SpatialError, parallelize
+
+    dist = Distribution(comm, (comm.size, 1), 1)
+    model = parallelize(nn.Conv2d(1, 1, 3, 1, 1, padding_mode="circular"), dist)
+    try:
+        model(dist.scatter(torch.randn(1, 1, 4 * comm.size, 4)))
+        msg = ""
+    except SpatialError as e:
+        msg = str(e)
+    assert_all_ranks(comm, "circular" in msg, msg)

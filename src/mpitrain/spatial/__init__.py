@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ._reduce import GradBucket, allreduce_sum
-from .batchnorm import SpatialBatchNorm2d
+from .batchnorm import SpatialBatchNorm2d, SpatialBatchNorm3d
 from .conv import SpatialConv2d
 from .data import NpyRegions, RegionBatch, RegionDataset, read_block, region_batches
 from .distribution import Distribution, gather
@@ -13,11 +13,13 @@ from .pooling import SpatialAdaptiveAvgPool2d, SpatialAvgPool2d, SpatialMaxPool2
 from .redistribute import Redistribute, redistribute
 from .resample import SpatialConvTranspose2d, SpatialUpsample, interpolate
 from .tensor import Layout, SpatialError, SpatialTensor, layout_of
+from .volume import SpatialAvgPool3d, SpatialConv3d, SpatialMaxPool3d
 
 __all__ = [
     "Distribution", "Layout", "SpatialTensor", "SpatialError", "gather", "layout_of",
     "HaloPlan", "Window", "halo_exchange", "plan_grid", "plan_halo", "window_of",
     "SpatialConv2d", "SpatialMaxPool2d", "SpatialAvgPool2d", "SpatialAdaptiveAvgPool2d", "SpatialBatchNorm2d",
+    "SpatialConv3d", "SpatialMaxPool3d", "SpatialAvgPool3d", "SpatialBatchNorm3d",
     "SpatialConvTranspose2d", "SpatialUpsample", "interpolate",
     "parallelize", "SpatialParallel", "SpatialSequential", "Redistribute", "redistribute",
     "allreduce_sum", "GradBucket",

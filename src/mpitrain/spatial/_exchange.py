@@ -24,17 +24,18 @@ FORWARD_TAG, BACKWARD_TAG = 7301, 7302
 
 
 def _fill_padding(ext: torch.Tensor, plan: HaloPlan, fill: float) -> None:
-    """Write `fill` where the needed rectangle lies outside the global tensor (four strips)."""
+    """Write `fill` where the needed box lies outside the global tensor (two slabs per dimension)."""
     inside = plan.need & plan.valid
     if inside.empty:
         ext.fill_(fill)
         return
-    rs, cs = inside.within(plan.need)
-    r0, r1, c0, c1 = rs.start, rs.stop, cs.start, cs.stop
-    ext[:, :, :r0, :].fill_(fill)
-    ext[:, :, r1:, :].fill_(fill)
-    ext[:, :, r0:r1, :c0].fill_(fill)
-    ext[:, :, r0:r1, c1:].fill_(fill)
+    # slabs below and above the inside range of each dimension, restricted to the inside range of the
+    # dimensions before it (so no cell is written twice)
+    spans = inside.within(plan.need)
+    for d, s in enumerate(spans):
+        lead = (slice(None), slice(None), *spans[:d])
+        ext[(*lead, slice(None, s.start))].fill_(fill)
+        ext[(*lead, slice(s.stop, None))].fill_(fill)
 
 
 def assemble(x: torch.Tensor, plan: HaloPlan, halos: Sequence[torch.Tensor], fill: float) -> torch.Tensor:

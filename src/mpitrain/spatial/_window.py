@@ -2,15 +2,45 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ._exchange import HaloStats
 from .distribution import Distribution
-from .halo import HaloPlan, Window, plan_halo
+from .halo import HaloPlan, plan_halo
 from .tensor import Layout, SpatialError, layout_of, plain, tag
 
-__all__ = ["WindowLayer", "input_layout"]
+__all__ = ["WindowLayer", "input_layout", "pad_by_mode", "PADDING_MODES"]
+
+#: Conv ``padding_mode`` values with a spatial form ("circular" only along dimensions the grid does not split).
+PADDING_MODES = ("zeros", "reflect", "replicate", "circular")
+
+
+def pad_by_mode(ext: torch.Tensor, plan: HaloPlan, mode: str, grid: tuple[int, ...]) -> torch.Tensor:
+    """The needed box `ext` (halos in place, padding cells arbitrary) with its padding cells set as
+    torch's ``padding_mode`` sets them on the global tensor: the in-tensor part of `ext` is padded
+    again with ``F.pad(mode)``. Reflect and replicate read only cells next to the global edge, which the
+    edge rank's needed box holds; circular reads the opposite edge, so it is refused along a split
+    dimension. Differentiable (slicing and ``F.pad``)."""
+    inside = plan.need & plan.valid
+    pads: list[int] = []
+    for d, ((a, b), (lo, hi), g) in enumerate(zip(plan.need.dims, inside.dims, grid)):
+        low, high = lo - a, b - hi
+        if mode == "circular" and g > 1 and (low or high):
+            raise SpatialError(f"padding_mode='circular' along spatial dimension {d}, which the grid {grid} "
+                               f"splits, has no spatial form (it wraps to the far rank); split another dimension")
+        if mode == "reflect" and max(low, high) >= hi - lo:
+            raise SpatialError(f"padding_mode='reflect' needs more than {max(low, high)} in-tensor cells next to "
+                               f"the edge along dimension {d}; this rank's block has {hi - lo}")
+        pads = [low, high] + pads  # F.pad lists the last dimension first
+    if not any(pads):
+        return ext
+    core = ext[(slice(None), slice(None), *inside.within(plan.need))]
+    return F.pad(core, pads, mode=mode)
+
 
 
 def input_layout(layer: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, Layout]:
@@ -30,31 +60,34 @@ class WindowLayer(nn.Module):
     decides the grid. A block replicated inside the spatial group (after a global pool) is processed
     locally with no halo."""
 
-    def __init__(self, dist: Distribution, windows: tuple[Window, Window]) -> None:
+    def __init__(self, dist: Distribution, windows: tuple[Any, ...]) -> None:
         super().__init__()
         self.dist, self.windows = dist, windows
         self.stats = HaloStats()
-        self._plans: dict[tuple[int, int, int], HaloPlan] = {}
+        self._plans: dict[tuple[int, ...], HaloPlan] = {}
 
-    def windows_for(self, size: tuple[int, int]) -> tuple[Window, Window]:
-        """The (height, width) windows for a global input of `size` (fixed, unless a layer's geometry
-        depends on the input size, as an upsampling's does)."""
+    def windows_for(self, size: tuple[int, ...]) -> tuple[Any, ...]:
+        """One window per spatial dimension for a global input of `size` (fixed, unless a layer's
+        geometry depends on the input size, as an upsampling's does)."""
         return self.windows
 
     def plan(self, layout: Layout, x: torch.Tensor) -> HaloPlan:
-        dist, size = layout.dist, (layout.shape[2], layout.shape[3])
+        dist, size = layout.dist, tuple(layout.shape[2:])
+        if len(size) != len(dist.grid) or len(size) != len(self.windows):
+            raise SpatialError(f"{type(self).__name__} ({len(self.windows)}-D) cannot take a block with "
+                               f"{len(size)} spatial dimensions on grid {dist.grid}")
         key = (id(dist), *size)
         if key not in self._plans:
             self._plans[key] = plan_halo(size, dist.grid, self.windows_for(size), dist.spatial_rank)
         plan = self._plans[key]
         if tuple(x.shape[2:]) != plan.owned.shape:
             raise SpatialError(f"{type(self).__name__}: local block {tuple(x.shape)} is not this rank's "
-                               f"block {plan.owned} of a {size[0]}x{size[1]} input")
+                               f"block {plan.owned} of a {'x'.join(map(str, size))} input")
         return plan
 
     def tag_output(self, y: torch.Tensor, layout: Layout) -> torch.Tensor:
         if layout.kind == "replicated":
             return tag(y, Layout(layout.dist, "replicated", (layout.shape[0], *y.shape[1:])))
-        wh, ww = self.windows_for((layout.shape[2], layout.shape[3]))
-        out_h, out_w = wh.out_size(layout.shape[2]), ww.out_size(layout.shape[3])
-        return tag(y, Layout(layout.dist, "block", (layout.shape[0], y.shape[1], out_h, out_w)))
+        size = tuple(layout.shape[2:])
+        out = tuple(w.out_size(n) for w, n in zip(self.windows_for(size), size))
+        return tag(y, Layout(layout.dist, "block", (layout.shape[0], y.shape[1], *out)))

@@ -22,7 +22,7 @@ from ._window import input_layout
 from .distribution import Distribution
 from .tensor import SpatialError, tag
 
-__all__ = ["SpatialBatchNorm2d", "STATS"]
+__all__ = ["SpatialBatchNorm2d", "SpatialBatchNorm3d", "STATS"]
 
 STATS = ("global", "spatial", "local")
 
@@ -44,8 +44,9 @@ def _combine(comm: Communicator, n: int, mean: torch.Tensor, var: torch.Tensor
     return total, gmean.to(mean.dtype), gvar.to(var.dtype)
 
 
-def _bshape(t: torch.Tensor) -> torch.Tensor:
-    return t[None, :, None, None]
+def _bshape(t: torch.Tensor, dims: int) -> torch.Tensor:
+    """A per-channel vector shaped to broadcast over an N x C x (`dims` spatial) tensor."""
+    return t.view(1, -1, *([1] * dims))
 
 
 class _BatchNorm(torch.autograd.Function):
@@ -81,8 +82,9 @@ class _BatchNorm(torch.autograd.Function):
             means = total / -ctx.n  # -Sdy/n, -Sdyxhat/n
             k1 = scale * invstd * means[c:]
             k2 = torch.addcmul(scale * means[:c], k1, mean, value=-1)
-            dx = torch.addcmul(_bshape(k2), x, _bshape(k1))
-            dx.addcmul_(dy, _bshape(scale))
+            dims = x.dim() - 2
+            dx = torch.addcmul(_bshape(k2, dims), x, _bshape(k1, dims))
+            dx.addcmul_(dy, _bshape(scale, dims))
         dw = local[c:] if weight is not None and ctx.needs_input_grad[1] else None
         db = local[:c] if ctx.has_bias and ctx.needs_input_grad[2] else None
         return dx, dw, db, None, None
@@ -93,7 +95,7 @@ class SpatialBatchNorm2d(nn.Module):
     so the original module holds the trained statistics). Eval mode normalises locally with the running
     statistics. The local dL/dw, dL/db are this rank's partial sums (:func:`parallelize` sums them)."""
 
-    def __init__(self, bn: nn.BatchNorm2d, dist: Distribution, stats: str = "global") -> None:
+    def __init__(self, bn: nn.BatchNorm2d | nn.BatchNorm3d, dist: Distribution, stats: str = "global") -> None:
         super().__init__()
         if stats not in STATS:
             raise SpatialError(f"BatchNorm stats must be one of {STATS}, got {stats!r}")
@@ -144,3 +146,8 @@ class SpatialBatchNorm2d(nn.Module):
         else:
             y = _BatchNorm.apply(x, self.weight, self.bias, self, comm)
         return tag(y, layout)
+
+
+class SpatialBatchNorm3d(SpatialBatchNorm2d):
+    """BatchNorm3d on local blocks of volumes (a 3-D grid): the same statistics and rules as
+    :class:`SpatialBatchNorm2d`."""

@@ -34,9 +34,9 @@ from ._exchange import (
     start_exchange,
 )
 from ._memory import dense, empty_as
-from ._window import WindowLayer, input_layout
+from ._window import PADDING_MODES, WindowLayer, input_layout, pad_by_mode
 from .distribution import Distribution
-from .halo import Box, HaloPlan, Window, window_of
+from .halo import Box, HaloPlan, Window, halo_exchange, window_of
 from .tensor import SpatialError
 
 __all__ = ["SpatialConv2d", "interior"]
@@ -95,7 +95,8 @@ def _strips(plan: HaloPlan, windows: tuple[Window, Window]) -> list[tuple[tuple[
     if not plan.recvs:
         return []
     rows, cols = interior(plan, windows)
-    return [(r, _input_box(plan, windows, r)) for r in _regions(*plan.out.shape, rows, cols)]
+    oh, ow = plan.out.shape
+    return [(r, _input_box(plan, windows, r)) for r in _regions(oh, ow, rows, cols)]
 
 
 class _Conv(torch.autograd.Function):
@@ -253,12 +254,12 @@ class SpatialConv2d(WindowLayer):
     spent waiting for them."""
 
     def __init__(self, conv: nn.Conv2d, dist: Distribution, overlap: bool = True) -> None:
-        if conv.padding_mode != "zeros":
-            raise SpatialError(f"SpatialConv2d supports padding_mode='zeros' only, got {conv.padding_mode!r}")
+        if conv.padding_mode not in PADDING_MODES:
+            raise SpatialError(f"SpatialConv2d: padding_mode {conv.padding_mode!r} has no spatial form")
         super().__init__(dist, window_of(conv.kernel_size, conv.stride, conv.padding, conv.dilation))
         self.weight, self.bias = conv.weight, conv.bias
         self.stride, self.dilation, self.groups = list(conv.stride), list(conv.dilation), conv.groups
-        self.overlap = overlap
+        self.overlap, self.padding_mode = overlap, conv.padding_mode
         self.pads = [w.pad[0] for w in self.windows]
         self.source = repr(conv)
         self._geometry: dict[int, tuple[HaloPlan, str, list]] = {}
@@ -291,9 +292,14 @@ class SpatialConv2d(WindowLayer):
         x, layout = input_layout(self, x)
         if layout.kind == "replicated":
             pads = [p for w in reversed(self.windows) for p in w.pad]
-            y = F.conv2d(F.pad(x, pads), self.weight, self.bias, self.stride, 0, self.dilation, self.groups)
+            padded = F.pad(x, pads, mode="constant" if self.padding_mode == "zeros" else self.padding_mode)
+            y = F.conv2d(padded, self.weight, self.bias, self.stride, 0, self.dilation, self.groups)
             return self.tag_output(y, layout)
         plan = self.plan(layout, x)
+        if self.padding_mode != "zeros":  # the halo then torch's padding rule on the needed box
+            ext = halo_exchange(x, plan, layout.dist.spatial_comm, 0.0, layout.dist.sends)
+            ext = pad_by_mode(ext, plan, self.padding_mode, layout.dist.grid)
+            return self.tag_output(self.conv(ext, self.weight, self.bias), layout)
         mode, _ = self.geometry(plan)
         if plan.exchanges or mode == "extended":
             y = _Conv.apply(x, self.weight, self.bias, self, plan, layout.dist.spatial_comm, layout.dist.sends)

@@ -85,6 +85,8 @@ def read_block(batch: RegionBatch, dist: Distribution, dtype: torch.dtype | None
     block (one ``read`` per sample). Local: no message. Every rank must hold the same batch."""
     shape = batch.shape
     dist.check_shape(shape, "region batch")
+    if len(shape) != 4:
+        raise SpatialError(f"region batches are NCHW; got samples of shape {shape[1:]}")
     (n0, n1), (h0, h1), (w0, w1) = dist.box(shape)
     parts: Sequence[torch.Tensor] = [batch.dataset.read(batch.indices[i], (slice(h0, h1), slice(w0, w1)))
                                      for i in range(n0, n1)]

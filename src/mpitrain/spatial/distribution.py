@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -23,9 +24,10 @@ def ranges(n: int, parts: int) -> list[tuple[int, int]]:
 
 class Distribution:
     """``samples`` groups of ``ph x pw`` ranks: the mini-batch is split over the groups, each sample's
-    height over the grid rows and its width over the grid columns (blocked, uneven sizes allowed).
+    height over the grid rows and its width over the grid columns (blocked, uneven sizes allowed). A
+    3-D grid ``(pd, ph, pw)`` splits volumes (N, C, D, H, W) the same way, depth first.
 
-    World rank ``r`` is in group ``r // (ph*pw)`` at grid position ``divmod(r % (ph*pw), pw)``.
+    World rank ``r`` is in group ``r // (ph*pw)`` at the row-major grid position of ``r % (ph*pw)``.
     Constructing one sends nothing; the spatial and sample communicators are split from `comm` once,
     collectively, by :meth:`connect` (which :func:`~mpitrain.spatial.parallelize` calls after it has
     checked the model, so a model it refuses is refused before any message) or at their first use.
@@ -38,24 +40,25 @@ class Distribution:
     ``stall.warn_after`` seconds warns, naming the ranks and boxes it waits for.
     """
 
-    def __init__(self, comm: Communicator, grid: tuple[int, int] = (1, 1), samples: int = 1,
+    def __init__(self, comm: Communicator, grid: tuple[int, ...] = (1, 1), samples: int = 1,
                  nonspatial: str = "replicate", stall: StallPolicy = DEFAULT_POLICY) -> None:
-        grid = tuple(grid)  # type: ignore[assignment]  # a list is accepted too
-        if len(grid) != 2 or any(not isinstance(g, int) or g < 1 for g in grid):
-            raise SpatialError(f"grid must be two positive ints (ph, pw), got {grid!r}")
+        grid = tuple(grid)  # a list is accepted too
+        if len(grid) not in (2, 3) or any(not isinstance(g, int) or g < 1 for g in grid):
+            raise SpatialError(f"grid must be two or three positive ints ((pd,) ph, pw), got {grid!r}")
         if not isinstance(samples, int) or samples < 1:
             raise SpatialError(f"samples must be a positive int, got {samples!r}")
-        if grid[0] * grid[1] * samples != comm.size:
-            raise SpatialError(f"samples x ph x pw = {samples} x {grid[0]} x {grid[1]} = "
-                               f"{samples * grid[0] * grid[1]} ranks, but the communicator has {comm.size}")
+        per_sample = math.prod(grid)
+        if per_sample * samples != comm.size:
+            raise SpatialError(f"samples x grid = {samples} x {'x'.join(map(str, grid))} = "
+                               f"{samples * per_sample} ranks, but the communicator has {comm.size}")
         if nonspatial not in NONSPATIAL:
             raise SpatialError(f"nonspatial must be one of {NONSPATIAL}, got {nonspatial!r}")
         self.comm, self.grid, self.samples, self.nonspatial = comm, grid, samples, nonspatial
         self.redistributions: dict[str, int] = {}
         self.sends = SendQueue(stall.warn_after)
-        self.per_sample = grid[0] * grid[1]
+        self.per_sample = per_sample
         self.group, self.spatial_rank = divmod(comm.rank, self.per_sample)
-        self.coords = divmod(self.spatial_rank, grid[1])
+        self.coords = self.grid_coords(self.spatial_rank)
         self._comms: tuple[Communicator, Communicator] | None = None
 
     def connect(self) -> None:
@@ -89,27 +92,43 @@ class Distribution:
     def world_rank(self, group: int, spatial_rank: int) -> int:
         return group * self.per_sample + spatial_rank
 
+    def grid_coords(self, spatial_rank: int) -> tuple[int, ...]:
+        """The row-major grid position of a spatial rank."""
+        out = []
+        for g in reversed(self.grid):
+            spatial_rank, c = divmod(spatial_rank, g)
+            out.append(c)
+        return tuple(reversed(out))
+
     def check_shape(self, shape: tuple[int, ...], what: str = "tensor") -> None:
-        """Refuse a global NCHW shape that leaves some rank an empty block (local check, no message)."""
-        if len(shape) != 4:
-            raise SpatialError(f"{what} must be NCHW (4-D), got shape {tuple(shape)}")
-        n, _, h, w = shape
-        if n < self.samples or h < self.grid[0] or w < self.grid[1]:
+        """Refuse a global shape that is not N x C x (grid's dimensions) or leaves some rank an empty
+        block (local check, no message)."""
+        dims = len(self.grid)
+        if len(shape) != dims + 2:
+            raise SpatialError(f"{what} must be {'NCHW' if dims == 2 else 'NCDHW'} ({dims + 2}-D) for grid "
+                               f"{self.grid}, got shape {tuple(shape)}")
+        if shape[0] < self.samples or any(n < g for n, g in zip(shape[2:], self.grid)):
             raise SpatialError(f"{what} of shape {tuple(shape)} cannot be split into {self.samples} sample "
                                f"groups x grid {self.grid}: every rank needs at least one sample, row and "
                                f"column")
 
     def box(self, shape: tuple[int, ...], rank: int | None = None) -> tuple[tuple[int, int], ...]:
-        """``((n0, n1), (h0, h1), (w0, w1))`` of world rank `rank` (default: this rank) for global `shape`."""
+        """``((n0, n1), (h0, h1), (w0, w1))`` — with a 3-D grid ``((n0, n1), (d0, d1), (h0, h1),
+        (w0, w1))`` — of world rank `rank` (default: this rank) for global `shape`."""
         rank = self.comm.rank if rank is None else rank
         group, s = divmod(rank, self.per_sample)
-        i, j = divmod(s, self.grid[1])
-        n, _, h, w = shape
-        return ranges(n, self.samples)[group], ranges(h, self.grid[0])[i], ranges(w, self.grid[1])[j]
+        coords = self.grid_coords(s)
+        return (ranges(shape[0], self.samples)[group],
+                *(ranges(n, g)[c] for n, g, c in zip(shape[2:], self.grid, coords)))
 
-    def local_shape(self, shape: tuple[int, ...], rank: int | None = None) -> tuple[int, int, int, int]:
-        (n0, n1), (h0, h1), (w0, w1) = self.box(shape, rank)
-        return (n1 - n0, shape[1], h1 - h0, w1 - w0)
+    def index(self, shape: tuple[int, ...], rank: int | None = None) -> tuple[slice, ...]:
+        """The slices of world rank `rank`'s block in a global tensor of `shape`."""
+        n, *spatial = self.box(shape, rank)
+        return (slice(*n), slice(None), *(slice(*r) for r in spatial))
+
+    def local_shape(self, shape: tuple[int, ...], rank: int | None = None) -> tuple[int, ...]:
+        n, *spatial = self.box(shape, rank)
+        return (n[1] - n[0], shape[1], *(b - a for a, b in spatial))
 
     def local_samples(self, n: int) -> int:
         """How many of `n` samples this rank's group holds."""
@@ -139,16 +158,20 @@ class Distribution:
     def infer_layout(self, t: torch.Tensor) -> Layout:
         """The block layout of an untagged local block, from one allgather of the local sizes (collective
         over the world); refuses, on every rank, blocks that do not follow the blocking rule."""
-        if t.dim() != 4:
-            raise SpatialError(f"a spatial block must be NCHW, got shape {tuple(t.shape)}")
-        gathered = self.comm.allgather(torch.tensor([t.shape[0], t.shape[2], t.shape[3]], dtype=torch.int64))
-        sizes: list[list[int]] = gathered.view(self.comm.size, 3).tolist()
-        per, pw = self.per_sample, self.grid[1]
-        n = int(sum(sizes[g * per][0] for g in range(self.samples)))
-        h = int(sum(sizes[i * pw][1] for i in range(self.grid[0])))
-        w = int(sum(sizes[j][2] for j in range(pw)))
-        shape = (n, t.shape[1], h, w)
-        expected = [[s[0], s[2], s[3]] for s in (self.local_shape(shape, r) for r in range(len(sizes)))]
+        dims = len(self.grid)
+        if t.dim() != dims + 2:
+            raise SpatialError(f"a spatial block must have {dims + 2} dimensions for grid {self.grid}, got "
+                               f"shape {tuple(t.shape)}")
+        mine = [t.shape[0], *t.shape[2:]]
+        gathered = self.comm.allgather(torch.tensor(mine, dtype=torch.int64))
+        sizes: list[list[int]] = gathered.view(self.comm.size, dims + 1).tolist()
+        n = int(sum(sizes[g * self.per_sample][0] for g in range(self.samples)))
+        spatial = []
+        for d in range(dims):  # walk the grid along dimension d from the origin
+            stride = math.prod(self.grid[d + 1:])
+            spatial.append(int(sum(sizes[i * stride][d + 1] for i in range(self.grid[d]))))
+        shape = (n, t.shape[1], *spatial)
+        expected = [[s[0], *s[2:]] for s in (self.local_shape(shape, r) for r in range(len(sizes)))]
         if expected != sizes:
             raise SpatialError(f"local blocks {sizes} (n, h, w per rank) are not the blocks of a {shape} "
                                f"tensor "
@@ -184,13 +207,11 @@ def _padded_allgather(comm: Communicator, t: torch.Tensor, numel: int) -> torch.
 
 def _assemble_blocks(t: torch.Tensor, layout: Layout) -> torch.Tensor:
     dist, shape = layout.dist, layout.shape
-    boxes = [dist.box(shape, r) for r in range(dist.comm.size)]
-    numel = max((n1 - n0) * shape[1] * (h1 - h0) * (w1 - w0) for (n0, n1), (h0, h1), (w0, w1) in boxes)
-    rows = _padded_allgather(dist.comm, t.contiguous(), numel)
+    shapes = [dist.local_shape(shape, r) for r in range(dist.comm.size)]
+    rows = _padded_allgather(dist.comm, t.contiguous(), max(math.prod(s) for s in shapes))
     out = t.new_empty(shape)
-    for r, ((n0, n1), (h0, h1), (w0, w1)) in enumerate(boxes):
-        size = (n1 - n0) * shape[1] * (h1 - h0) * (w1 - w0)
-        out[n0:n1, :, h0:h1, w0:w1] = rows[r, :size].view(n1 - n0, shape[1], h1 - h0, w1 - w0)
+    for r, s in enumerate(shapes):
+        out[dist.index(shape, r)] = rows[r, :math.prod(s)].view(s)
     return out
 
 
@@ -206,8 +227,7 @@ class _Scatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, dist: Distribution) -> torch.Tensor:
         ctx.dist, ctx.shape = dist, tuple(x.shape)
-        (n0, n1), (h0, h1), (w0, w1) = dist.box(ctx.shape)
-        return x[n0:n1, :, h0:h1, w0:w1]  # a view: no copy
+        return x[dist.index(ctx.shape)]  # a view: no copy
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
@@ -227,8 +247,7 @@ class _Gather(torch.autograd.Function):
         layout = ctx.layout
         dist = layout.dist
         if layout.kind == "block":
-            (n0, n1), (h0, h1), (w0, w1) = dist.box(layout.shape)
-            return g[n0:n1, :, h0:h1, w0:w1].contiguous(), None
+            return g[dist.index(layout.shape)].contiguous(), None
         n0, n1 = ranges(layout.shape[0], dist.samples)[dist.group]
         share = g[n0:n1].contiguous()
         return (share if dist.spatial_rank == 0 else torch.zeros_like(share)), None
@@ -239,14 +258,12 @@ class _Replicate(torch.autograd.Function):
     def forward(ctx: Any, t: torch.Tensor, layout: Layout) -> torch.Tensor:
         ctx.layout = layout
         dist, shape = layout.dist, layout.shape
-        n = dist.local_samples(shape[0])
-        boxes = [dist.box(shape, dist.world_rank(dist.group, s))[1:] for s in range(dist.per_sample)]
-        numel = max(n * shape[1] * (h1 - h0) * (w1 - w0) for (h0, h1), (w0, w1) in boxes)
-        rows = _padded_allgather(dist.spatial_comm, t.contiguous(), numel)
-        out = t.new_empty((n, *shape[1:]))
-        for s, ((h0, h1), (w0, w1)) in enumerate(boxes):
-            size = n * shape[1] * (h1 - h0) * (w1 - w0)
-            out[:, :, h0:h1, w0:w1] = rows[s, :size].view(n, shape[1], h1 - h0, w1 - w0)
+        ranks = [dist.world_rank(dist.group, s) for s in range(dist.per_sample)]
+        shapes = [dist.local_shape(shape, r) for r in ranks]
+        rows = _padded_allgather(dist.spatial_comm, t.contiguous(), max(math.prod(s) for s in shapes))
+        out = t.new_empty((dist.local_samples(shape[0]), *shape[1:]))
+        for s, (r, local) in enumerate(zip(ranks, shapes)):
+            out[(slice(None), *dist.index(shape, r)[1:])] = rows[s, :math.prod(local)].view(local)
         return out
 
     @staticmethod
@@ -254,5 +271,4 @@ class _Replicate(torch.autograd.Function):
         layout = ctx.layout
         dist = layout.dist
         total = dist.spatial_comm.allreduce(g.contiguous().clone(), "sum")
-        _, (h0, h1), (w0, w1) = dist.box(layout.shape)
-        return total[:, :, h0:h1, w0:w1].contiguous(), None
+        return total[(slice(None), *dist.index(layout.shape)[1:])].contiguous(), None

@@ -11,6 +11,7 @@ one message per pair and direction, all in flight at once.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -56,51 +57,69 @@ class Window:
         return o0 * self.stride - self.pad[0], (o1 - 1) * self.stride - self.pad[0] + self.span
 
 
-def _pair(v: int | Sequence[int]) -> tuple[int, int]:
-    return (v, v) if isinstance(v, int) else (int(v[0]), int(v[1]))
+def _tuple(v: int | Sequence[int], dims: int) -> tuple[int, ...]:
+    return (v,) * dims if isinstance(v, int) else tuple(int(x) for x in v)
 
 
 def window_of(kernel: int | Sequence[int], stride: int | Sequence[int], padding: int | str | Sequence[int],
-              dilation: int | Sequence[int], ceil: bool = False) -> tuple[Window, Window]:
-    """(height, width) windows of a torch conv/pool configuration; ``padding="same"`` splits the total
-    padding ``dilation*(kernel-1)`` as torch does (the extra one on the high side)."""
-    k, s, d = _pair(kernel), _pair(stride), _pair(dilation)
+              dilation: int | Sequence[int], ceil: bool = False, dims: int = 2) -> tuple[Window, ...]:
+    """(height, width) — or (depth, height, width) with ``dims=3`` — windows of a torch conv/pool
+    configuration; ``padding="same"`` splits the total padding ``dilation*(kernel-1)`` as torch does
+    (the extra one on the high side)."""
+    k, s, d = _tuple(kernel, dims), _tuple(stride, dims), _tuple(dilation, dims)
     if padding == "valid":
         padding = 0
     if padding == "same":
-        pads = [(d[i] * (k[i] - 1) // 2, d[i] * (k[i] - 1) - d[i] * (k[i] - 1) // 2) for i in range(2)]
+        pads = [(d[i] * (k[i] - 1) // 2, d[i] * (k[i] - 1) - d[i] * (k[i] - 1) // 2) for i in range(dims)]
     else:
-        p = _pair(padding)  # type: ignore[arg-type]
-        pads = [(p[0], p[0]), (p[1], p[1])]
-    return Window(k[0], s[0], pads[0], d[0], ceil), Window(k[1], s[1], pads[1], d[1], ceil)
+        p = _tuple(padding, dims)  # type: ignore[arg-type]
+        pads = [(p[i], p[i]) for i in range(dims)]
+    return tuple(Window(k[i], s[i], pads[i], d[i], ceil) for i in range(dims))
 
 
-@dataclass(frozen=True)
 class Box:
-    """A half-open rectangle of global (row, column) indices."""
+    """A half-open box of global indices, one ``(start, stop)`` per spatial dimension: ``Box(rows, cols)``
+    for images, ``Box(depths, rows, cols)`` for volumes."""
 
-    rows: tuple[int, int]
-    cols: tuple[int, int]
+    __slots__ = ("dims",)
+
+    def __init__(self, *dims: tuple[int, int]) -> None:
+        self.dims: tuple[tuple[int, int], ...] = tuple((int(a), int(b)) for a, b in dims)
+
+    @property
+    def rows(self) -> tuple[int, int]:
+        return self.dims[-2]
+
+    @property
+    def cols(self) -> tuple[int, int]:
+        return self.dims[-1]
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Box) and self.dims == other.dims
+
+    def __hash__(self) -> int:
+        return hash(self.dims)
+
+    def __repr__(self) -> str:
+        return f"Box{self.dims}"
 
     @property
     def empty(self) -> bool:
-        return self.rows[1] <= self.rows[0] or self.cols[1] <= self.cols[0]
+        return any(b <= a for a, b in self.dims)
 
     @property
-    def shape(self) -> tuple[int, int]:
-        return max(0, self.rows[1] - self.rows[0]), max(0, self.cols[1] - self.cols[0])
+    def shape(self) -> tuple[int, ...]:
+        return tuple(max(0, b - a) for a, b in self.dims)
 
     def __and__(self, other: Box) -> Box:
-        return Box((max(self.rows[0], other.rows[0]), min(self.rows[1], other.rows[1])),
-                   (max(self.cols[0], other.cols[0]), min(self.cols[1], other.cols[1])))
+        return Box(*((max(a, c), min(b, d)) for (a, b), (c, d) in zip(self.dims, other.dims)))
 
-    def within(self, origin: Box) -> tuple[slice, slice]:
-        """Index (rows, cols) of this box inside a tensor whose [0, 0] is ``origin``'s corner."""
-        r0, c0 = origin.rows[0], origin.cols[0]
-        return slice(self.rows[0] - r0, self.rows[1] - r0), slice(self.cols[0] - c0, self.cols[1] - c0)
+    def within(self, origin: Box) -> tuple[Any, ...]:
+        """Index (one slice per dimension) of this box inside a tensor whose corner is ``origin``'s."""
+        return tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(self.dims, origin.dims))
 
     def __str__(self) -> str:
-        return f"[{self.rows[0]}:{self.rows[1]}, {self.cols[0]}:{self.cols[1]}]"
+        return "[" + ", ".join(f"{a}:{b}" for a, b in self.dims) + "]"
 
 
 @dataclass(frozen=True)
@@ -121,7 +140,7 @@ class HaloPlan:
     sends: tuple[tuple[int, Box], ...]
 
     @property
-    def ext_shape(self) -> tuple[int, int]:
+    def ext_shape(self) -> tuple[int, ...]:
         return self.need.shape
 
     @property
@@ -135,34 +154,37 @@ class HaloPlan:
                 f"local {self.local} recv {recv} send {send}")
 
 
-def plan_grid(size: tuple[int, int], grid: tuple[int, int], windows: tuple[Window, Window]) -> list[HaloPlan]:
-    """The plans of every rank of a ph x pw grid for an input of global `size` (H, W), in rank order.
+def plan_grid(size: Sequence[int], grid: Sequence[int], windows: Sequence[Any]) -> list[HaloPlan]:
+    """The plans of every rank of a grid (``(ph, pw)`` or ``(pd, ph, pw)``, ranks in row-major order)
+    for an input of global spatial `size`, one window per dimension (anything with ``out_size(n)`` and
+    ``needed(o0, o1)``, e.g. :class:`Window`).
 
-    Refuses (SpatialError) a layer whose input or output has fewer rows/columns than the grid."""
-    (h, w), (ph, pw) = size, grid
-    out_h, out_w = windows[0].out_size(h), windows[1].out_size(w)
-    if h < ph or w < pw or out_h < ph or out_w < pw:
-        raise SpatialError(f"input {h}x{w} -> output {out_h}x{out_w} of a window layer {windows} cannot be "
-                           f"split over a {ph}x{pw} grid: every rank needs at least one input and output "
-                           f"row and column; use a smaller grid or redistribute before this layer")
-    rows, cols = ranges(h, ph), ranges(w, pw)
-    orows, ocols = ranges(out_h, ph), ranges(out_w, pw)
-    owned = [Box(rows[i], cols[j]) for i in range(ph) for j in range(pw)]
-    outs = [Box(orows[i], ocols[j]) for i in range(ph) for j in range(pw)]
-    needs = [Box(windows[0].needed(*o.rows), windows[1].needed(*o.cols)) for o in outs]
-    valid = Box((0, h), (0, w))
+    Refuses (SpatialError) a layer whose input or output has fewer cells than the grid along a dimension."""
+    outs_n = [w.out_size(n) for w, n in zip(windows, size)]
+    if any(n < p or o < p for n, o, p in zip(size, outs_n, grid)):
+        sizes = "x".join(map(str, size))
+        raise SpatialError(f"input {sizes} -> output {'x'.join(map(str, outs_n))} of a window layer {tuple(windows)} "
+                           f"cannot be split over a {'x'.join(map(str, grid))} grid: every rank needs at least "
+                           f"one input and output row and column; use a smaller grid or redistribute before "
+                           f"this layer")
+    coords = list(itertools.product(*(range(p) for p in grid)))
+    blocks = [ranges(n, p) for n, p in zip(size, grid)]
+    oblocks = [ranges(o, p) for o, p in zip(outs_n, grid)]
+    owned = [Box(*(blocks[d][c[d]] for d in range(len(grid)))) for c in coords]
+    outs = [Box(*(oblocks[d][c[d]] for d in range(len(grid)))) for c in coords]
+    needs = [Box(*(w.needed(*r) for w, r in zip(windows, o.dims))) for o in outs]
+    valid = Box(*((0, n) for n in size))
     plans = []
-    for me in range(ph * pw):
-        recvs = tuple((q, owned[q] & needs[me]) for q in range(ph * pw)
+    for me in range(len(coords)):
+        recvs = tuple((q, owned[q] & needs[me]) for q in range(len(coords))
                       if q != me and not (owned[q] & needs[me]).empty)
-        sends = tuple((q, owned[me] & needs[q]) for q in range(ph * pw)
+        sends = tuple((q, owned[me] & needs[q]) for q in range(len(coords))
                       if q != me and not (owned[me] & needs[q]).empty)
         plans.append(HaloPlan(me, owned[me], outs[me], needs[me], valid, owned[me] & needs[me], recvs, sends))
     return plans
 
 
-def plan_halo(size: tuple[int, int], grid: tuple[int, int], windows: tuple[Window, Window],
-              rank: int) -> HaloPlan:
+def plan_halo(size: Sequence[int], grid: Sequence[int], windows: Sequence[Any], rank: int) -> HaloPlan:
     """The plan of spatial rank `rank` (see :func:`plan_grid`)."""
     return plan_grid(size, grid, windows)[rank]
 

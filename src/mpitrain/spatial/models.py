@@ -1,5 +1,6 @@
 """Real CNNs for spatial tests and benchmarks: torchvision's models (imported without torchvision's
-package ``__init__``) and a small U-Net with skip concatenations and transposed convolutions."""
+package ``__init__``), a U-Net with skip concatenations and transposed convolutions, and a
+CosmoFlow-style 3-D network."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["torchvision_module", "UNet"]
+__all__ = ["torchvision_module", "UNet", "cosmoflow"]
 
 
 def torchvision_module(name: str) -> ModuleType:
@@ -72,3 +73,18 @@ class UNet(nn.Module):
             x = merge(torch.cat([x, skips.pop()], dim=1))
         out: torch.Tensor = self.head(x)
         return out
+
+
+def cosmoflow(side: int, in_channels: int = 4, widths: tuple[int, ...] = (8, 16), dense: int = 32,
+              outputs: int = 4) -> nn.Sequential:
+    """CosmoFlow's shape (Mathuriya et al.), scaled by `widths`: per width a conv3d(3)-BN3d-leaky ReLU-
+    maxpool(2) block, then flatten and dense layers predicting `outputs` parameters, for cubes of `side`
+    (divisible by 2**len(widths)). The flatten redistributes a split volume to whole samples."""
+    layers: list[nn.Module] = []
+    cin = in_channels
+    for cout in widths:
+        layers += [nn.Conv3d(cin, cout, 3, 1, 1), nn.BatchNorm3d(cout), nn.LeakyReLU(0.01), nn.MaxPool3d(2)]
+        cin = cout
+    out = side // 2 ** len(widths)
+    layers += [nn.Flatten(), nn.Linear(cin * out**3, dense), nn.LeakyReLU(0.01), nn.Linear(dense, outputs)]
+    return nn.Sequential(*layers)

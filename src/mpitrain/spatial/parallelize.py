@@ -15,19 +15,20 @@ from torch import nn
 
 from ._reduce import GradBucket
 from ._window import WindowLayer
-from .batchnorm import SpatialBatchNorm2d
+from .batchnorm import SpatialBatchNorm2d, SpatialBatchNorm3d
 from .conv import SpatialConv2d
 from .distribution import Distribution
 from .pooling import SpatialAdaptiveAvgPool2d, SpatialAvgPool2d, SpatialMaxPool2d
 from .redistribute import Redistribute
 from .resample import SpatialConvTranspose2d, SpatialUpsample
 from .tensor import SpatialError, layout_of, tag
+from .volume import SpatialAvgPool3d, SpatialConv3d, SpatialMaxPool3d
 
 __all__ = ["parallelize", "SpatialParallel", "SpatialSequential", "convert"]
 
 _SPATIAL = (WindowLayer, SpatialBatchNorm2d, SpatialAdaptiveAvgPool2d, SpatialUpsample, Redistribute)
-_REFUSED = (nn.Conv1d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose3d,
-            nn.AdaptiveMaxPool2d, nn.MaxPool1d, nn.MaxPool3d, nn.AvgPool3d, nn.BatchNorm3d,
+_REFUSED = (nn.Conv1d, nn.ConvTranspose1d, nn.ConvTranspose3d,
+            nn.AdaptiveMaxPool2d, nn.MaxPool1d,
             nn.LPPool2d, nn.FractionalMaxPool2d, nn.SyncBatchNorm, nn.GroupNorm, nn.InstanceNorm2d,
             nn.LocalResponseNorm)
 
@@ -47,6 +48,16 @@ def convert(m: nn.Module, dist: Distribution, bn_stats: str = "global", overlap:
     if isinstance(m, nn.AvgPool2d):
         return SpatialAvgPool2d(m, dist)
     if isinstance(m, nn.AdaptiveAvgPool2d):
+        return SpatialAdaptiveAvgPool2d(m, dist)
+    if isinstance(m, nn.Conv3d):
+        return SpatialConv3d(m, dist)
+    if isinstance(m, nn.BatchNorm3d):
+        return SpatialBatchNorm3d(m, dist, bn_stats)
+    if isinstance(m, nn.MaxPool3d):
+        return SpatialMaxPool3d(m, dist)
+    if isinstance(m, nn.AvgPool3d):
+        return SpatialAvgPool3d(m, dist)
+    if isinstance(m, nn.AdaptiveAvgPool3d):
         return SpatialAdaptiveAvgPool2d(m, dist)
     if isinstance(m, nn.ConvTranspose2d):
         return SpatialConvTranspose2d(m, dist)
@@ -124,8 +135,8 @@ def parallelize(module: nn.Module, dist: Distribution, *, bn_stats: str = "globa
                 overlap: bool = True) -> SpatialParallel:
     """The spatially parallel form of `module` over `dist`, sharing its weights and BN buffers.
 
-    Conv2d, ConvTranspose2d, MaxPool2d, AvgPool2d, AdaptiveAvgPool2d, BatchNorm2d and Upsample become
-    their spatial forms (see
+    Conv2d, ConvTranspose2d, MaxPool2d, AvgPool2d, AdaptiveAvgPool2d, BatchNorm2d and Upsample — and on a
+    3-D grid Conv3d, MaxPool3d, AvgPool3d, BatchNorm3d, AdaptiveAvgPool3d — become their spatial forms (see
     those classes); every other op runs on the blocks by the rules of
     :mod:`mpitrain.spatial.tensor` (element-wise ops keep the layout, global pools replicate the pooled
     vectors, any other op redistributes to whole samples first, visibly, or is refused). `bn_stats`:

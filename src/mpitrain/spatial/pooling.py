@@ -89,10 +89,11 @@ class SpatialAdaptiveAvgPool2d(nn.Module):
     window, one allreduce over the spatial group completes the sums. The output is *replicated* over
     the spatial group (layout ``"replicated"``), ready for an ordinary head (Flatten, Linear)."""
 
-    def __init__(self, pool: nn.AdaptiveAvgPool2d, dist: Distribution) -> None:
+    def __init__(self, pool: nn.AdaptiveAvgPool2d | nn.AdaptiveAvgPool3d, dist: Distribution) -> None:
         super().__init__()
         size = pool.output_size
-        sizes = (size, size) if isinstance(size, int) else tuple(size)  # type: ignore[arg-type]
+        dims = 3 if isinstance(pool, nn.AdaptiveAvgPool3d) else 2
+        sizes = (size,) * dims if isinstance(size, int) else tuple(size)  # type: ignore[arg-type]
         if any(s is None for s in sizes):
             raise SpatialError("SpatialAdaptiveAvgPool2d needs an explicit output size (no None)")
         self.output_size: tuple[int, ...] = tuple(int(s) for s in sizes if s is not None)

@@ -60,7 +60,7 @@ class SpatialConvTranspose2d(WindowLayer):
             raise SpatialError("SpatialConvTranspose2d supports zero padding only")
         dims = [TransposedWindow(conv.kernel_size[i], conv.stride[i], int(conv.padding[i]), conv.dilation[i],
                                  conv.output_padding[i]) for i in range(2)]
-        super().__init__(dist, (dims[0], dims[1]))  # type: ignore[arg-type]
+        super().__init__(dist, (dims[0], dims[1]))
         self.weight, self.bias = conv.weight, conv.bias
         self.conv = conv
 
@@ -78,7 +78,7 @@ class SpatialConvTranspose2d(WindowLayer):
         pads = []
         for w, need, out, size in ((ww, plan.need.cols, plan.out.cols, y.shape[3]),
                                    (wh, plan.need.rows, plan.out.rows, y.shape[2])):
-            start = w.start(need[0])  # type: ignore[attr-defined]
+            start = w.start(need[0])
             pads += [start - out[0], out[1] - (start + size)]  # negative: crop, positive: rows no input reaches
         y = F.pad(y, pads)
         if self.bias is not None:
@@ -139,7 +139,7 @@ def _axes(size: tuple[int, int], out: tuple[int, int], mode: str, scales: tuple[
 @lru_cache(maxsize=256)
 def _plan(size: tuple[int, int], grid: tuple[int, int], axes: tuple[ResampleWindow, ResampleWindow],
           rank: int) -> HaloPlan:
-    return plan_halo(size, grid, axes, rank)  # type: ignore[arg-type]
+    return plan_halo(size, grid, axes, rank)
 
 
 _MODES = {"nearest": "nearest", "bilinear": "linear"}
