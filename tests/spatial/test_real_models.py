@@ -73,6 +73,8 @@ def _reference_update(comm, model: nn.Module, batches, loss_fn) -> torch.Tensor:
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_torchvision_model_trains_as_one_process_on_every_grid(comm, name):
+    if comm.size == 3 and name not in ("resnet18", "densenet"):  # the same verdict on every rank
+        pytest.skip("3 ranks (3x1, uneven blocks) run the cheap models only; 2 and 4 ranks run all")
     torch.manual_seed(0)
     model = _no_dropout(MODELS[name]().double())
     loss_fn = nn.CrossEntropyLoss()

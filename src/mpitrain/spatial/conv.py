@@ -34,7 +34,7 @@ from ._exchange import (
     start_exchange,
 )
 from ._memory import dense, empty_as
-from ._window import PADDING_MODES, WindowLayer, input_layout, pad_by_mode
+from ._window import PADDING_MODES, WindowLayer, input_layout, pad_by_mode, padding_mode_problem
 from .distribution import Distribution
 from .halo import Box, HaloPlan, Window, halo_exchange, window_of
 from .tensor import SpatialError
@@ -288,6 +288,12 @@ class SpatialConv2d(WindowLayer):
         part = ext[:, :, r0 * sh:(r1 - 1) * sh + wh.span, c0 * sw:(c1 - 1) * sw + ww.span]
         y[:, :, r0:r1, c0:c1] = self.conv(part, weight, bias)
 
+    def check_plans(self, plans: list[HaloPlan], grid: tuple[int, ...]) -> None:
+        mode = self.padding_mode
+        problem = padding_mode_problem(plans, mode, grid) if mode != "zeros" else None
+        if problem:
+            raise SpatialError(problem)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x, layout = input_layout(self, x)
         if layout.kind == "replicated":
@@ -298,7 +304,7 @@ class SpatialConv2d(WindowLayer):
         plan = self.plan(layout, x)
         if self.padding_mode != "zeros":  # the halo then torch's padding rule on the needed box
             ext = halo_exchange(x, plan, layout.dist.spatial_comm, 0.0, layout.dist.sends)
-            ext = pad_by_mode(ext, plan, self.padding_mode, layout.dist.grid)
+            ext = pad_by_mode(ext, plan, self.padding_mode)
             return self.tag_output(self.conv(ext, self.weight, self.bias), layout)
         mode, _ = self.geometry(plan)
         if plan.exchanges or mode == "extended":

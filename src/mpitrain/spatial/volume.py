@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._window import PADDING_MODES, WindowLayer, input_layout, pad_by_mode
+from ._window import PADDING_MODES, WindowLayer, input_layout, pad_by_mode, padding_mode_problem
 from .distribution import Distribution
 from .halo import Box, HaloPlan, halo_exchange, window_of
 from .tensor import SpatialError
@@ -34,6 +34,12 @@ class SpatialConv3d(WindowLayer):
         self.conv = conv
         self.weight, self.bias = conv.weight, conv.bias
 
+    def check_plans(self, plans: list[HaloPlan], grid: tuple[int, ...]) -> None:
+        mode = self.conv.padding_mode
+        problem = padding_mode_problem(plans, mode, grid) if mode != "zeros" else None
+        if problem:
+            raise SpatialError(problem)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x, layout = input_layout(self, x)
         c = self.conv
@@ -42,7 +48,7 @@ class SpatialConv3d(WindowLayer):
         plan = self.plan(layout, x)
         ext = halo_exchange(x, plan, layout.dist.spatial_comm, 0.0, layout.dist.sends)
         if c.padding_mode != "zeros":
-            ext = pad_by_mode(ext, plan, c.padding_mode, layout.dist.grid)
+            ext = pad_by_mode(ext, plan, c.padding_mode)
         y = F.conv3d(ext, self.weight, self.bias, c.stride, 0, c.dilation, c.groups)
         return self.tag_output(y, layout)
 
