@@ -56,12 +56,17 @@ class NpyRegions:
         return torch.from_numpy(np.array(self.array[index, :, region[0], region[1]], copy=True, order="C"))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class RegionBatch:
-    """A global mini-batch named by sample indices of a :class:`RegionDataset` (no pixels loaded)."""
+    """A global mini-batch named by sample indices of a :class:`RegionDataset` (no pixels loaded). Its
+    repr names the dataset's type and sample shape and the indices, the same on every rank holding the
+    same batch (``fit`` checksums the first batch of each epoch across ranks)."""
 
     dataset: RegionDataset
     indices: tuple[int, ...]
+
+    def __repr__(self) -> str:
+        return f"RegionBatch({type(self.dataset).__name__}{self.dataset.sample_shape}, indices={self.indices})"
 
     @property
     def shape(self) -> tuple[int, ...]:
