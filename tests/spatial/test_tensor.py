@@ -1,0 +1,81 @@
+"""SpatialTensor layout rules: element-wise ops and channel concatenation keep the block, a spatial
+mean pools with only pooled vectors moving, a replicated 1x1 scale broadcasts onto a block (squeeze-and-
+excitation), a non-spatial op is redistributed visibly or refused, and an unknown in-place op is refused."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from mpitrain.spatial import Distribution, SpatialError, SpatialTensor, layout_of, parallelize
+from tests.helpers import assert_all_ranks
+from tests.spatial.test_layers import compare, layouts
+
+pytestmark = pytest.mark.mpi
+
+
+class SqueezeExcite(nn.Module):
+    """conv, then x * sigmoid(fc(mean over H, W)) (the scale is replicated, 1x1), a residual add, a cat
+    along channels, then mean over H, W and a linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.fc, self.head = nn.Conv2d(3, 4, 3, 1, 1), nn.Linear(4, 4), nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.conv(x))
+        scale = torch.sigmoid(self.fc(y.mean((2, 3))))[:, :, None, None]
+        z = y * scale + y
+        z = torch.cat([z, -z], dim=1)
+        return self.head(z.mean(dim=(-2, -1)))
+
+
+def test_elementwise_and_squeeze_excitation_keep_the_layout_and_move_only_pooled_vectors(comm):
+    torch.manual_seed(0)
+    model = SqueezeExcite().double()
+    for grid, samples in layouts(comm.size):
+        x = torch.randn(max(2, samples), 3, 3 * comm.size + 1, 2 * comm.size + 2, dtype=torch.float64)
+        dist = Distribution(comm, grid, samples)
+        compare(comm, copy.deepcopy(model), x, dist, f"squeeze-excite grid {grid}x{samples}", rtol=1e-10)
+        assert_all_ranks(comm, dist.redistributions == {}, f"redistributed {dist.redistributions}")
+
+
+def test_block_layout_survives_elementwise_ops_and_drops_on_scalar_reductions(comm):
+    dist = Distribution(comm, (comm.size, 1), 1)
+    x = dist.scatter(torch.randn(2, 3, 2 * comm.size, 4))
+    y = torch.nn.functional.gelu(x * 2 + 1).clone()
+    y.relu_()
+    same = isinstance(y, SpatialTensor) and layout_of(y) == layout_of(x)
+    cat = layout_of(torch.cat([x, y], dim=1))
+    assert_all_ranks(comm, same and cat is not None and cat.shape == (2, 6, 2 * comm.size, 4),
+                     f"layouts {layout_of(y)}, cat {cat}")
+
+
+def test_non_spatial_op_is_refused_with_nonspatial_error_and_redistributed_with_a_warning_otherwise(comm):
+    model = nn.Sequential(nn.Conv2d(1, 2, 3, 1, 1), nn.Flatten(), nn.Linear(2 * 2 * comm.size * 3, 2)).double()
+    x = torch.randn(2, 1, 2 * comm.size, 3, dtype=torch.float64)
+    strict = Distribution(comm, (comm.size, 1), 1, nonspatial="error")
+    try:
+        parallelize(copy.deepcopy(model), strict)(strict.scatter(x))
+        msg = ""
+    except SpatialError as e:
+        msg = str(e)
+    assert_all_ranks(comm, "flatten is not a spatial op" in msg, msg)
+    dist = Distribution(comm, (comm.size, 1), 1)
+    with pytest.warns(RuntimeWarning, match="flatten is not a spatial op"):
+        compare(comm, model, x, dist, "flatten after a redistribution", rtol=1e-10)
+    assert_all_ranks(comm, dist.redistributions == {"flatten": 1}, f"{dist.redistributions}")
+
+
+def test_unknown_in_place_op_on_a_block_is_refused(comm):
+    dist = Distribution(comm, (comm.size, 1), 1)
+    x = dist.scatter(torch.randn(1, 1, 2 * comm.size, 3)).clone()
+    try:
+        x[..., 0] = 1.0
+        msg = ""
+    except SpatialError as e:
+        msg = str(e)
+    assert_all_ranks(comm, "in-place" in msg, msg)
