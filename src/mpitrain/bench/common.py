@@ -8,12 +8,20 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
+from typing import TextIO
 
 import torch
+
+from .._utils.stall import StallPolicy, poll
+from ..comm.base import Communicator
 
 __all__ = ["machine", "command_line", "time_call", "slowest_rank_times", "step_timer", "alone_timer", "rank_max",
            "median",
            "paired_rounds", "paired_ratio", "quartiles", "on_rank0_alone", "print_table", "header"]
+
+
+#: Waiting ranks test the broadcast with sleeps of at most a millisecond: they leave rank 0 its core.
+_SLEEPY = StallPolicy(max_nap=1e-3, first_nap=1e-3)
 
 
 def machine() -> str:
@@ -59,7 +67,7 @@ def time_call(fn: Callable[[], object], repeats: int, warmup: int = 1,
     return out
 
 
-def slowest_rank_times(comm, fn: Callable[[], object], repeats: int, warmup: int = 1) -> list[float]:
+def slowest_rank_times(comm: Communicator, fn: Callable[[], object], repeats: int, warmup: int = 1) -> list[float]:
     """Seconds of `repeats` calls of `fn`, each started after a barrier, as the slowest rank's time
     (one float64 max-allreduce per call). Collective: every rank of `comm` calls it with the same counts."""
     for _ in range(warmup):
@@ -78,33 +86,35 @@ def median(xs: Sequence[float]) -> float:
     return statistics.median(xs)
 
 
-def on_rank0_alone(comm, fn: Callable[[], float]) -> float:
+def on_rank0_alone(comm: Communicator, fn: Callable[[], float]) -> float:
     """`fn()` run on rank 0 while the other ranks sleep (polling a nonblocking broadcast of the result
-    every millisecond instead of busy-waiting in MPI), so rank 0 has a core to itself like one process.
+    with sleeps of up to a millisecond instead of busy-waiting in MPI), so rank 0 has a core to itself like one process.
     Collective over `comm`; returns rank 0's value on every rank."""
     out = torch.zeros(1, dtype=torch.float64)
     if comm.rank == 0:
         out[0] = fn()
-    req = comm.ibroadcast(out, root=0)
-    while not req.test():
-        time.sleep(1e-3)
+    poll(comm.ibroadcast(out, root=0).test, _SLEEPY)
     return float(out[0])
 
 
-def step_timer(comm, step: Callable[[], object], steps: int) -> Callable[[], float]:
+def step_timer(comm: Communicator, step: Callable[[], object], steps: int) -> Callable[[], float]:
     """A timer for :func:`paired_rounds`: the median over `steps` calls of `step` of the slowest rank's
     seconds, no warm-up of its own (the untimed first round is the warm-up). Collective over `comm`."""
     return lambda: median(slowest_rank_times(comm, step, steps, warmup=0))
 
 
-def alone_timer(comm, step: Callable[[], object] | None, steps: int) -> Callable[[], float]:
+def alone_timer(comm: Communicator, step: Callable[[], object] | None, steps: int) -> Callable[[], float]:
     """A timer for :func:`paired_rounds`: the median over `steps` calls of `step` on rank 0 while the
     other ranks sleep (:func:`on_rank0_alone`; `step` may be None there), no warm-up of its own.
     Collective over `comm`."""
-    return lambda: on_rank0_alone(comm, lambda: median(time_call(step, steps, warmup=0)))
+    def alone() -> float:
+        assert step is not None, "rank 0 needs the step it times"
+        return median(time_call(step, steps, warmup=0))
+
+    return lambda: on_rank0_alone(comm, alone)
 
 
-def rank_max(comm, value: float) -> float:
+def rank_max(comm: Communicator, value: float) -> float:
     """The largest `value` over the ranks of `comm` (collective: every rank calls it)."""
     return float(comm.allreduce(torch.tensor([value], dtype=torch.float64), op="max")[0])
 
@@ -114,10 +124,9 @@ def paired_rounds(timers: Mapping[str, Callable[[], float]], rounds: int) -> dic
     returns every contender's results in round order. Collective when the timers are (same `timers`
     order on every rank).
 
-    This VM's speed drifts by up to ~25 % in phases of seconds (other tenants; measured with one
-    process timing the same step for 12 s: 197 ms rising to 313 ms). Results of different contenders
-    in the same round are seconds apart at most, so compare them round by round (:func:`paired_ratio`)
-    rather than across the whole run."""
+    A shared machine's speed drifts in phases of seconds (benchmarks/README.md has a measurement).
+    Results of different contenders in the same round are seconds apart at most, so compare them round
+    by round (:func:`paired_ratio`) rather than across the whole run."""
     for timer in timers.values():
         timer()
     out: dict[str, list[float]] = {name: [] for name in timers}
@@ -138,7 +147,7 @@ def quartiles(values: Sequence[float]) -> str:
     return f"{v[len(v) // 4]:.2f}-{v[(3 * len(v)) // 4]:.2f}"
 
 
-def print_table(headers: Sequence[str], rows: Sequence[Sequence[object]], file=None) -> None:
+def print_table(headers: Sequence[str], rows: Sequence[Sequence[object]], file: TextIO | None = None) -> None:
     """A fixed-width text table (numbers formatted to 4 significant digits)."""
     def fmt(v: object) -> str:
         return f"{v:.4g}" if isinstance(v, float) else str(v)

@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from ..comm.base import Communicator
 from ..runtime import init
 from .common import (
     alone_timer,
@@ -65,7 +66,7 @@ def _conv_block(channels: int = 16, h: int = 256, w: int = 512) -> tuple[Kernel,
     memory-bound layer (the first block of the narrow mesh model, ``bench spatial --widths 16,...``, on
     half of a 1024x1024 image)."""
     cl = torch.channels_last
-    conv = torch.nn.Conv2d(channels, channels, 3, padding=1, bias=False).to(memory_format=cl)
+    conv = torch.nn.Conv2d(channels, channels, 3, padding=1, bias=False).to(memory_format=cl)  # type: ignore[call-overload]  # torch's stubs omit memory_format
     bn = torch.nn.BatchNorm2d(channels)
     x = torch.randn(1, channels, h, w).contiguous(memory_format=cl).requires_grad_()
 
@@ -85,7 +86,7 @@ KERNELS: dict[str, tuple[Callable[[], tuple[Kernel, int]], str]] = {
 }
 
 
-def measure(comm, names: Sequence[str], rounds: int) -> list[list[object]]:
+def measure(comm: Communicator, names: Sequence[str], rounds: int) -> list[list[object]]:
     """One table row per kernel: alone ms, all-ranks ms, paired slowdown, its spread and the ceiling."""
     rows = []
     for name in names:
