@@ -20,6 +20,8 @@ refused before that allgather, on every rank (each has the same information).
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -46,6 +48,8 @@ from ._graph import (
     split,
     tied_groups,
 )
+from ._graph import _get_attr as get_attr
+from ._materialize import InitFn, is_meta, materialize
 from ._partition import bounds_from_balance
 from ._stage import Stage, make_edges, run
 from .schedule import SCHEDULES, Action, schedule
@@ -82,12 +86,17 @@ class Pipeline:
     with the same global batch. ``partitions * replicas`` must equal ``comm.size`` (either may be
     left out). `balance`: "time" (measured forward+backward per graph node), "params", or a list of
     node counts per partition. `checkpoint`: one of :data:`CHECKPOINTS`. `example`: a batch's inputs,
-    to set up at construction, so that :meth:`parameters` is known before the first step."""
+    to set up at construction, so that :meth:`parameters` is known before the first step.
+
+    A model on the meta device is captured, measured and split on meta; each rank then allocates and
+    initialises only the modules its partitions use (:func:`._materialize.materialize`, seeded by
+    `seed` and each module's name, with `init_fn(module)` or the module's ``reset_parameters()``)."""
 
     def __init__(self, model: nn.Module, partitions: int | None = None, replicas: int | None = None,
                  micro_batches: int = 1, schedule: str = "1f1b", comm: Communicator | None = None,
                  checkpoint: str = "never", *, balance: Any = "time", virtual_stages: int = 2,
-                 stall: StallPolicy = DEFAULT_POLICY, profile_passes: int = 5, example: Any = None) -> None:
+                 stall: StallPolicy = DEFAULT_POLICY, profile_passes: int = 5, example: Any = None,
+                 seed: int = 0, init_fn: InitFn | None = None) -> None:
         if comm is None:
             from ...runtime import init
 
@@ -95,8 +104,12 @@ class Pipeline:
         self.model, self.comm = model, comm
         self.P, self.R = _layout(partitions, replicas, comm.size)
         self.M, self.schedule, self.checkpoint, self.balance = micro_batches, schedule, checkpoint, balance
-        self.stall, self.profile_passes = stall, profile_passes
+        self.stall, self.profile_passes, self.seed, self.init_fn = stall, profile_passes, seed, init_fn
         _check_options(self.P, micro_batches, schedule, checkpoint, balance, virtual_stages)
+        self.on_meta = is_meta(model)
+        if self.on_meta and balance == "time":
+            raise FitError("a model on the meta device cannot be timed before it is split (its weights do "
+                           "not exist yet): pass balance='params' or a list of node counts")
         self.V = virtual_stages if schedule == "interleaved-1f1b" else 1
         self.replica, self.p = divmod(comm.rank, self.P)
         self.pipe = _split(comm, self.replica, self.p)
@@ -212,7 +225,7 @@ class Pipeline:
         """The user's model instance, every tensor broadcast from the first partition holding it
         (replica 0's copy, so BatchNorm statistics are replica 0's, as with DDP's broadcast_buffers).
         Every rank must call it."""
-        if not self.stages:
+        if not self.stages or self.on_meta:  # meta: this rank's partition is real, the rest stays meta
             return self.model
         owner: dict[int, int] = {}
         for k, part in enumerate(self._parts):
@@ -259,7 +272,10 @@ class Pipeline:
             raise FitError(f"{parts_n} partitions exceed the {len(traced.nodes)} nodes of the captured graph "
                            f"of {type(self.model).__name__}; use fewer partitions")
         sample = _rows(flat, 0, micro)
-        meta = self._metas[micro] = profile(traced, sample)
+        # shapes of a meta model come from a meta copy of its graph (no storage), before and after
+        # this rank materialises its own partition
+        self._shapes = dataclasses.replace(traced, gm=copy.deepcopy(traced.gm)) if self.on_meta else traced
+        meta = self._metas[micro] = self._profile(sample, grad=True)
         cuts = cut_points(traced, meta)
         if isinstance(self.balance, str) and len(cuts) + 1 < parts_n:
             raise FitError(f"the graph can only be cut at {len(cuts)} places (where every crossing value "
@@ -270,8 +286,13 @@ class Pipeline:
             bounds = bounds_from_balance(self.balance, parts_n, costs or param_counts(traced), cuts)
         except ValueError as e:
             raise FitError(str(e)) from e
+        self.bounds = bounds
         parts = split(traced, bounds, meta)
         mine = [parts[c * self.P + self.p] for c in range(self.V)]
+        if self.on_meta:
+            self._materialize(mine)
+            parts = split(traced, bounds, meta)  # partition modules holding the new tensors
+            mine = [parts[c * self.P + self.p] for c in range(self.V)]
         if self.checkpoint != "never":
             _refuse_recompute_with_batchnorm(mine)
         edges = make_edges(parts, meta)
@@ -291,6 +312,24 @@ class Pipeline:
                 for s in self.stages:
                     for t in s.part.module.state_dict().values():
                         self.group.broadcast(t, root=0)
+
+    def _materialize(self, mine: list[Partition]) -> None:
+        """Allocate and initialise the modules this rank's partitions read, then point the captured
+        graph's parameter reads at the new tensors."""
+        keep = {id(t) for part in mine for t in [*part.module.parameters(), *part.module.buffers()]}
+        try:
+            materialize(self.model, keep, self.seed, self.init_fn)
+        except ValueError as e:
+            raise FitError(str(e)) from e
+        gm = self._traced().gm
+        for n in gm.graph.nodes:
+            if n.op == "get_attr":
+                try:
+                    value = get_attr(self.model, str(n.target))
+                except AttributeError:
+                    continue  # a constant of the captured graph, not one of the model's tensors
+                owner, _, attr = str(n.target).rpartition(".")
+                setattr(gm.get_submodule(owner) if owner else gm, attr, value)
 
     def _tied_comms(self, parts: list[Partition]) -> list[tuple[Communicator, list[nn.Parameter]]]:
         """One sub-communicator of the pipeline per set of ranks holding copies of tied parameters
@@ -322,8 +361,14 @@ class Pipeline:
 
     def _meta(self, flat: list[Any], n: int) -> dict[str, ValueMeta | None]:
         if n not in self._metas:
-            self._metas[n] = profile(self._traced(), _rows(flat, 0, n), grad=False)
+            self._metas[n] = self._profile(_rows(flat, 0, n), grad=False)
         return self._metas[n]
+
+    def _profile(self, sample: list[Any], grad: bool) -> dict[str, ValueMeta | None]:
+        """Value metas of one forward on `sample`; for a meta model on meta copies of the inputs."""
+        if self.on_meta:
+            sample = [a.to("meta") if isinstance(a, torch.Tensor) else a for a in sample]
+        return profile(self._shapes, sample, grad=grad)
 
     def _output_leaves(self, flat: list[Any], B: int) -> list[Any]:
         """Buffers for the batch's output leaves (constants stay constants)."""

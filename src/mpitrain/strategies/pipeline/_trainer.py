@@ -22,9 +22,10 @@ __all__ = ["make_trainer", "PipelineTrainer", "OPTIONS"]
 
 #: Strategy options (``fit(..., stall_timeout=60)``): seconds before a stage waiting for a message warns
 #: (naming it), seconds after which such a wait ends the job (None: never), the profiling passes of
-#: ``balance="time"``, activation recomputation and the virtual stages of interleaved-1f1b.
+#: ``balance="time"``, activation recomputation, the virtual stages of interleaved-1f1b, and the
+#: seed and per-module initialiser of a model on the meta device (see :class:`Pipeline`).
 OPTIONS: dict[str, Any] = {"stall_timeout": 60.0, "stall_abort": 600.0, "profile_passes": 5,
-                           "checkpoint": "never", "virtual_stages": 2}
+                           "checkpoint": "never", "virtual_stages": 2, "seed": 0, "init_fn": None}
 
 
 def _check_spec(spec: Any, size: int) -> dict[str, Any]:
@@ -52,7 +53,7 @@ def make_trainer(model: nn.Module, loss_fn: Callable, optimizer: Callable, comm:
     pipe = Pipeline(model, spec.partitions, spec.replicas, spec.micro_batches, spec.schedule, comm,
                     opts["checkpoint"], balance=spec.balance, virtual_stages=opts["virtual_stages"],
                     stall=StallPolicy(float(opts["stall_timeout"]), None if abort is None else float(abort)),
-                    profile_passes=opts["profile_passes"])
+                    profile_passes=opts["profile_passes"], seed=opts["seed"], init_fn=opts["init_fn"])
     return PipelineTrainer(pipe, loss_fn, optimizer)
 
 
@@ -76,6 +77,11 @@ class PipelineTrainer:
         if self.optimizer is not None:
             self.optimizer.step()
         return loss
+
+    @property
+    def bounds(self) -> list[int]:
+        """Where the captured graph was cut (node indices ``[0, c1, ..., n]``), once set up."""
+        return self.pipe.bounds
 
     def eval_step(self, inputs: Any, targets: Any) -> Any:
         """Forward only, in eval mode; any batch size."""
