@@ -109,7 +109,7 @@ def test_loop_api_eval_outputs_and_recomputation_equal_one_process(comm):
     for policy in ("never", "always"):
         pipe = mpitrain.Pipeline(copy.deepcopy(model), partitions=comm.size, micro_batches=M, schedule="gpipe",
                                  comm=comm, checkpoint=policy, balance="params", example=data[0][0])
-        peaks[policy] = step_memory(lambda: pipe.step(*data[0], lm_loss))
+        peaks[policy] = step_memory(lambda pipe=pipe: pipe.step(*data[0], lm_loss))
     opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
     for inputs, labels in data:
         opt.zero_grad()
