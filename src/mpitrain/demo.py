@@ -37,7 +37,8 @@ class DigitsCNN(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.pool(torch.relu(self.conv2(torch.relu(self.conv1(x)))))
         x = torch.relu(self.conv3(x))
-        return self.fc2(torch.relu(self.fc1(torch.flatten(x, 1))))
+        out: torch.Tensor = self.fc2(torch.relu(self.fc1(torch.flatten(x, 1))))
+        return out
 
 
 def digits(seed: int, held_out: int = 336) -> tuple[torch.Tensor, ...]:
@@ -77,12 +78,12 @@ class Batches:
             yield self.x[idx], self.y[idx]
 
 
-def _layout(strategy: str, size: int, partitions: int | None) -> dict[str, int]:
+def _partitions(strategy: str, size: int, partitions: int | None) -> int:
     if strategy == "data":
-        return {"partitions": 1}
+        return 1
     if strategy == "hybrid":
-        return {"partitions": partitions or (2 if size % 2 == 0 else size)}
-    return {"partitions": partitions or size}
+        return partitions or (2 if size % 2 == 0 else size)
+    return partitions or size
 
 
 def parse(argv: Sequence[str]) -> argparse.Namespace:
@@ -110,13 +111,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     model = DigitsCNN()
     train_x, train_y, test_x, test_y = digits(args.seed)
     pipelined = args.strategy in ("model", "hybrid")
-    options = {"micro_batches": args.micro_batches, "schedule": args.schedule} if pipelined else {}
     t0 = time.perf_counter()
     result = fit(model, Batches(train_x, train_y, args.batch_size, args.seed, drop_last=True),
                  nn.CrossEntropyLoss(), lambda ps: torch.optim.Adam(ps, lr=args.lr), strategy=args.strategy,
                  epochs=args.epochs, eval_data=Batches(test_x, test_y, 168, None, drop_last=False),
                  metrics=["accuracy"], progress=not args.no_progress,
-                 **_layout(args.strategy, comm.size, args.partitions), **options)
+                 partitions=_partitions(args.strategy, comm.size, args.partitions),
+                 micro_batches=args.micro_batches if pipelined else 1, schedule=args.schedule if pipelined else "1f1b")
     elapsed = time.perf_counter() - t0
     last = result.history[-1]
     rate = statistics.median(h["samples_per_s"] for h in result.history)

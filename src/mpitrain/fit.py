@@ -5,21 +5,34 @@ from __future__ import annotations
 import importlib
 import math
 import time
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from collections.abc import Callable, Iterable, Mapping, Sized
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
 
+from ._utils.deprecation import renamed_options
+from ._utils.stall import StallPolicy
 from .comm.base import Communicator
 from .runtime import world
-from .strategies import FitError
+from .strategies.base import (
+    Balance,
+    Batch,
+    FitError,
+    FitSpec,
+    LossFn,
+    OptimizerFactory,
+    Trainer,
+    TrainerFactory,
+    is_number,
+)
 
 __all__ = ["fit", "make_trainer", "FitResult", "FitSpec", "Trainer", "STRATEGIES", "FitError"]
 
-#: strategy name -> "module:factory". The factory is ``make_trainer(model, loss_fn, optimizer, comm,
-#: spec) -> Trainer`` and must refuse bad input on every rank before sending any message.
+#: strategy name -> "module:factory". The factory is a :data:`~mpitrain.strategies.base.TrainerFactory`,
+#: ``make_trainer(model, loss_fn, optimizer, comm, spec) -> Trainer``, and must refuse bad input on every
+#: rank before sending any message.
 STRATEGIES: dict[str, str] = {
     "data": "mpitrain.strategies.data_parallel:make_trainer",
     "model": "mpitrain.strategies.pipeline:make_trainer",
@@ -28,38 +41,11 @@ STRATEGIES: dict[str, str] = {
     "spatial": "mpitrain.spatial.trainer:make_trainer",
 }
 
-OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+#: Deprecated spellings of fit's stall keywords (kept for one release, with a DeprecationWarning).
+STALL_ALIASES = {"stall_timeout": "warn_after", "stall_abort": "abort_after", "stall_warning_s": "warn_after"}
+DEFAULT_WARN_AFTER, DEFAULT_ABORT_AFTER = 60.0, 600.0
+
 Metric = Callable[[torch.Tensor, torch.Tensor], float]
-
-
-
-
-@dataclass(frozen=True)
-class FitSpec:
-    """Everything `fit` was told about how to split the work; `options` holds strategy-specific
-    keyword arguments (e.g. ``staleness``, ``grid``) that the strategy validates itself."""
-
-    strategy: str = "data"
-    partitions: int = 1
-    replicas: int | None = None
-    micro_batches: int = 1
-    schedule: str = "1f1b"
-    balance: Any = "time"
-    options: Mapping[str, Any] = field(default_factory=dict)
-
-
-class Trainer(Protocol):
-    """What a strategy gives `fit`. Every rank calls every method, with the same global batch."""
-
-    def train_step(self, inputs: Any, targets: torch.Tensor) -> float:
-        """One optimizer step on the global mini-batch; returns its mean loss, equal on every rank."""
-
-    def eval_step(self, inputs: Any, targets: torch.Tensor) -> torch.Tensor:
-        """Forward only (no grad) on the global batch; returns the full outputs on every rank."""
-
-    def trained_model(self) -> nn.Module:
-        """A model of the user's class holding the trained weights, on every rank."""
 
 
 @dataclass
@@ -101,25 +87,55 @@ def make_trainer(model: nn.Module, loss_fn: LossFn, optimizer: OptimizerFactory,
     if spec.strategy not in STRATEGIES:
         raise FitError(f"unknown strategy {spec.strategy!r}; choose one of {sorted(STRATEGIES)}")
     module, _, name = STRATEGIES[spec.strategy].partition(":")
-    return getattr(importlib.import_module(module), name)(model, loss_fn, optimizer, comm, spec)
+    factory: TrainerFactory = getattr(importlib.import_module(module), name)
+    return factory(model, loss_fn, optimizer, comm, spec)
 
 
-def _batch_count(data: Any) -> int | None:
+def stall_policy(warn_after: float, abort_after: float | None, renamed: dict[str, object]) -> StallPolicy:
+    """fit's StallPolicy from its keywords and from `renamed`, fit's other options after
+    ``renamed_options(options, STALL_ALIASES, "fit")``; takes ``warn_after``/``abort_after`` out of
+    `renamed`. FitError for a value given twice or out of range; local, so every rank raises alike."""
+    for key, value, default in (("warn_after", warn_after, DEFAULT_WARN_AFTER),
+                                ("abort_after", abort_after, DEFAULT_ABORT_AFTER)):
+        if key in renamed and value != default:
+            raise FitError(f"fit: {key} given twice (as {key}={value!r} and by a deprecated name)")
+    warn = renamed.pop("warn_after", warn_after)
+    abort = renamed.pop("abort_after", abort_after)
+    if not is_number(warn) or not (abort is None or is_number(abort)):
+        raise FitError(f"fit: warn_after must be a number of seconds and abort_after one or None, got "
+                       f"{warn!r} and {abort!r}")
+    assert isinstance(warn, (int, float)) and (abort is None or isinstance(abort, (int, float)))
     try:
-        return len(data)
+        return StallPolicy(warn_after=float(warn), abort_after=None if abort is None else float(abort))
+    except ValueError as e:
+        raise FitError(f"fit: {e}") from None
+
+
+def _batch_count(data: object) -> int | None:
+    try:  # a DataLoader over an IterableDataset has __len__ and raises TypeError
+        return len(data) if isinstance(data, Sized) else None
     except TypeError:
         return None
 
 
-def _progress(total: int | None, desc: str, enabled: bool):  # -> tqdm | None
+class _Bar(Protocol):
+    """The part of a tqdm progress bar that fit uses."""
+
+    def set_postfix(self, **kwargs: str) -> None: ...
+    def update(self, n: int) -> object: ...
+    def close(self) -> None: ...
+
+
+def _progress(total: int | None, desc: str, enabled: bool) -> _Bar | None:
     if not enabled:
         return None
-    from tqdm.auto import tqdm
+    from tqdm.auto import tqdm  # type: ignore[import-untyped]
 
-    return tqdm(total=total, desc=desc, unit="batch", dynamic_ncols=True, leave=True)
+    bar: _Bar = tqdm(total=total, desc=desc, unit="batch", dynamic_ncols=True, leave=True)
+    return bar
 
 
-def _evaluate(trainer: Trainer, data: Iterable, loss_fn: LossFn,
+def _evaluate(trainer: Trainer, data: Iterable[tuple[Batch, torch.Tensor]], loss_fn: LossFn,
               metrics: dict[str, Metric]) -> dict[str, float]:
     totals: dict[str, float] = {}
     count = 0
@@ -134,12 +150,14 @@ def _evaluate(trainer: Trainer, data: Iterable, loss_fn: LossFn,
     return {k: v / max(count, 1) for k, v in totals.items()}
 
 
-def fit(model: nn.Module, data: Iterable, loss_fn: LossFn, optimizer: OptimizerFactory, *,
-        strategy: str = "data", partitions: int = 1, replicas: int | None = None, micro_batches: int = 1,
-        schedule: str = "1f1b", epochs: int = 1, steps: int | None = None, eval_data: Iterable | None = None,
+def fit(model: nn.Module, data: Iterable[tuple[Batch, torch.Tensor]], loss_fn: LossFn,
+        optimizer: OptimizerFactory, *, strategy: str = "data", partitions: int = 1, replicas: int | None = None,
+        micro_batches: int = 1, schedule: str = "1f1b", epochs: int = 1, steps: int | None = None,
+        eval_data: Iterable[tuple[Batch, torch.Tensor]] | None = None,
         metrics: Iterable[str | Metric] | Mapping[str, Metric] | None = None,
-        comm: Communicator | None = None, progress: bool = True, balance: Any = "time",
-        **options: Any) -> FitResult:
+        comm: Communicator | None = None, progress: bool = True, balance: Balance = "time",
+        warn_after: float = DEFAULT_WARN_AFTER, abort_after: float | None = DEFAULT_ABORT_AFTER,
+        **options: object) -> FitResult:
     """Train `model` on every rank of `comm` (default: the world) with one of :data:`STRATEGIES`.
 
     `data` yields ``(inputs, targets)`` *global* mini-batches, the same on every rank; the strategy
@@ -147,14 +165,23 @@ def fit(model: nn.Module, data: Iterable, loss_fn: LossFn, optimizer: OptimizerF
     (up to float rounding, and except where the strategy changes the maths on purpose: pipe-sgd's
     staleness, lossy compression). `optimizer` is a callable ``params -> torch.optim.Optimizer``.
     `steps` caps the optimizer steps per epoch. Strategy-specific keywords go in `options`.
-    Every rank must call `fit` with the same arguments.
+    No wait of the strategy hangs: one still waiting after `warn_after` seconds prints a line naming
+    what it waits for (again every `warn_after` seconds); after `abort_after` seconds (None: never) the
+    job ends. ``stall_timeout``/``stall_warning_s`` and ``stall_abort`` are deprecated spellings of
+    these two. Every rank must call `fit` with the same arguments; bad arguments raise FitError on
+    every rank before any message is sent.
     """
     if epochs < 1 or (steps is not None and steps < 1):
         raise FitError(f"epochs must be >= 1 and steps None or >= 1, got epochs={epochs}, steps={steps}")
     comm = comm or world()
     named = _metrics(metrics)
+    try:  # called here, so that the DeprecationWarning names the caller of fit
+        rest = renamed_options(options, STALL_ALIASES, "fit")
+    except TypeError as e:
+        raise FitError(str(e)) from None
+    stall = stall_policy(warn_after, abort_after, rest)
     spec = FitSpec(strategy=strategy, partitions=partitions, replicas=replicas, micro_batches=micro_batches,
-                   schedule=schedule, balance=balance, options=dict(options))
+                   schedule=schedule, balance=balance, options=rest, stall=stall)
     trainer = make_trainer(model, loss_fn, optimizer, comm, spec)
     history: list[dict[str, float]] = []
     show = progress and comm.rank == 0

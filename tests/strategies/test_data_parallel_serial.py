@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import mpitrain
-from mpitrain.strategies.buckets import Bucket, plan_buckets
+from mpitrain.strategies._buckets import Bucket, plan_buckets
 from mpitrain.strategies.data_parallel import DataParallel
 
 

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from mpitrain.comm.codecs import Codec, get_codec
-from mpitrain.fit import FitSpec, fit
+from mpitrain.fit import FitError, FitSpec, fit
 from mpitrain.strategies.pipesgd import LinkEmulation, PipeSGDError, make_trainer
 from tests.helpers import assert_all_ranks, assert_close_all_ranks, run_job
 
@@ -160,7 +160,7 @@ def test_bad_options_raise_on_every_rank_before_any_message(comm, options):
         make_trainer(_model(), nn.functional.cross_entropy, _sgd, comm, FitSpec(strategy="pipe-sgd",
                                                                                 options=options))
         raised = False
-    except ValueError:
+    except FitError:
         raised = True
     assert_all_ranks(comm, raised, f"{options} accepted")
 

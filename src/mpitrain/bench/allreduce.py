@@ -81,7 +81,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--no-torch", action="store_true", help="skip the torch.distributed (gloo) backend")
     args = p.parse_args(argv)
 
-    from ..comm.torchdist import init_torch_world
+    from ..comm._torchdist import init_torch_world
     from ..runtime import world
 
     comm = world()

@@ -17,7 +17,8 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +27,7 @@ from torch import nn
 import mpitrain
 from mpitrain.bench.common import header, print_table
 from mpitrain.comm.base import Communicator
+from mpitrain.kvstore._interface import Key
 from mpitrain.strategies.data_parallel import DataParallel
 
 __all__ = ["main", "MODELS"]
@@ -129,12 +131,12 @@ class _Breakdown:
         if dp is not None:
             wait = dp.kv.wait
 
-            def timed_wait(keys=None):
+            def timed_wait(keys: Key | Sequence[Key] | None = None) -> None:
                 t0 = time.perf_counter()
                 wait(keys)
                 self.t["exposed wait"] += time.perf_counter() - t0
 
-            dp.kv.wait = timed_wait
+            dp.kv.wait = timed_wait  # type: ignore[method-assign]  # instrumented for this run only
         for _ in range(steps):
             t0 = time.perf_counter()
             st.opt.zero_grad()
@@ -148,7 +150,7 @@ class _Breakdown:
             self.t["backward"] += t2 - t1
             self.t["step"] += t3 - t2
         if dp is not None:
-            dp.kv.wait = wait
+            dp.kv.wait = wait  # type: ignore[method-assign]
         return {k: 1e3 * v / steps for k, v in self.t.items()}
 
 
@@ -190,7 +192,7 @@ def _dp_runner(comm: Communicator, module: nn.Module, kv: str, bucket_mb: float,
 def _ddp(model: nn.Module, bucket_mb: float) -> nn.Module:
     import torch.distributed as dist
 
-    from mpitrain.comm.torchdist import init_torch_world
+    from mpitrain.comm._torchdist import init_torch_world
 
     if not dist.is_initialized():
         init_torch_world(mpitrain.rank(), mpitrain.size(), mpitrain.init())
@@ -214,7 +216,7 @@ def _measure(args: argparse.Namespace, comm: Communicator, name: str) -> dict[st
 def _rows(name: str, rates: dict[str, list[float]]) -> list[list[object]]:
     med = {n: statistics.median(v) for n, v in rates.items()}
     ddp, solo = med.get("ddp (gloo)"), med["solo"]
-    rows = []
+    rows: list[list[object]] = []
     for n, v in rates.items():
         ratio = f"{med[n] / ddp:.3f}" if ddp else "-"
         rows.append([name, n, med[n], min(v), max(v), ratio, f"{med[n] / solo:.3f}"])
@@ -237,9 +239,9 @@ def _breakdown(args: argparse.Namespace, comm: Communicator, name: str) -> list[
                               overlap=args.overlap != "off")
             return dp, dp
         makers.append((f"mpitrain/{kv}", make))
-    rows = []
-    for label, make in makers:
-        model, dp = make()
+    rows: list[list[object]] = []
+    for label, build in makers:
+        model, dp = build()
         st = _Step(model, x, y)
         st()
         comm.barrier()
@@ -262,7 +264,7 @@ def _plot(path: str, rows: list[list[object]]) -> None:
     fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
     for ax, m in zip(axes[0], models):
         mine = [r for r in rows if r[0] == m]
-        ax.bar([str(r[1]) for r in mine], [float(r[2]) for r in mine], color="tab:blue")
+        ax.bar([str(r[1]) for r in mine], [cast(float, r[2]) for r in mine], color="tab:blue")
         ax.set_title(f"{m}: training steps/s (median)")
         ax.tick_params(axis="x", rotation=30)
     fig.tight_layout()

@@ -205,7 +205,7 @@ def transformer_table(comm: Communicator, args: argparse.Namespace) -> None:
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, args.gpt_vocab, (n, args.gpt_seq), generator=g)
     labels = torch.randint(0, args.gpt_vocab, (n, args.gpt_seq), generator=g)
-    inputs = {"input_ids": ids}
+    inputs: Any = {"input_ids": ids}  # keyword inputs (base.Batch does not name dicts)
 
     def sequential_step() -> Callable[[], None]:
         model = _gpt2(args)

@@ -7,7 +7,7 @@ measurement is the maximum over ranks: the slowest link/core bounds a synchronou
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -33,7 +33,7 @@ class Calibration:
     wire_ratio: dict[str, float]
 
 
-def fit_alpha_beta(sizes: list[float], times: list[float]) -> tuple[float, float]:
+def fit_alpha_beta(sizes: Sequence[float], times: Sequence[float]) -> tuple[float, float]:
     """``t = alpha + beta * m``: alpha is the time of the smallest message, beta the least-squares slope
     of the rest through it (a plain two-parameter fit lets the large sizes drive alpha negative)."""
     alpha = max(0.0, times[0])
@@ -61,7 +61,7 @@ def _shift_times(comm: Communicator, sizes: list[int], repeats: int) -> list[flo
     for m in sizes:
         send, recv = torch.zeros(m // 4), torch.empty(m // 4)
 
-        def shift(send=send, recv=recv) -> None:
+        def shift(send: torch.Tensor = send, recv: torch.Tensor = recv) -> None:
             comm.sendrecv(send, right, recv, left)
 
         comm.barrier()

@@ -93,7 +93,8 @@ def conv_shapes(model: torch.nn.Module, input_shape: tuple[int, ...]) -> list[Co
     copy: no compute, `model` untouched)."""
     shapes: list[ConvShape] = []
 
-    def hook(m, args, _out) -> None:
+    def hook(m: torch.nn.Module, args: tuple[torch.Tensor, ...], _out: object) -> None:
+        assert isinstance(m, torch.nn.Conv2d)  # the hook is registered on Conv2d layers only
         n, c, h, w = args[0].shape
         shapes.append(ConvShape(n, c, h, w, m.out_channels, m.kernel_size[0], m.stride[0]))
 

@@ -1,8 +1,7 @@
-"""Training strategies: data parallel, pipeline (model/hybrid), pipe-sgd. Each exposes make_trainer."""
+"""Training strategies: data parallel, pipeline (model/hybrid), pipe-sgd. Each module named in
+``mpitrain.fit.STRATEGIES`` exposes ``make_trainer(model, loss_fn, optimizer, comm, spec) -> Trainer``;
+what they share lives in :mod:`.base`."""
 
-__all__ = ["FitError"]
+from .base import FitError, FitSpec, StrategyOptions, Trainer
 
-
-class FitError(ValueError):
-    """`fit` was called with something inconsistent (world size, partitions, batch, options); every
-    strategy raises it on every rank before any message is sent, saying what to change."""
+__all__ = ["FitError", "FitSpec", "StrategyOptions", "Trainer"]

@@ -4,26 +4,40 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from ..comm.base import Communicator
 from ..runtime import world
-from . import FitError
-from .batching import batch_size, check_divisible, chunks, shard
-from .broadcast import (
+from ._batching import batch_size, check_divisible, chunks, shard
+from ._broadcast import (
     broadcast_optimizer_state,
     broadcast_parameters,
     broadcast_tensors,
     check_same_everywhere,
     module_tensors,
 )
-from .buckets import MB, Bucket, plan_buckets
-from .grad_allreduce import allreduce_gradients, start_allreduce_gradients
+from ._buckets import MB, Bucket, plan_buckets
+from ._grad_allreduce import allreduce_gradients, start_allreduce_gradients
+from .base import (
+    Batch,
+    FitError,
+    FitSpec,
+    LossFn,
+    OptimizerFactory,
+    StrategyOptions,
+    is_number,
+    require_whole_model,
+)
 
-__all__ = ["DataParallel", "KVSTORE_TYPES", "COLLECTIVE_TYPES", "make_trainer", "DataTrainer",
+if TYPE_CHECKING:
+    from ..kvstore import KVStore
+
+__all__ = ["DataParallel", "KVSTORE_TYPES", "COLLECTIVE_TYPES", "make_trainer", "DataTrainer", "DataOptions",
            "broadcast_parameters", "broadcast_optimizer_state", "allreduce_gradients",
            "start_allreduce_gradients"]
 
@@ -73,7 +87,7 @@ class DataParallel(nn.Module):
     place and autograd accumulates into them.
     """
 
-    def __init__(self, module: nn.Module, kvstore: Any = "dist_sync_mpi", bucket_mb: float = 25.0,
+    def __init__(self, module: nn.Module, kvstore: str | KVStore = "dist_sync_mpi", bucket_mb: float = 25.0,
                  comm: Communicator | None = None, *, first_bucket_mb: float = 1.0,
                  broadcast_buffers: bool = True, overlap: bool = True, name: str = "dp") -> None:
         super().__init__()
@@ -236,42 +250,28 @@ class DataParallel(nn.Module):
 
 
 # -- helpers --------------------------------------------------------------------------------------
-def _watch_outputs(out: Any, dp: DataParallel) -> Any:
+def _watch_outputs(out: object, dp: DataParallel) -> object:
     """Queue the final callback when backward reaches the outputs (a pre-hook on their autograd
     nodes), so a backward that reaches them always synchronises, even when no local parameter gets
-    a gradient. Nothing wraps or copies the outputs."""
-    found: list[torch.Tensor] = []
-    _collect_tensors(out, found)
-    for t in found:
-        if t.grad_fn is not None:
+    a gradient. The outputs may be any pytree (tuples, dicts, model-output classes registered with
+    torch.utils._pytree); nothing wraps or copies them."""
+    seen: set[int] = set()
+    for t in tree_leaves(out):
+        if isinstance(t, torch.Tensor) and t.grad_fn is not None and id(t) not in seen:
+            seen.add(id(t))
             t.grad_fn.register_prehook(dp._backward_started)
     return out
 
 
-def _collect_tensors(obj: Any, out: list[torch.Tensor]) -> None:
-    if isinstance(obj, torch.Tensor):
-        if obj.requires_grad and all(obj is not t for t in out):
-            out.append(obj)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            _collect_tensors(v, out)
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            _collect_tensors(v, out)
-
-
 def _unique(params: Iterator[nn.Parameter]) -> list[nn.Parameter]:
-    seen: set[int] = set()
-    return [p for p in params if not (id(p) in seen or seen.add(id(p)))]
+    return list(dict.fromkeys(params))  # tensors hash by identity: tied parameters once, in order
 
 
-def _check_args(module: Any, kvstore: Any, bucket_mb: float, first_bucket_mb: float,
-                comm: Communicator) -> None:
-    """Local checks, identical on every rank (so every rank raises together, before any message)."""
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"DataParallel wraps an nn.Module, got {type(module).__name__}")
-    if not (bucket_mb > 0 and first_bucket_mb > 0):
-        raise ValueError(f"bucket_mb and first_bucket_mb must be > 0, got {bucket_mb} and {first_bucket_mb}")
+def _check_settings(kvstore: object, bucket_mb: float, first_bucket_mb: float) -> None:
+    """The checks that need no communicator (ValueError/TypeError): shared by DataParallel and
+    :class:`DataOptions`."""
+    if not (is_number(bucket_mb) and is_number(first_bucket_mb) and bucket_mb > 0 and first_bucket_mb > 0):
+        raise ValueError(f"bucket_mb and first_bucket_mb must be > 0, got {bucket_mb!r} and {first_bucket_mb!r}")
     if isinstance(kvstore, str):
         if kvstore not in KVSTORE_TYPES:
             raise ValueError(f"unknown kvstore type {kvstore!r}; choose one of {KVSTORE_TYPES}")
@@ -280,17 +280,26 @@ def _check_args(module: Any, kvstore: Any, bucket_mb: float, first_bucket_mb: fl
                              "mpitrain.kvstore.create('dist_sync', num_servers=S), call kv.serve() on the "
                              "ranks where kv.is_server, and pass kvstore=kv with comm= the workers' "
                              "communicator")
+    elif not all(hasattr(kvstore, a) for a in ("init", "pushpull", "wait", "num_workers")):
+        raise TypeError(f"kvstore must be a type name or a KVStore, got {type(kvstore).__name__}")
+
+
+def _check_args(module: object, kvstore: str | KVStore, bucket_mb: float, first_bucket_mb: float,
+                comm: Communicator) -> None:
+    """Local checks, identical on every rank (so every rank raises together, before any message)."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"DataParallel wraps an nn.Module, got {type(module).__name__}")
+    _check_settings(kvstore, bucket_mb, first_bucket_mb)
+    if isinstance(kvstore, str):
         if kvstore == "local" and comm.size > 1:
             raise ValueError(f"kvstore 'local' reduces within one process; this job has {comm.size} ranks: "
                              f"use one of {COLLECTIVE_TYPES}")
-    elif not all(hasattr(kvstore, a) for a in ("init", "pushpull", "wait", "num_workers")):
-        raise TypeError(f"kvstore must be a type name or a KVStore, got {type(kvstore).__name__}")
     elif kvstore.num_workers != comm.size:
         raise ValueError(f"the kvstore has {kvstore.num_workers} workers but the communicator has "
                          f"{comm.size} ranks; pass comm= the workers' communicator")
 
 
-def _make_kvstore(kvstore: Any, comm: Communicator) -> Any:
+def _make_kvstore(kvstore: str | KVStore, comm: Communicator) -> KVStore:
     if not isinstance(kvstore, str):
         return kvstore
     from .. import kvstore as kvmod
@@ -303,7 +312,25 @@ def _make_kvstore(kvstore: Any, comm: Communicator) -> Any:
 
 
 # -- fit(strategy="data") -----------------------------------------------------------------------------
-_OPTIONS = ("kvstore", "bucket_mb", "first_bucket_mb", "broadcast_buffers", "overlap")
+@dataclass(frozen=True)
+class DataOptions(StrategyOptions):
+    """Options of ``fit(strategy="data", ...)``: :class:`DataParallel`'s settings (same meaning and
+    defaults). `kvstore` is a type name or a store object (see DataParallel)."""
+
+    strategy: ClassVar[str] = "data"
+    kvstore: str | KVStore = "dist_sync_mpi"
+    bucket_mb: float = 25.0
+    first_bucket_mb: float = 1.0
+    broadcast_buffers: bool = True
+    overlap: bool = True
+
+    def __post_init__(self) -> None:
+        try:
+            _check_settings(self.kvstore, self.bucket_mb, self.first_bucket_mb)
+        except (TypeError, ValueError) as e:
+            raise FitError(f"strategy 'data': {e}") from None
+        for name in ("broadcast_buffers", "overlap"):
+            self.require(name, isinstance(getattr(self, name), bool), "True or False")
 
 
 class DataTrainer:
@@ -313,17 +340,18 @@ class DataTrainer:
     reduction per step); the maths is unchanged. The returned loss is the global batch mean.
     """
 
-    def __init__(self, model: nn.Module, loss_fn: Any, optimizer: Any, comm: Communicator,
-                 micro_batches: int, options: dict[str, Any]) -> None:
-        self.dp = DataParallel(model, comm=comm, **options)
+    def __init__(self, model: nn.Module, loss_fn: LossFn, optimizer: OptimizerFactory, comm: Communicator,
+                 micro_batches: int, opts: DataOptions) -> None:
+        self.dp = DataParallel(model, opts.kvstore, opts.bucket_mb, comm, first_bucket_mb=opts.first_bucket_mb,
+                               broadcast_buffers=opts.broadcast_buffers, overlap=opts.overlap)
         self.loss_fn, self.comm, self.micro_batches = loss_fn, comm, micro_batches
         self.optimizer = optimizer(self.dp.module.parameters())
 
-    def _slice(self, inputs: Any, targets: torch.Tensor) -> tuple[Any, torch.Tensor]:
+    def _slice(self, inputs: Batch, targets: torch.Tensor) -> tuple[Batch, torch.Tensor]:
         check_divisible(batch_size(targets), self.comm.size * self.micro_batches, "ranks x micro-batches")
         return shard(inputs, self.comm.size, self.comm.rank), shard(targets, self.comm.size, self.comm.rank)
 
-    def train_step(self, inputs: Any, targets: torch.Tensor) -> float:
+    def train_step(self, inputs: Batch, targets: torch.Tensor) -> float:
         if self.dp._closed:
             raise RuntimeError("this data-parallel trainer is finished (trained_model() closed it)")
         x, y = self._slice(inputs, targets)
@@ -336,12 +364,13 @@ class DataTrainer:
                 loss.backward()
             total += loss.detach()
         self.optimizer.step()
-        return self.comm.allreduce(total.reshape(1).float(), "avg").item()
+        return float(self.comm.allreduce(total.reshape(1).float(), "avg").item())
 
     @torch.no_grad()
-    def eval_step(self, inputs: Any, targets: torch.Tensor) -> torch.Tensor:
+    def eval_step(self, inputs: Batch, targets: torch.Tensor) -> torch.Tensor:
         x, _ = self._slice(inputs, targets)
-        return self.comm.allgather(self.dp.module(x).contiguous())
+        out: torch.Tensor = self.dp.module(x)
+        return self.comm.allgather(out.contiguous())
 
     def trained_model(self) -> nn.Module:
         """The wrapped module (same weights on every rank). Collective: fit calls it last, on every rank,
@@ -350,19 +379,15 @@ class DataTrainer:
         return self.dp.module
 
 
-def make_trainer(model: nn.Module, loss_fn: Any, optimizer: Any, comm: Communicator,
-                 spec: Any) -> DataTrainer:
-    """Build the data-parallel Trainer; refuses (ValueError, every rank, before any message) options it
-    does not know and splits it cannot do (`partitions` must be 1, `replicas` None or the world size)."""
-    unknown = sorted(set(spec.options) - set(_OPTIONS))
-    if unknown:
-        raise FitError(f"strategy 'data' does not take option(s) {unknown}; it takes {list(_OPTIONS)}")
-    if spec.partitions != 1:
-        raise FitError(f"strategy 'data' keeps the whole model on every rank; partitions={spec.partitions} "
-                         f"needs strategy 'model' or 'hybrid'")
-    if spec.replicas not in (None, comm.size):
-        raise FitError(f"strategy 'data' uses every rank as a replica: replicas={spec.replicas} but the "
-                         f"communicator has {comm.size} ranks")
-    if spec.micro_batches < 1:
-        raise FitError(f"micro_batches must be >= 1, got {spec.micro_batches}")
-    return DataTrainer(model, loss_fn, optimizer, comm, spec.micro_batches, dict(spec.options))
+def make_trainer(model: nn.Module, loss_fn: LossFn, optimizer: OptimizerFactory, comm: Communicator,
+                 spec: FitSpec) -> DataTrainer:
+    """Build the data-parallel Trainer. Refuses with FitError, on every rank before any message,
+    options it does not know or cannot use (:class:`DataOptions`) and splits it cannot do
+    (`partitions` must be 1, `replicas` None or the world size)."""
+    require_whole_model(spec, comm)
+    opts = DataOptions.from_spec(spec)
+    try:
+        _check_args(model, opts.kvstore, opts.bucket_mb, opts.first_bucket_mb, comm)
+    except (TypeError, ValueError) as e:
+        raise FitError(f"strategy 'data': {e}") from None
+    return DataTrainer(model, loss_fn, optimizer, comm, spec.micro_batches, opts)

@@ -20,24 +20,32 @@ import collections
 import queue
 import threading
 import time
-import warnings
 from dataclasses import dataclass, field
-from typing import Any
+from typing import ClassVar
 
 import torch
 from torch import nn
 
+from .._utils.flat import views
+from .._utils.stall import DEFAULT_POLICY, StallPolicy, wait_until
 from ..comm.base import CommError, Communicator
 from ..comm.codecs import Codec, get_codec
 from ..comm.ring import DEFAULT_CHUNK_BYTES, ring_allreduce
-from .batching import batch_size, check_divisible, shard
-from .broadcast import broadcast_parameters, check_same_everywhere
+from ._batching import batch_size, check_divisible, shard
+from ._broadcast import broadcast_parameters, check_same_everywhere
+from .base import (
+    Batch,
+    FitError,
+    FitSpec,
+    LossFn,
+    OptimizerFactory,
+    StrategyOptions,
+    is_int,
+    is_number,
+    require_whole_model,
+)
 
-__all__ = ["make_trainer", "PipeSGDTrainer", "CommThread", "LinkEmulation", "PipeSGDError", "OPTIONS"]
-
-#: Options of ``fit(strategy="pipe-sgd", ...)`` and their defaults.
-OPTIONS: dict[str, Any] = {"staleness": 2, "warmup_steps": 0, "compression": None, "error_feedback": False,
-                           "chunk_bytes": DEFAULT_CHUNK_BYTES, "emulate_link": None, "stall_warning_s": 60.0}
+__all__ = ["make_trainer", "PipeSGDTrainer", "PipeSGDOptions", "CommThread", "LinkEmulation", "PipeSGDError"]
 
 
 class PipeSGDError(RuntimeError):
@@ -56,6 +64,47 @@ class LinkEmulation:
 
     def delay(self, wire_bytes: int, p: int) -> float:
         return 0.0 if p <= 1 else 2 * (p - 1) * self.alpha + 2 * (p - 1) / p * wire_bytes * self.beta
+
+
+@dataclass(frozen=True)
+class PipeSGDOptions(StrategyOptions):
+    """Options of ``fit(strategy="pipe-sgd", ...)``: the staleness bound K (1 = synchronous SGD),
+    D-Sync warm-up steps, the gradient codec (a name of :mod:`mpitrain.comm.codecs`, a Codec or None)
+    with optional error feedback, the ring's chunk size, and `emulate_link` (None, a LinkEmulation
+    or ``(alpha_seconds, beta_seconds_per_byte)``, kept as a LinkEmulation)."""
+
+    strategy: ClassVar[str] = "pipe-sgd"
+    staleness: int = 2
+    warmup_steps: int = 0
+    compression: str | Codec | None = None
+    error_feedback: bool = False
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    emulate_link: LinkEmulation | tuple[float, float] | None = None
+
+    def __post_init__(self) -> None:
+        self.require("staleness", is_int(self.staleness) and self.staleness >= 1,
+                     "an int >= 1 (1 = synchronous SGD)")
+        self.require("warmup_steps", is_int(self.warmup_steps) and self.warmup_steps >= 0, "an int >= 0")
+        self.require("chunk_bytes", is_int(self.chunk_bytes) and self.chunk_bytes >= 1, "a positive int")
+        self.require("error_feedback", isinstance(self.error_feedback, bool), "True or False")
+        try:
+            get_codec(self.compression)
+        except CommError as e:
+            raise FitError(f"strategy 'pipe-sgd': {e}") from None
+        link = self.emulate_link
+        if link is not None and not isinstance(link, LinkEmulation):
+            ok = isinstance(link, (tuple, list)) and len(link) == 2 and all(is_number(v) and v >= 0 for v in link)
+            self.require("emulate_link", ok, "None or (alpha_seconds, beta_seconds_per_byte), both >= 0")
+            self.replace_value("emulate_link", LinkEmulation(float(link[0]), float(link[1])))
+
+    @property
+    def codec(self) -> Codec:
+        return get_codec(self.compression)
+
+    @property
+    def link(self) -> LinkEmulation | None:
+        assert self.emulate_link is None or isinstance(self.emulate_link, LinkEmulation)
+        return self.emulate_link
 
 
 @dataclass
@@ -77,8 +126,8 @@ class CommThread:
     """
 
     def __init__(self, comm: Communicator, codec: Codec, chunk_bytes: int, error_feedback: bool,
-                 link: LinkEmulation | None, max_pending: int, warn_s: float) -> None:
-        self.comm, self.codec, self.chunk_bytes, self.link, self.warn_s = comm, codec, chunk_bytes, link, warn_s
+                 link: LinkEmulation | None, max_pending: int, stall: StallPolicy = DEFAULT_POLICY) -> None:
+        self.comm, self.codec, self.chunk_bytes, self.link, self.stall = comm, codec, chunk_bytes, link, stall
         self.error_feedback = error_feedback
         self.residual: torch.Tensor | None = None
         self.stats = {"comm_s": 0.0, "codec_s": 0.0, "emulated_s": 0.0, "allreduces": 0.0}
@@ -99,12 +148,14 @@ class CommThread:
         return handle
 
     def wait(self, handle: _Handle) -> torch.Tensor:
-        """Block until `handle` is reduced; warns every `warn_s` seconds; raises PipeSGDError on failure."""
-        waited = 0.0
-        while not handle.done.wait(timeout=self.warn_s):
-            waited += self.warn_s
-            warnings.warn(f"pipe-sgd rank {self.comm.rank}: the allreduce of iteration {handle.iteration} has "
-                          f"not finished after {waited:.0f}s", RuntimeWarning, stacklevel=2)
+        """Block until `handle` is reduced; raises PipeSGDError if it failed. A wait longer than
+        ``stall.warn_after`` seconds prints a line naming the iteration (again every warn_after); after
+        ``stall.abort_after`` seconds the job ends (:func:`~mpitrain._utils.stall.wait_until`)."""
+        # done() blocks on the Event itself (woken the moment the comm thread sets it, GIL released),
+        # for slices short enough that the stall lines come on time
+        nap = min(1.0, self.stall.warn_after / 4)
+        wait_until(lambda: handle.done.wait(nap), f"the allreduce of iteration {handle.iteration}", self.stall,
+                   who=f"pipe-sgd rank {self.comm.rank}", abort=self.comm.abort)
         if handle.error is not None:
             raise PipeSGDError(f"allreduce of iteration {handle.iteration} failed on rank {self.comm.rank}: "
                                f"{handle.error!r}") from handle.error
@@ -124,8 +175,9 @@ class CommThread:
         t0 = time.perf_counter()
         if self.error_feedback and self.residual is None:
             self.residual = torch.zeros_like(buf)
-        ring_allreduce(self.comm, buf, self.codec, op="avg", chunk_bytes=self.chunk_bytes,
-                       error_feedback=self.residual, stall_warning_s=self.warn_s, stats=self.stats)
+        # the 7th parameter is the ring's warn-after limit (named stall_warning_s before the rename)
+        ring_allreduce(self.comm, buf, self.codec, "avg", self.chunk_bytes, self.residual, self.stall.warn_after,
+                       stats=self.stats)
         self.stats["comm_s"] += time.perf_counter() - t0
         if self.link is not None:
             wire = self.codec.payload_numel(buf.numel()) * self.codec.empty_payload(0, buf.dtype).element_size()
@@ -156,30 +208,28 @@ class PipeSGDTrainer:
     gradient of t-K: the communication that was NOT hidden), and the comm thread's comm/codec/emulated.
     """
 
-    def __init__(self, model: nn.Module, loss_fn: Any, optimizer: Any, comm: Communicator, opts: dict[str, Any],
-                 codec: Codec) -> None:
+    def __init__(self, model: nn.Module, loss_fn: LossFn, optimizer: OptimizerFactory, comm: Communicator,
+                 opts: PipeSGDOptions, stall: StallPolicy = DEFAULT_POLICY) -> None:
         self.model, self.loss_fn, self.comm = model, loss_fn, comm
-        self.K, self.warmup = opts["staleness"], opts["warmup_steps"]
+        self.K, self.warmup = opts.staleness, opts.warmup_steps
         self.params = [p for p in model.parameters() if p.requires_grad]
         broadcast_parameters(model.state_dict(), comm=comm)  # w[0] is the same on every rank
         self.optimizer = optimizer(model.parameters())
         n = sum(p.numel() for p in self.params)
         self._free = collections.deque(torch.zeros(n, dtype=self.params[0].dtype) for _ in range(self.K))
         self._pending: collections.deque[_Handle] = collections.deque()
-        link = opts["emulate_link"]
-        self.comm_thread = CommThread(comm.split(0), codec, opts["chunk_bytes"], opts["error_feedback"],
-                                      LinkEmulation(*link) if link is not None else None, self.K,
-                                      opts["stall_warning_s"])
+        private = comm.split(0)
+        assert private is not None  # every rank passes color 0
+        self.comm_thread = CommThread(private, opts.codec, opts.chunk_bytes, opts.error_feedback, opts.link, self.K,
+                                      stall)
         self.t = 0
         self.stats = {"compute_s": 0.0, "wait_s": 0.0, "steps": 0.0}
         self._closed = False
 
     def _bind(self, flat: torch.Tensor) -> None:
         """Make every parameter's .grad a view into `flat` (backward accumulates into it in place)."""
-        offset = 0
-        for p in self.params:
-            p.grad = flat[offset:offset + p.numel()].view_as(p)
-            offset += p.numel()
+        for p, view in zip(self.params, views(flat, [p.shape for p in self.params])):
+            p.grad = view
 
     def _apply(self, handle: _Handle) -> None:
         t0 = time.perf_counter()
@@ -191,7 +241,7 @@ class PipeSGDTrainer:
         self.stats["wait_s"] += t1 - t0
         self.stats["compute_s"] += time.perf_counter() - t1
 
-    def _compute(self, inputs: Any, targets: torch.Tensor) -> tuple[torch.Tensor, _Handle]:
+    def _compute(self, inputs: Batch, targets: torch.Tensor) -> tuple[torch.Tensor, _Handle]:
         """Gradient of the local slice at the current weights, handed to the comm thread."""
         t0 = time.perf_counter()
         flat = self._free.popleft()
@@ -203,7 +253,7 @@ class PipeSGDTrainer:
         self.stats["compute_s"] += time.perf_counter() - t0
         return loss.detach(), self.comm_thread.submit(flat, self.t + 1)
 
-    def train_step(self, inputs: Any, targets: torch.Tensor) -> float:
+    def train_step(self, inputs: Batch, targets: torch.Tensor) -> float:
         if self._closed:
             raise RuntimeError("this pipe-sgd trainer is finished (trained_model() closed it)")
         check_divisible(batch_size(targets), self.comm.size, "ranks")
@@ -220,7 +270,7 @@ class PipeSGDTrainer:
         return self.comm.allreduce(loss.reshape(1).to(torch.float64), "avg").item()
 
     @torch.no_grad()
-    def eval_step(self, inputs: Any, targets: torch.Tensor) -> torch.Tensor:
+    def eval_step(self, inputs: Batch, targets: torch.Tensor) -> torch.Tensor:
         check_divisible(batch_size(targets), self.comm.size, "ranks")
         x = shard(inputs, self.comm.size, self.comm.rank)
         return self.comm.allgather(self.model(x).contiguous())
@@ -239,45 +289,23 @@ class PipeSGDTrainer:
         return self.model
 
 
-def _check_options(options: dict[str, Any], comm: Communicator, spec: Any) -> dict[str, Any]:
-    unknown = sorted(set(options) - set(OPTIONS))
-    if unknown:
-        raise ValueError(f"strategy 'pipe-sgd' does not take option(s) {unknown}; it takes {list(OPTIONS)}")
-    opts = {**OPTIONS, **options}
-    if not isinstance(opts["staleness"], int) or opts["staleness"] < 1:
-        raise ValueError(f"staleness must be an int >= 1 (1 = synchronous SGD), got {opts['staleness']!r}")
-    if not isinstance(opts["warmup_steps"], int) or opts["warmup_steps"] < 0:
-        raise ValueError(f"warmup_steps must be an int >= 0, got {opts['warmup_steps']!r}")
-    if not isinstance(opts["chunk_bytes"], int) or opts["chunk_bytes"] < 1:
-        raise ValueError(f"chunk_bytes must be a positive int, got {opts['chunk_bytes']!r}")
-    link = opts["emulate_link"]
-    if link is not None and (len(tuple(link)) != 2 or any(not isinstance(v, (int, float)) or v < 0 for v in link)):
-        raise ValueError(f"emulate_link must be None or (alpha_seconds, beta_seconds_per_byte) >= 0, got {link!r}")
-    if spec.partitions != 1 or spec.replicas not in (None, comm.size) or spec.micro_batches != 1:
-        raise ValueError(f"strategy 'pipe-sgd' replicates the whole model on every rank: it needs partitions=1, "
-                         f"replicas None or {comm.size}, micro_batches=1; got partitions={spec.partitions}, "
-                         f"replicas={spec.replicas}, micro_batches={spec.micro_batches}")
-    return opts
-
-
-def make_trainer(model: nn.Module, loss_fn: Any, optimizer: Any, comm: Communicator, spec: Any) -> PipeSGDTrainer:
-    """Build the Pipe-SGD Trainer from ``spec.options`` (see :data:`OPTIONS`). Refuses bad options with
-    ValueError on every rank before any tensor is sent: local checks, then one pickled allgather that
-    requires every rank to agree on the options and the parameter shapes."""
-    opts = _check_options(dict(spec.options), comm, spec)
-    try:
-        codec = get_codec(opts["compression"])
-    except CommError as e:
-        raise ValueError(str(e)) from None
+def make_trainer(model: nn.Module, loss_fn: LossFn, optimizer: OptimizerFactory, comm: Communicator,
+                 spec: FitSpec) -> PipeSGDTrainer:
+    """Build the Pipe-SGD Trainer from ``spec.options`` (:class:`PipeSGDOptions`) and ``spec.stall``.
+    Refuses bad input with FitError on every rank before any tensor is sent: local checks, then one
+    pickled allgather that requires every rank to agree on the options and the parameter shapes."""
+    require_whole_model(spec, comm)
+    if spec.micro_batches != 1:
+        raise FitError(f"strategy 'pipe-sgd' takes one micro-batch per step, got micro_batches={spec.micro_batches}")
+    opts = PipeSGDOptions.from_spec(spec)
     params = [p for p in model.parameters() if p.requires_grad]
     dtypes = {p.dtype for p in params}
     if not params or len(dtypes) != 1 or not params[0].is_floating_point():
-        raise ValueError(f"pipe-sgd needs trainable parameters of one floating dtype, got {sorted(map(str, dtypes))}")
+        raise FitError(f"pipe-sgd needs trainable parameters of one floating dtype, got {sorted(map(str, dtypes))}")
     try:
-        codec.check_input(params[0].detach()[:0].reshape(-1), "parameters")
+        opts.codec.check_input(params[0].detach()[:0].reshape(-1), "parameters")
     except CommError as e:
-        raise ValueError(str(e)) from None
-    signature = (sorted((k, repr(v)) for k, v in opts.items() if k != "stall_warning_s"),
-                 [(tuple(p.shape), str(p.dtype)) for p in params])
-    check_same_everywhere(comm, "pipe-sgd options and parameter shapes", signature)
-    return PipeSGDTrainer(model, loss_fn, optimizer, comm, opts, codec)
+        raise FitError(f"strategy 'pipe-sgd': {e}") from None
+    signature = (opts.signature(), [(tuple(p.shape), str(p.dtype)) for p in params])
+    check_same_everywhere(comm, "pipe-sgd options and parameter shapes", signature, error=FitError)
+    return PipeSGDTrainer(model, loss_fn, optimizer, comm, opts, spec.stall)

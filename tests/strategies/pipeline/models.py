@@ -7,7 +7,7 @@ import copy
 import torch
 from torch import nn
 
-from mpitrain.strategies.batching import chunks
+from mpitrain.strategies._batching import chunks
 
 __all__ = ["MLP", "ResNetish", "SkipTwice", "Inceptionish", "MODELS", "reference_train", "batches"]
 

@@ -47,9 +47,9 @@ def test_meta_model_trains_like_one_process_at_every_P_holding_only_its_partitio
     data = [(x.double(), y) for x, y in batches((WIDTH,), 8, STEPS, seed=7)]
     for P, R in [(comm.size, 1)] + ([(2, 2)] if comm.size == 4 else []):
         want = reference_train(reference, data, sgd, R * 2)
-        result = {}
+        result, meta_model = {}, on_meta()
 
-        def train(P=P, meta_model=on_meta(), result=result):
+        def train(P=P, meta_model=meta_model, result=result):
             result["fit"] = fit(meta_model, data, nn.CrossEntropyLoss(), sgd, strategy="hybrid", partitions=P,
                                 micro_batches=2, progress=False, balance="params")
 

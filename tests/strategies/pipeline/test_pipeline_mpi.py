@@ -96,7 +96,9 @@ def test_training_loss_is_the_one_process_mean_on_every_rank(comm):
     ({"strategy": "model", "schedule": "zigzag"}, "unknown schedule"),
     ({"strategy": "model", "micro_batches": 4}, "cannot be split equally"),
     ({"strategy": "model", "balance": [1]}, "balance must be"),
-    ({"strategy": "model", "stall_timout": 3}, "unknown option"),
+    ({"strategy": "model", "stall_timout": 3}, "does not take option"),
+    ({"strategy": "model", "checkpoint": "sometimes"}, "checkpoint"),
+    ({"strategy": "model", "schedule": "interleaved-1f1b", "micro_batches": 5}, "multiple"),
 ])
 def test_bad_arguments_are_refused_on_every_rank_before_any_message(comm, kwargs, match):
     cls, shape = MODELS["mlp"]

@@ -31,9 +31,9 @@ from torch import nn
 
 from ..._utils.stall import DEFAULT_POLICY, StallPolicy, watched
 from ...comm.base import Communicator, split_sizes
-from .. import FitError
-from ..batching import check_divisible
-from ..grad_allreduce import allreduce_gradients, start_allreduce_gradients
+from .._batching import check_divisible
+from .._grad_allreduce import allreduce_gradients, start_allreduce_gradients
+from ..base import FitError
 from ._graph import (
     Partition,
     Traced,

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from ..._utils.stall import StallPolicy, wait_until
+from ...comm._wait import StallPolicy, wait_request
 from ...comm.base import Communicator, Request
 from ._graph import Partition, ValueMeta, mutated_placeholders
 from .schedule import Action
@@ -115,8 +115,8 @@ class Stage:
     def _wait(self, req: Request, what: str) -> None:
         """Wait with a way out: a sleeping poll, a line naming what is missing every
         `policy.warn_after` s, the end of the job after `policy.abort_after` s (None: never)."""
-        wait_until(req.test, lambda: f"{what}, in partition {self.part.index}", self.policy,
-                   who=f"rank {self.comm.rank}", abort=self.comm.abort)
+        wait_request(req, lambda: f"{what}, in partition {self.part.index}", self.policy,
+                     f"rank {self.comm.rank}", self.comm.abort)
 
     def _send(self, t: torch.Tensor, e: Edge, micro: int, backward: bool) -> None:
         t = t.detach()

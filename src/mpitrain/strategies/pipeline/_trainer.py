@@ -8,27 +8,43 @@ this rank's parameters. "model" is one replica of ``partitions == world size``; 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-from ..._utils.stall import StallPolicy
 from ...comm.base import Communicator
-from .. import FitError
-from ._pipe import Pipeline
+from ..base import FitError, FitSpec, LossFn, OptimizerFactory, StrategyOptions, is_int
+from ._materialize import InitFn
+from ._pipe import CHECKPOINTS, Pipeline
 
-__all__ = ["make_trainer", "PipelineTrainer", "OPTIONS"]
-
-#: Strategy options (``fit(..., stall_timeout=60)``): seconds before a stage waiting for a message warns
-#: (naming it), seconds after which such a wait ends the job (None: never), the profiling passes of
-#: ``balance="time"``, activation recomputation, the virtual stages of interleaved-1f1b, and the
-#: seed and per-module initialiser of a model on the meta device (see :class:`Pipeline`).
-OPTIONS: dict[str, Any] = {"stall_timeout": 60.0, "stall_abort": 600.0, "profile_passes": 5,
-                           "checkpoint": "never", "virtual_stages": 2, "seed": 0, "init_fn": None}
+__all__ = ["make_trainer", "PipelineTrainer", "PipelineOptions"]
 
 
-def _check_spec(spec: Any, size: int) -> dict[str, Any]:
+@dataclass(frozen=True)
+class PipelineOptions(StrategyOptions):
+    """Options of ``fit(strategy="model"|"hybrid", ...)``: the profiling passes of ``balance="time"``,
+    activation recomputation (:data:`CHECKPOINTS`), the virtual stages of interleaved-1f1b, and the
+    seed and per-module initialiser of a model on the meta device (see :class:`Pipeline`). Waits
+    follow ``spec.stall`` (fit's `warn_after`/`abort_after`)."""
+
+    strategy: ClassVar[str] = "model/hybrid"
+    profile_passes: int = 5
+    checkpoint: str = "never"
+    virtual_stages: int = 2
+    seed: int = 0
+    init_fn: InitFn | None = None
+
+    def __post_init__(self) -> None:
+        self.require("profile_passes", is_int(self.profile_passes) and self.profile_passes >= 1, "an int >= 1")
+        self.require("checkpoint", self.checkpoint in CHECKPOINTS, f"one of {CHECKPOINTS}")
+        self.require("virtual_stages", is_int(self.virtual_stages) and self.virtual_stages >= 1, "an int >= 1")
+        self.require("seed", is_int(self.seed), "an int")
+        self.require("init_fn", self.init_fn is None or callable(self.init_fn), "None or a callable(module)")
+
+
+def _check_spec(spec: FitSpec, size: int) -> PipelineOptions:
     if spec.strategy not in ("model", "hybrid"):
         raise FitError(f"the pipeline trainer runs strategies 'model' and 'hybrid', not {spec.strategy!r}")
     if spec.strategy == "model":
@@ -38,29 +54,24 @@ def _check_spec(spec: Any, size: int) -> dict[str, Any]:
         if spec.partitions != size:
             raise FitError(f"strategy 'model' needs partitions == world size; got partitions={spec.partitions} "
                            f"on {size} ranks: pass partitions={size}")
-    unknown = set(spec.options) - set(OPTIONS)
-    if unknown:
-        raise FitError(f"unknown option(s) {sorted(unknown)} for strategy {spec.strategy!r}; "
-                       f"known: {sorted(OPTIONS)}")
-    return {**OPTIONS, **spec.options}
+    return PipelineOptions.from_spec(spec)
 
 
-def make_trainer(model: nn.Module, loss_fn: Callable, optimizer: Callable, comm: Communicator,
-                 spec: Any) -> PipelineTrainer:
+def make_trainer(model: nn.Module, loss_fn: LossFn, optimizer: OptimizerFactory, comm: Communicator,
+                 spec: FitSpec) -> PipelineTrainer:
     """Validate `spec` locally (same verdict on every rank) and create the pipeline's communicators."""
     opts = _check_spec(spec, comm.size)
-    abort = opts["stall_abort"]
     pipe = Pipeline(model, spec.partitions, spec.replicas, spec.micro_batches, spec.schedule, comm,
-                    opts["checkpoint"], balance=spec.balance, virtual_stages=opts["virtual_stages"],
-                    stall=StallPolicy(float(opts["stall_timeout"]), None if abort is None else float(abort)),
-                    profile_passes=opts["profile_passes"], seed=opts["seed"], init_fn=opts["init_fn"])
+                    opts.checkpoint, balance=spec.balance, virtual_stages=opts.virtual_stages, stall=spec.stall,
+                    profile_passes=opts.profile_passes, seed=opts.seed, init_fn=opts.init_fn)
     return PipelineTrainer(pipe, loss_fn, optimizer)
 
 
 class PipelineTrainer:
     """`fit`'s Trainer over a :class:`Pipeline`. Every rank calls every method with the same batch."""
 
-    def __init__(self, pipe: Pipeline, loss_fn: Callable, optimizer: Callable) -> None:
+    def __init__(self, pipe: Pipeline, loss_fn: Callable[[Any, Any], torch.Tensor],
+                 optimizer: OptimizerFactory) -> None:
         self.pipe, self.loss_fn, self.make_optimizer = pipe, loss_fn, optimizer
         self.optimizer: torch.optim.Optimizer | None = None
         self._built = False

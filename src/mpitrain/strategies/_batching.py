@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import FitError
+from .base import FitError
 
 __all__ = ["batch_size", "shard", "chunks", "check_divisible"]
 

@@ -7,6 +7,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from .._utils.flat import views
+
 __all__ = ["plan_buckets", "Bucket", "MB"]
 
 #: Bucket capacities are given in MiB, as DDP's ``bucket_cap_mb``.
@@ -53,17 +55,11 @@ class Bucket:
 
     def __init__(self, index: int, key: str, params: Sequence[nn.Parameter]) -> None:
         self.index, self.key, self.params = index, key, list(params)
-        numels = [p.numel() for p in self.params]
-        total = sum(numels)
+        total = sum(p.numel() for p in self.params)
         p0 = self.params[0]
         self.buffer = torch.zeros(total + len(self.params), dtype=p0.dtype, device=p0.device)
         self.used = self.buffer[total:]
-        self.views: list[torch.Tensor] = []
-        offset = 0
-        for p, n in zip(self.params, numels):
-            self.views.append(self.buffer[offset:offset + n].view_as(p))
-            offset += n
-        self.grads = self.buffer[:total]
+        self.views = views(self.buffer, [p.shape for p in self.params])
 
     @property
     def nbytes(self) -> int:

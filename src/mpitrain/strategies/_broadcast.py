@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any, NamedTuple
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves, tree_map
 
+from .._utils.flat import copy_from_flat, flatten, group_by
 from ..comm.base import Communicator
 from ..runtime import world
 
@@ -15,8 +18,9 @@ __all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_tenso
            "module_tensors"]
 
 
-def check_same_everywhere(comm: Communicator, what: str, signature: Any) -> None:
-    """Collective: raise ValueError on every rank unless every rank passed an equal `signature`.
+def check_same_everywhere(comm: Communicator, what: str, signature: object,
+                          error: type[ValueError] = ValueError) -> None:
+    """Collective: raise `error` on every rank unless every rank passed an equal `signature`.
 
     One pickled allgather; the message names the ranks that differ from rank 0 and the first entry
     that differs, so a setup mistake fails before any tensor is sent."""
@@ -32,7 +36,7 @@ def check_same_everywhere(comm: Communicator, what: str, signature: Any) -> None
         b = other[diff] if diff < len(other) else "<missing>"
         detail = (f"; entry {diff}: rank 0 has {a!r}, rank {bad[0]} has {b!r} "
                   f"(lengths {len(first)}/{len(other)})")
-    raise ValueError(f"{what}: ranks {bad} disagree with rank 0{detail}")
+    raise error(f"{what}: ranks {bad} disagree with rank 0{detail}")
 
 
 def broadcast_tensors(tensors: list[torch.Tensor], comm: Communicator, root: int = 0) -> None:
@@ -41,21 +45,15 @@ def broadcast_tensors(tensors: list[torch.Tensor], comm: Communicator, root: int
     Collective over `comm`: every rank passes tensors of the same shapes and dtypes in the same order.
     A lone contiguous tensor is broadcast in place; otherwise a flat buffer costs one copy each way.
     """
-    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-    for t in tensors:
-        if t.numel():
-            groups.setdefault((t.dtype, t.device), []).append(t)
+    groups = group_by((t for t in tensors if t.numel()), lambda t: (t.dtype, t.device))
     for ts in groups.values():
         if len(ts) == 1 and ts[0].is_contiguous():
             comm.broadcast(ts[0], root)
             continue
-        flat = torch.cat([t.reshape(-1) for t in ts])
+        flat = flatten(ts)
         comm.broadcast(flat, root)
         if comm.rank != root:
-            offset = 0
-            for t in ts:
-                t.copy_(flat[offset:offset + t.numel()].view_as(t))
-                offset += t.numel()
+            copy_from_flat(flat, ts)
 
 
 def _named(params: Any) -> list[tuple[str, torch.Tensor]]:
@@ -85,38 +83,25 @@ def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[Any], roo
     broadcast_tensors([t.detach() for _, t in items], comm, root_rank)
 
 
-def _strip(obj: Any, tensors: list[torch.Tensor]) -> Any:
-    """`obj` with every tensor replaced by a (shape, dtype, index) placeholder appended to `tensors`."""
-    if isinstance(obj, torch.Tensor):
-        tensors.append(obj)
-        return _Placeholder(tuple(obj.shape), str(obj.dtype).removeprefix("torch."), len(tensors) - 1)
-    if isinstance(obj, dict):
-        return {k: _strip(v, tensors) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_strip(v, tensors) for v in obj)
-    return obj
-
-
-def _fill(obj: Any, tensors: list[torch.Tensor]) -> Any:
-    if isinstance(obj, _Placeholder):
-        return tensors[obj.index]
-    if isinstance(obj, dict):
-        return {k: _fill(v, tensors) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_fill(v, tensors) for v in obj)
-    return obj
-
-
-class _Placeholder(NamedTuple):
-    """Where a tensor was in a stripped state dict: its shape, dtype name and index in the tensor list."""
+@dataclass(frozen=True)
+class _Placeholder:
+    """Where a tensor was in a state dict sent without its tensors: its shape and dtype name."""
 
     shape: tuple[int, ...]
     dtype_name: str
-    index: int
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return getattr(torch, self.dtype_name)
+    @classmethod
+    def of(cls, t: torch.Tensor) -> _Placeholder:
+        return cls(tuple(t.shape), str(t.dtype).removeprefix("torch."))
+
+    def empty(self) -> torch.Tensor:
+        dtype = getattr(torch, self.dtype_name)
+        assert isinstance(dtype, torch.dtype)
+        return torch.empty(self.shape, dtype=dtype)
+
+
+def _tensor_leaves(tree: object) -> list[torch.Tensor]:
+    return [x for x in tree_leaves(tree) if isinstance(x, torch.Tensor)]
 
 
 @torch.no_grad()
@@ -133,27 +118,17 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     comm._check_rank(root_rank, "root_rank")
     layout = [[(tuple(p.shape), str(p.dtype)) for p in g["params"]] for g in optimizer.param_groups]
     check_same_everywhere(comm, "broadcast_optimizer_state: parameter groups (shapes/dtypes)", layout)
-    tensors: list[torch.Tensor] = []
-    skeleton = _strip(optimizer.state_dict(), tensors) if comm.rank == root_rank else None
+    # root's state dict travels pickled with placeholders for its tensors (pytree leaves, in order),
+    # then the tensors themselves travel as fused broadcasts into fresh ones on the other ranks
+    state = optimizer.state_dict() if comm.rank == root_rank else None
+    skeleton = tree_map(lambda x: _Placeholder.of(x) if isinstance(x, torch.Tensor) else x, state)
     skeleton = comm.broadcast_object(skeleton, root_rank)
     if comm.rank != root_rank:
-        specs: list[_Placeholder] = []
-        _collect(skeleton, specs)
-        tensors = [torch.empty(s.shape, dtype=s.dtype) for s in sorted(specs, key=lambda s: s.index)]
-    broadcast_tensors([t if t.is_contiguous() else t.contiguous() for t in tensors], comm, root_rank)
+        state = tree_map(lambda x: x.empty() if isinstance(x, _Placeholder) else x, skeleton)
+    broadcast_tensors(_tensor_leaves(state), comm, root_rank)
     if comm.rank != root_rank:
-        optimizer.load_state_dict(_fill(skeleton, tensors))
-
-
-def _collect(obj: Any, out: list[_Placeholder]) -> None:
-    if isinstance(obj, _Placeholder):
-        out.append(obj)
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            _collect(v, out)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            _collect(v, out)
+        assert isinstance(state, dict)
+        optimizer.load_state_dict(state)
 
 
 def module_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:

@@ -7,8 +7,9 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from .._utils.flat import copy_from_flat, flatten
 from ..comm.base import Communicator, Request
-from .buckets import MB, plan_buckets
+from ._buckets import MB, plan_buckets
 
 __all__ = ["allreduce_gradients", "start_allreduce_gradients", "GradientAllreduce"]
 
@@ -30,11 +31,7 @@ class GradientAllreduce:
             return
         for flat, group, req in zip(self._flats, self._groups, self._requests):
             req.wait()
-            offset = 0
-            for i in group:
-                g = self._grads[i]
-                g.copy_(flat[offset:offset + g.numel()].view_as(g))
-                offset += g.numel()
+            copy_from_flat(flat, [self._grads[i] for i in group])
         self._done = True
 
 
@@ -61,7 +58,7 @@ def start_allreduce_gradients(params: Iterable[nn.Parameter], comm: Communicator
         grads.append(p.grad)
     kinds = [(g.numel() * g.element_size(), f"{g.dtype}/{g.device}") for g in grads]
     groups = plan_buckets(kinds, int(bucket_mb * MB))
-    flats = [torch.cat([grads[i].reshape(-1) for i in group]) for group in groups]
+    flats = [flatten([grads[i] for i in group]) for group in groups]
     requests = [comm.iallreduce(flat, op) for flat in flats]
     return GradientAllreduce(grads, flats, groups, requests)
 

@@ -1,0 +1,158 @@
+"""What every strategy shares with `fit`: the `Trainer` protocol, the `FitSpec` it is built from,
+the one error type `FitError`, and `StrategyOptions`, the base of each strategy's typed options.
+
+A strategy is a factory ``make_trainer(model, loss_fn, optimizer, comm, spec: FitSpec) -> Trainer``
+(see :data:`TrainerFactory`) that refuses bad input with :class:`FitError` on every rank before any
+message is sent. Its keyword options (``fit(..., staleness=2)``) arrive untyped in ``spec.options``;
+the strategy turns them into a frozen dataclass in one call, ``MyOptions.from_spec(spec)``, which
+refuses unknown names and bad values (FitError, a local check: the same verdict on every rank).
+
+Declaring a strategy's options::
+
+    @dataclass(frozen=True)
+    class ShuffleOptions(StrategyOptions):
+        strategy: ClassVar[str] = "shuffle"     # named in error messages
+        rounds: int = 1                          # fit(..., rounds=3); the default when not given
+        mode: str = "ring"
+
+        def __post_init__(self) -> None:         # every check of a value lives here
+            self.require("rounds", is_int(self.rounds) and self.rounds >= 1, "an int >= 1")
+            self.require("mode", self.mode in ("ring", "tree"), "'ring' or 'tree'")
+
+    def make_trainer(model, loss_fn, optimizer, comm, spec: FitSpec) -> ShuffleTrainer:
+        opts = ShuffleOptions.from_spec(spec)    # FitError: unknown option / bad value
+        ...
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from typing import ClassVar, Protocol, Self, TypeAlias
+
+import torch
+from torch import nn
+
+from .._utils.stall import DEFAULT_POLICY, StallPolicy
+from ..comm.base import Communicator
+
+__all__ = ["FitError", "FitSpec", "Trainer", "TrainerFactory", "StrategyOptions", "Batch", "Balance", "LossFn",
+           "OptimizerFactory", "is_int", "is_number", "require_whole_model"]
+
+
+class FitError(ValueError):
+    """`fit` was called with something inconsistent (world size, partitions, batch, options); every
+    strategy raises it on every rank before any message is sent, saying what to change."""
+
+
+#: The inputs of a global mini-batch: one tensor, or a tuple/list of positional inputs of the model
+#: (tensors are sliced along dim 0; anything else is passed as is).
+Batch: TypeAlias = torch.Tensor | tuple[object, ...] | list[object]
+#: How the pipeline strategies weigh nodes: "time", "params" or node counts per partition.
+Balance: TypeAlias = str | Sequence[int]
+LossFn: TypeAlias = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+OptimizerFactory: TypeAlias = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+
+@dataclass(frozen=True)
+class FitSpec:
+    """Everything `fit` was told about how to split the work.
+
+    `options` holds the strategy-specific keywords (e.g. ``staleness``, ``grid``) as given; the strategy
+    parses them with its :class:`StrategyOptions`. `stall` bounds every wait of the strategy: it
+    warns after ``stall.warn_after`` seconds and ends the job after ``stall.abort_after``
+    (``fit(..., warn_after=, abort_after=)``)."""
+
+    strategy: str = "data"
+    partitions: int = 1
+    replicas: int | None = None
+    micro_batches: int = 1
+    schedule: str = "1f1b"
+    balance: Balance = "time"
+    options: Mapping[str, object] = field(default_factory=dict)
+    stall: StallPolicy = DEFAULT_POLICY
+
+
+class Trainer(Protocol):
+    """What a strategy gives `fit`. Every rank calls every method, with the same global batch."""
+
+    def train_step(self, inputs: Batch, targets: torch.Tensor) -> float:
+        """One optimizer step on the global mini-batch; returns its mean loss, equal on every rank."""
+        ...
+
+    def eval_step(self, inputs: Batch, targets: torch.Tensor) -> torch.Tensor:
+        """Forward only (no grad) on the global batch; returns the full outputs on every rank."""
+        ...
+
+    def trained_model(self) -> nn.Module:
+        """A model of the user's class holding the trained weights, on every rank. Collective; the
+        trainer takes no more steps afterwards."""
+        ...
+
+
+#: A strategy's entry point, ``make_trainer(model, loss_fn, optimizer, comm, spec)``.
+TrainerFactory: TypeAlias = Callable[[nn.Module, LossFn, OptimizerFactory, Communicator, FitSpec], Trainer]
+
+def is_int(value: object) -> bool:
+    """An int that is not a bool (``True`` is not a count)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: object) -> bool:
+    """An int or float that is not a bool."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class StrategyOptions:
+    """Base of a strategy's options: a frozen dataclass whose fields are the option names, with their
+    defaults (see the module docstring for an example).
+
+    * :meth:`from_spec` builds it from ``spec.options``, refusing unknown names with a FitError that
+      lists the known ones;
+    * the subclass checks types and ranges in ``__post_init__`` with :meth:`require` (FitError), and
+      may normalise a value with :meth:`replace_value` (e.g. a list into a tuple);
+    * :meth:`signature` is a picklable summary for the cross-rank agreement check
+      (``check_same_everywhere``)."""
+
+    #: The strategy's name, for messages.
+    strategy: ClassVar[str] = "?"
+
+    @classmethod
+    def from_spec(cls, spec: FitSpec) -> Self:
+        """The options of ``spec.options`` (defaults for the others). Local: every rank given the
+        same options raises the same FitError, before any message."""
+        known = cls.names()
+        unknown = sorted(set(spec.options) - set(known))
+        if unknown:
+            raise FitError(f"strategy {spec.strategy!r} does not take option(s) {unknown}; it takes {list(known)}")
+        return cls(**spec.options)
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        """The option names, in declaration order."""
+        return tuple(f.name for f in fields(cls))
+
+    def require(self, name: str, ok: bool, expected: str) -> None:
+        """Raise FitError "strategy 's': option name=value: expected <expected>" unless `ok`."""
+        if not ok:
+            raise FitError(f"strategy {self.strategy!r}: option {name}={getattr(self, name)!r}: expected {expected}")
+
+    def replace_value(self, name: str, value: object) -> None:
+        """Set field `name` of this frozen instance; only for normalising inside ``__post_init__``."""
+        object.__setattr__(self, name, value)
+
+    def signature(self) -> tuple[tuple[str, str], ...]:
+        """``(name, repr(value))`` of every option: equal on two ranks iff they were given the same."""
+        return tuple((name, repr(getattr(self, name))) for name in self.names())
+
+
+def require_whole_model(spec: FitSpec, comm: Communicator) -> None:
+    """FitError unless `spec` asks for what a strategy that keeps the whole model on every rank does:
+    ``partitions`` 1, ``replicas`` None or ``comm.size``, ``micro_batches`` a positive int."""
+    if spec.partitions != 1 or spec.replicas not in (None, comm.size):
+        raise FitError(f"strategy {spec.strategy!r} keeps the whole model on every rank: it needs partitions=1 "
+                       f"(strategy 'model' or 'hybrid' splits layers) and replicas None or {comm.size} (every "
+                       f"rank); got partitions={spec.partitions}, replicas={spec.replicas}")
+    if not is_int(spec.micro_batches) or spec.micro_batches < 1:
+        raise FitError(f"micro_batches must be an int >= 1, got {spec.micro_batches!r}")
