@@ -9,7 +9,7 @@ from torch import nn
 from mpitrain.fit import fit
 from mpitrain.perf.memory import step_memory
 from mpitrain.strategies.pipeline._materialize import materialize
-from tests.helpers import assert_all_ranks, assert_close_all_ranks
+from tests.helpers import assert_all_ranks
 
 from .models import batches, reference_train
 
@@ -58,9 +58,10 @@ def test_meta_model_trains_like_one_process_at_every_P_holding_only_its_partitio
         real = {name for name, q in got.named_parameters() if not q.is_meta}
         assert_all_ranks(comm, 0 < len(real) < len(dict(got.named_parameters())),
                          f"rank {comm.rank} materialised {sorted(real)}")
-        for (name, a), b in zip(got.named_parameters(), want.parameters()):
-            if name in real:
-                assert_close_all_ranks(comm, a.detach(), b.detach(), atol=1e-12, what=f"P={P}: {name}")
+        # ranks hold different numbers of real parameters: one verdict per rank, one collective
+        errors = {name: (a.detach() - b.detach()).abs().max().item()
+                  for (name, a), b in zip(got.named_parameters(), want.parameters()) if name in real}
+        assert_all_ranks(comm, max(errors.values()) <= 1e-12, f"P={P}: rank {comm.rank} errors {errors}")
         ratio = grown / full
         print(f"P={P} R={R} rank {comm.rank}: grew {grown} B = {ratio:.3f}x of {full} B")
         assert_all_ranks(comm, ratio <= TARGET[P], f"P={P}: rank {comm.rank} grew {grown} B = {ratio:.2f}x "
