@@ -171,3 +171,29 @@ def test_measure_leaves_buffers_gradients_modes_and_rng_untouched():
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())  # BN statistics too
     assert torch.equal(model.fc1.weight.grad, torch.ones_like(model.fc1.weight)) and model.fc2.weight.grad is None
     assert not any(m.training for m in traced.gm.modules())
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert", "llama"])
+def test_exported_transformer_partitions_in_sequence_give_its_output_and_grads_exactly(name):
+    """fx cannot trace these; torch.export can, and partitions of its graph change no bit."""
+    from mpitrain.strategies.pipeline._graph import capture, model_args, param_counts, tied_groups
+
+    from .tiny_transformers import build, lm_batches, lm_loss
+
+    model = build(name)
+    (inputs, labels), = lm_batches(4, 1)
+    traced = capture(model, inputs)
+    flat = model_args(traced, inputs)
+    meta = profile(traced, flat)
+    parts = split(traced, balanced_bounds(param_counts(traced), cut_points(traced, meta), 3), meta)
+    got = run_partitions(traced, parts, flat)
+    lm_loss(got, labels).backward()
+    got_grads = [q.grad.clone() for q in model.parameters()]
+    model.zero_grad()
+    want = model(**inputs)
+    lm_loss(want, labels).backward()
+    assert traced.how == "export" and type(got) is type(want)
+    assert torch.equal(got.logits, want.logits)
+    assert all(torch.equal(a, q.grad) for a, q in zip(got_grads, model.parameters()))
+    tied = [holders for holders, _ in tied_groups(parts)]
+    assert tied == ([] if name == "llama" else [(0, 2)])  # embedding and LM head: first and last partition
