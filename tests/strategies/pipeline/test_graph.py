@@ -197,3 +197,29 @@ def test_exported_transformer_partitions_in_sequence_give_its_output_and_grads_e
     assert all(torch.equal(a, q.grad) for a, q in zip(got_grads, model.parameters()))
     tied = [holders for holders, _ in tied_groups(parts)]
     assert tied == ([] if name == "llama" else [(0, 2)])  # embedding and LM head: first and last partition
+
+
+class _ModeDependent(nn.Module):
+    """Dropout and BatchNorm behind a shape branch fx cannot trace: captured by torch.export."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l, self.drop, self.bn = nn.Linear(4, 4), nn.Dropout(0.5), nn.BatchNorm1d(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > 1:
+            x = x * 2
+        return self.bn(self.drop(self.l(x)))
+
+
+def test_an_exported_graph_follows_eval_mode_for_dropout_and_batch_norm():
+    from mpitrain.strategies.pipeline._graph import capture, set_training
+
+    torch.manual_seed(0)
+    model = _ModeDependent()
+    x = torch.randn(6, 4)
+    traced = capture(model, x)
+    assert traced.how == "export"
+    set_training(traced.gm, False)
+    with torch.no_grad():
+        assert torch.equal(traced.gm(x)[0], model.eval()(x))

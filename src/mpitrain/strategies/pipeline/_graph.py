@@ -33,7 +33,7 @@ from torch import fx, nn
 
 __all__ = ["TraceFailure", "ValueMeta", "Traced", "Partition", "capture", "trace", "export", "model_args",
            "call_args", "profile", "measure", "param_counts", "cut_points", "split", "mutated_placeholders",
-           "local_nodes", "tied_groups"]
+           "local_nodes", "tied_groups", "set_training"]
 
 
 class TraceFailure(ValueError):
@@ -407,6 +407,26 @@ def _build(traced: Traced, own: list[fx.Node], inputs: list[str], outputs: list[
     else:
         g.output(tuple(env[by_name[v]] for v in outputs))
     return fx.GraphModule(traced.gm, g)
+
+
+#: ATen ops of an exported graph whose behaviour depends on the mode, and the index of their `train` flag
+_MODE_ARGS = {"aten::dropout": 2, "aten::feature_dropout": 2, "aten::alpha_dropout": 2,
+              "aten::feature_alpha_dropout": 2, "aten::batch_norm": 5}
+
+
+def set_training(gm: fx.GraphModule, train: bool) -> None:
+    """Switch the mode flag of the dropout and batch-norm ops of an exported (ATen) graph, which
+    ``module.train()``/``eval()`` cannot reach (export bakes the mode into the op's arguments).
+    Python branches on ``self.training`` stay as they were when the model was captured."""
+    changed = False
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
+            i = _MODE_ARGS.get(n.target._schema.name)
+            if i is not None and len(n.args) > i and n.args[i] is not train:
+                n.update_arg(i, train)
+                changed = True
+    if changed:
+        gm.recompile()
 
 
 def tied_groups(parts: list[Partition]) -> list[tuple[tuple[int, ...], list[nn.Parameter]]]:

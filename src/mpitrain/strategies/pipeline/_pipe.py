@@ -45,6 +45,7 @@ from ._graph import (
     model_args,
     param_counts,
     profile,
+    set_training,
     split,
     tied_groups,
 )
@@ -155,8 +156,7 @@ class Pipeline:
         before = [q.grad for q in self._params]
         for q in self._params:
             q.grad = None  # reductions below must see this step's contribution only
-        for s in self.stages:
-            s.part.module.train()
+        self._mode(train=True)
         total = [0.0]
 
         def last_fn(m: int, out: list[Any]) -> torch.Tensor:
@@ -202,8 +202,7 @@ class Pipeline:
                     r[starts[m]:starts[m] + sizes[m]].copy_(o)
 
         self._sync_buffers()
-        for s in self.stages:
-            s.part.module.eval()
+        self._mode(train=False)
         try:
             micro_args = [_rows(flat, a, a + s) for a, s in zip(starts, sizes)]
             # (micro, partition) order is a topological order of the forwards: no rank waits forever
@@ -211,8 +210,7 @@ class Pipeline:
             run(self.stages, forwards, micro_args, metas, last_fn, train=False)
             self._finish_sends()
         finally:
-            for s in self.stages:
-                s.part.module.train()
+            self._mode(train=True)
         with self._watched("the broadcast of the evaluation outputs"):
             for r, size in enumerate(per_replica):  # each replica's last partition shares its slice
                 begin = sum(per_replica[:r])
@@ -385,6 +383,13 @@ class Pipeline:
             else:
                 out.append(torch.empty((B, *m.shape[1:]), dtype=m.dtype))
         return out
+
+    def _mode(self, train: bool) -> None:
+        """Train or eval mode for this rank's partitions: submodules (fx) and ATen mode flags (export)."""
+        for s in self.stages:
+            s.part.module.train(train)
+            if self._traced().how == "export":
+                set_training(s.part.module, train)
 
     def _finish_sends(self) -> None:
         for s in self.stages:
