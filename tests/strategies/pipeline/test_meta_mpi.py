@@ -63,6 +63,7 @@ def test_meta_model_trains_like_one_process_at_every_P_holding_only_its_partitio
                   for (name, a), b in zip(got.named_parameters(), want.parameters()) if name in real}
         assert_all_ranks(comm, max(errors.values()) <= 1e-12, f"P={P}: rank {comm.rank} errors {errors}")
         ratio = grown / full
-        print(f"P={P} R={R} rank {comm.rank}: grew {grown} B = {ratio:.3f}x of {full} B")
-        assert_all_ranks(comm, ratio <= TARGET[P], f"P={P}: rank {comm.rank} grew {grown} B = {ratio:.2f}x "
+        # with replicas the gradient average fuses one more copy of the partition's gradients
+        target = TARGET[P] + (0.5 / P if R > 1 else 0.0)
+        assert_all_ranks(comm, ratio <= target, f"P={P}, R={R}: rank {comm.rank} grew {grown} B = {ratio:.2f}x "
                                                    f"one process's params+grads ({full} B)")
