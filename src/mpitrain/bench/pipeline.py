@@ -205,7 +205,7 @@ def transformer_table(comm: Communicator, args: argparse.Namespace) -> None:
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, args.gpt_vocab, (n, args.gpt_seq), generator=g)
     labels = torch.randint(0, args.gpt_vocab, (n, args.gpt_seq), generator=g)
-    inputs: Any = {"input_ids": ids}  # keyword inputs (base.Batch does not name dicts)
+    inputs = ids  # input_ids, positionally: the data strategy slices tensors and tuples only
 
     def sequential_step() -> Callable[[], None]:
         model = _gpt2(args)
@@ -233,18 +233,23 @@ def transformer_table(comm: Communicator, args: argparse.Namespace) -> None:
     t = paired_rounds(timers, args.rounds)
     tokens = n * args.gpt_seq
     rows = []
+    stages = {"model 1f1b": size, "model interleaved": size, "hybrid 1f1b": 2}
     for name in [k for k in timers if k not in ("seq", "seq all")]:
         # the machine's ceiling: P whole-model processes at once give P x (tokens / T_seq all)
         of_machine = paired_ratio(t["seq all"], t[name]) / size
+        P = stages.get(name, 1)  # the bubble: M / (M + (P - 1) / v), v = 2 for the interleaved schedule
+        ideal = micro / (micro + (P - 1) / (2 if "interleaved" in name else 1))
         rows.append([name, tokens / median(t[name]), paired_ratio(t["seq"], t[name]), of_machine,
-                     quartiles([a / (size * b) for a, b in zip(t["seq all"], t[name])])])
+                     quartiles([a / (size * b) for a, b in zip(t["seq all"], t[name])]), ideal,
+                     of_machine / ideal])
     if comm.rank == 0:
         print(f"\n## tokens/s per training step, GPT-2 ({args.gpt_layers} layers x {args.gpt_width}, vocab "
               f"{args.gpt_vocab}, tied embeddings; batch {n} x {args.gpt_seq} tokens, M={micro}); sequential "
               f"{tokens / median(t['seq']):.0f} tokens/s alone, {tokens / median(t['seq all']):.0f} with every "
               f"rank running it at once;\n## 'of machine' = (T_seq all / T) / P: the share of what {size} "
               f"concurrent processes get from this machine")
-        print_table(["contender", "tokens/s", "speed-up vs seq", "of machine", "q25-q75"], rows)
+        print_table(["contender", "tokens/s", "speed-up vs seq", "of machine", "q25-q75", "bubble ideal",
+                     "of machine ideal"], rows)
 
 
 def _ints(text: str) -> list[int]:
