@@ -173,9 +173,9 @@ class Pipeline:
             handle.wait()
         for sub, params in self._tied:
             allreduce_gradients(params, sub, op="sum")
-        for q, g in zip(self._params, before):
-            if g is not None and q.grad is not None:
-                q.grad.add_(g)
+        for q, g in zip(self._params, before):  # accumulate onto what .grad held, as autograd does
+            if g is not None:
+                q.grad = g if q.grad is None else q.grad.add_(g)
         mine = total[0] / self.M / self.R if self._holds_last else 0.0
         with self._watched("the end-of-step loss allreduce"):
             return float(self.comm.allreduce(torch.tensor([mine], dtype=torch.float64))[0])
