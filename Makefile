@@ -41,7 +41,7 @@ test-mpi: venv
 	timeout 900 $(RUN) -n 4 -- $(MPIPYTEST) --timeout=300 tests
 	MPITRAIN_BACKEND=torch timeout 600 $(RUN) -n 3 -- $(MPIPYTEST) --timeout=240 tests/comm
 
-test: lint test-serial test-mpi
+test: lint typecheck test-serial test-mpi
 
 demo: venv
 	$(BIN)/mpitrain demo --ranks $(NP) --strategy data --checkpoint --no-progress
