@@ -7,7 +7,7 @@ import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sized
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -39,6 +39,7 @@ STRATEGIES: dict[str, str] = {
     "hybrid": "mpitrain.strategies.pipeline:make_trainer",
     "pipe-sgd": "mpitrain.strategies.pipesgd:make_trainer",
     "spatial": "mpitrain.spatial.trainer:make_trainer",
+    "auto": "mpitrain.planner:make_trainer",
 }
 
 #: Deprecated spellings of fit's stall keywords (kept for one release, with a DeprecationWarning).
@@ -54,7 +55,7 @@ class FitResult:
     training loss, images/s, and eval loss/metrics when `eval_data` was given."""
 
     model: nn.Module
-    history: list[dict[str, float]]
+    history: list[dict[str, Any]]
 
 
 def accuracy(outputs: torch.Tensor, targets: torch.Tensor) -> float:
@@ -183,7 +184,7 @@ def fit(model: nn.Module, data: Iterable[tuple[Batch, torch.Tensor]], loss_fn: L
     spec = FitSpec(strategy=strategy, partitions=partitions, replicas=replicas, micro_batches=micro_batches,
                    schedule=schedule, balance=balance, options=rest, stall=stall)
     trainer = make_trainer(model, loss_fn, optimizer, comm, spec)
-    history: list[dict[str, float]] = []
+    history: list[dict[str, Any]] = []
     show = progress and comm.rank == 0
     for epoch in range(epochs):
         total = _batch_count(data)
@@ -209,4 +210,5 @@ def fit(model: nn.Module, data: Iterable[tuple[Batch, torch.Tensor]], loss_fn: L
         history.append(record)
         if show:
             print("  ".join(f"{k}={v:.4g}" for k, v in record.items()), flush=True)
+        record.update(getattr(trainer, "record", {}))  # strategy="auto": the plan it chose
     return FitResult(model=trainer.trained_model(), history=history)
