@@ -28,7 +28,8 @@ def _profile(batch: int, seconds_per_sample: float, param_bytes: int, hw: int = 
                         forward_share=0.33, param_bytes=param_bytes, activation_bytes_per_sample=1e6,
                         output_bytes_per_sample=40.0, input_shape=(batch, 3, hw, hw),
                         node_share=[0.4, 0.1, 0.4, 0.1], node_bytes_per_sample=[1e5] * nodes,
-                        node_param_bytes=[param_bytes // 2, 0, param_bytes // 2, 0], node_is_conv=[True, False, True, False],
+                        node_param_bytes=[param_bytes // 2, 0, param_bytes // 2, 0],
+                        node_is_conv=[True, False, True, False],
                         crossing_bytes_per_sample=[0.0] + [1e5] * nodes, cuts=[1, 2, 3],
                         convs=[ConvShape(batch, 3, hw, hw, 8, 3), ConvShape(batch, 8, hw, hw, 8, 3)])
 
