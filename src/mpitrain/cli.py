@@ -1,4 +1,4 @@
-"""The `mpitrain` command: run | bench | demo."""
+"""The `mpitrain` command: run | bench | demo | plan."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ BENCHMARKS = {
     "pipeline": "sequential vs model vs data vs hybrid img/s; pipeline efficiency vs M/(M+P-1)",
     "pipesgd": "Pipe-SGD timing model predicted vs measured; Fig. 4-style table",
     "spatial": "mesh model strong scaling and memory per rank",
+    "planner": "the planner's predictions vs measured steps: error, regret, chosen plan per workload",
 }
 
 
@@ -49,6 +50,16 @@ def _demo(args: argparse.Namespace, rest: list[str]) -> int:
     return run_module(args.ranks, "mpitrain.demo", forwarded, threads=args.threads)
 
 
+def _plan(args: argparse.Namespace, rest: list[str]) -> int:
+    """``mpitrain plan``: the planner's command (mpitrain.planner._command) on N ranks (or in place)."""
+    module = "mpitrain.planner._command"
+    if in_mpi_job():
+        return int(importlib.import_module(module).main(rest) or 0)
+    spec = LaunchSpec(np=args.n, command=[sys.executable, "-m", module, *rest], hosts=args.hosts,
+                      threads=args.threads)
+    return launch(spec)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mpitrain", description="Train PyTorch models across processes over MPI.")
     sub = p.add_subparsers(dest="verb", required=True)
@@ -70,6 +81,11 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--ranks", type=int, default=2)
     d.add_argument("--strategy", default="model")
     d.add_argument("--threads", type=int, default=1)
+    pl = sub.add_parser("plan", help="rank the ways to train MODULE:FACTORY on N ranks (see mpitrain plan -h)",
+                        add_help=False)
+    pl.add_argument("-n", "--np", dest="n", type=int, default=2)
+    pl.add_argument("-H", "--hosts", help="host1:slots,host2:slots")
+    pl.add_argument("--threads", type=int, default=1)
     return p
 
 
@@ -81,6 +97,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _run(p.parse_args(argv))
     if args.verb == "bench":
         return _bench(args, rest)
+    if args.verb == "plan":
+        return _plan(args, rest)
     return _demo(args, rest)
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -20,12 +20,10 @@ from ..strategies.base import (
     require_whole_model,
 )
 from ._plan import plan
-from ._types import Plan, Plans
+from ._types import Plans, spec_for
 
-__all__ = ["AutoOptions", "AutoTrainer", "make_trainer", "FIT_FIELDS"]
+__all__ = ["AutoOptions", "AutoTrainer", "make_trainer"]
 
-#: Plan options that are ``fit`` keywords of their own (FitSpec fields), not strategy options.
-FIT_FIELDS = ("partitions", "replicas", "micro_batches", "schedule")
 #: Runners-up printed under the chosen plan.
 RUNNERS_UP = 3
 
@@ -45,13 +43,6 @@ class AutoOptions(StrategyOptions):
                          "a collection of strategy names")
             self.replace_value("strategies", tuple(self.strategies))
         self.require("cache", isinstance(self.cache, (bool, str)), "True, False or a folder")
-
-
-def spec_for(chosen: Plan, spec: FitSpec) -> FitSpec:
-    """The FitSpec that runs `chosen`: its fit-level keywords as fields, the rest as options."""
-    fields = {k: v for k, v in chosen.options.items() if k in FIT_FIELDS}
-    opts = {k: v for k, v in chosen.options.items() if k not in FIT_FIELDS}
-    return replace(spec, strategy=chosen.strategy, options=opts, **fields)
 
 
 class AutoTrainer:

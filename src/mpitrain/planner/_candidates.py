@@ -15,6 +15,7 @@ from ..perf.pipeline import micro_batch_candidates, pipeline_step
 from ..perf.spatial import halo_messages, layer_path
 from ..perf.timing import TimingInputs, predict, ring_allreduce_time
 from ..strategies.pipeline._partition import balanced_bounds
+from ._overhead import Overheads
 from ._profile import ModelProfile
 from ._types import Dropped, Plan
 
@@ -34,7 +35,8 @@ SpatialCheck = Callable[[tuple[int, int], int], str | None]
 class Measured:
     """What prices a candidate, the same on every rank: the model profile, the world's network, the
     timing constants of Pipe-SGD's model, the world size, the BatchNorm2d count (spatial statistics
-    allreduces) and `spatial_check(grid, samples)`, None or why the spatial strategy cannot run it."""
+    allreduces), `spatial_check(grid, samples)` (None or why the spatial strategy cannot run it) and
+    the runtime's measured per-step overheads, which every plan of a strategy adds to its formula."""
 
     prof: ModelProfile
     net: Network
@@ -42,6 +44,7 @@ class Measured:
     world: int
     bn_layers: int
     spatial_check: SpatialCheck
+    overheads: Overheads = Overheads()
 
 
 def _divisors(n: int) -> list[int]:
@@ -63,7 +66,7 @@ def _data(m: Measured) -> Iterator[Plan | Dropped]:
         yield Dropped("data", {}, f"the batch of {B} does not split into {W} equal slices")
         return
     compute = prof.step_s(B / W) + _update_s(m, prof.param_bytes)
-    comm = m.net.allreduce.time(prof.param_bytes) if W > 1 else 0.0
+    comm = (m.net.allreduce.time(prof.param_bytes) if W > 1 else 0.0) + m.overheads.data
     mem = _state_bytes(prof.param_bytes) + prof.param_bytes + prof.activation_bytes_per_sample * B / W
     yield Plan("data", {}, compute + comm, int(mem), {"compute": compute, "communication": comm})
 
@@ -88,7 +91,7 @@ def _pipe_sgd(m: Measured) -> Iterator[Plan | Dropped]:
                              wire_ratio=c.wire_ratio.get(str(codec), 1.0),
                              codec_per_byte=c.codec_per_byte.get(str(codec), 0.0))
             r = predict(x)
-            step = r["sync"] if K == 1 else r["pipe"]
+            step = (r["sync"] if K == 1 else r["pipe"]) + m.overheads.pipe_sgd[K - 1]
             compute = comp + x.l_up
             mem = _state_bytes(prof.param_bytes) + (K + 1) * prof.param_bytes + prof.activation_bytes_per_sample * B / W
             yield Plan("pipe-sgd", opts, step, int(mem), {"compute": min(compute, step),
@@ -124,6 +127,7 @@ def _pipelines(m: Measured) -> Iterator[Plan | Dropped]:
         for M in micro_batch_candidates(B // R):
             n = B // (R * M)
             ar = ring_allreduce_time(grads, R, m.cal.alpha, m.cal.beta, m.cal.gamma, m.cal.S)
+            ar += m.overheads.data * (R > 1) + m.overheads.pipeline_slot * (M + P - 1)
             cost = pipeline_step(prof.step_s(n) * share, M, P, m.net.p2p.time(cross * n), ar, _update_s(m, grads))
             mem = _state_bytes(grads) + acts * n * min(M, P) + 2 * cross * n
             plan = Plan(strategy, {**base, "micro_batches": M}, cost.total, int(mem),
@@ -148,7 +152,7 @@ def _spatial_cost(m: Measured, grid: tuple[int, int], samples: int) -> tuple[flo
     per = grid[0] * grid[1]
     work = math.ceil(B / samples) / per
     compute = prof.step_s(work) + _update_s(m, prof.param_bytes)
-    halo = _halo_s(m, grid, samples)
+    halo = _halo_s(m, grid, samples) + m.overheads.spatial_conv * len(prof.convs)
     stats = 4 * m.bn_layers * ring_allreduce_time(64, per, m.cal.alpha, m.cal.beta, m.cal.gamma)
     comm = m.net.allreduce.time(prof.param_bytes) + stats + m.net.p2p.time(prof.output_bytes_per_sample * B)
     mem = (_state_bytes(prof.param_bytes) + prof.param_bytes + prof.activation_bytes_per_sample * work

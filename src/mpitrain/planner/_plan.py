@@ -17,6 +17,8 @@ from ..perf.calibrate import Calibration, LinkCost, Network, calibrate, measure_
 from ..runtime import world
 from ..strategies.base import Batch, LossFn, is_number
 from ._candidates import STRATEGY_NAMES, Measured, candidates
+from ._measure import measure_plan
+from ._overhead import Overheads, measure_overheads, probe_model
 from ._profile import (
     agree,
     cache_path,
@@ -118,15 +120,19 @@ def _measure(model: nn.Module, loss_fn: LossFn, sample_batch: tuple[Batch, torch
     prof = agree(comm, measure_model(model, loss_fn, sample_batch, [max(1, B // (4 * W)), max(1, B // W)]))
     net = measure_network(comm)
     cal = calibrate(comm, repeats=5, max_bytes=CALIBRATION_BYTES)
-    data = {"profile": profile_to_dict(prof), "network": asdict(net), "calibration": asdict(cal)}
+    over = measure_overheads(comm, lambda p, b: measure_plan(probe_model, p, b, nn.functional.cross_entropy, comm))
+    data = {"profile": profile_to_dict(prof), "network": asdict(net), "calibration": asdict(cal),
+            "overheads": asdict(over)}
     out: dict[str, Any] = comm.broadcast_object(data, 0) if W > 1 else data
     return out
 
 
-def _restore(data: dict[str, Any]) -> tuple[Any, Network, Calibration]:
+def _restore(data: dict[str, Any]) -> tuple[Any, Network, Calibration, Overheads]:
     n = dict(data["network"])
     net = Network(n["level"], n["ranks"], *(LinkCost(**n[k]) for k in ("p2p", "allreduce", "alltoall")))
-    return profile_from_dict(data["profile"]), net, Calibration(**data["calibration"])
+    o = dict(data["overheads"])
+    over = Overheads(o["data"], (o["pipe_sgd"][0], o["pipe_sgd"][1]), o["pipeline_slot"], o["spatial_conv"])
+    return profile_from_dict(data["profile"]), net, Calibration(**data["calibration"]), over
 
 
 def plan(model: nn.Module, sample_batch: tuple[Batch, torch.Tensor], loss_fn: LossFn, *,
@@ -147,7 +153,8 @@ def plan(model: nn.Module, sample_batch: tuple[Batch, torch.Tensor], loss_fn: Lo
     Collective: every rank of `comm` must call it with the same arguments. Bad arguments raise
     :class:`PlanError` on every rank before any message; ranks given different models or batches
     raise it together at the first message. Calibration (each rank's share timed at the same time,
-    the network's alpha-beta, Pipe-SGD's constants) takes seconds; it is cached per (machine, model
+    the network's alpha-beta, Pipe-SGD's constants, each strategy's per-step overhead on a probe
+    model) takes seconds; it is cached per (machine, model
     signature) in `cache` (True: ``~/.cache/mpitrain/planner``; False: not cached). Every rank
     returns the same plans in the same order."""
     comm = comm or world()
@@ -167,12 +174,12 @@ def plan(model: nn.Module, sample_batch: tuple[Batch, torch.Tensor], loss_fn: Lo
         data = _measure(model, loss_fn, sample_batch, comm)
         if comm.rank == 0:
             store(path, data)
-    prof, net, cal = _restore(data)
+    prof, net, cal, over = _restore(data)
     if limit is None:  # the smallest available memory of any node bounds its ranks
         own = torch.tensor([available_memory() / per_node], dtype=torch.float64)
         limit = float((comm.allreduce(own, op="min") if comm.size > 1 else own)[0])
     measured = Measured(prof, net, cal, comm.size, sum(isinstance(m, nn.BatchNorm2d) for m in model.modules()),
-                        _spatial_check(model, comm))
+                        _spatial_check(model, comm), over)
     plans, dropped = candidates(measured, names, limit)
     out = Plans(plans, dropped)
     if explain and comm.rank == 0:

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ..strategies.base import FitError
+from ..strategies.base import FitError, FitSpec
 
-__all__ = ["Plan", "Dropped", "Plans", "PlanError", "format_options"]
+__all__ = ["Plan", "Dropped", "Plans", "PlanError", "format_options", "spec_for", "FIT_FIELDS"]
 
 #: The keys of :attr:`Plan.breakdown`, in display order.
 BREAKDOWN = ("compute", "communication", "bubble", "halo")
+#: Plan options that are ``fit`` keywords of their own (FitSpec fields), not strategy options.
+FIT_FIELDS = ("partitions", "replicas", "micro_batches", "schedule")
 
 
 class PlanError(FitError):
@@ -75,3 +77,10 @@ class Plans(list[Plan]):
 
     def explanation(self) -> str:
         return "\n".join(f"dropped: {d.describe()}" for d in self.dropped)
+
+
+def spec_for(chosen: Plan, spec: FitSpec) -> FitSpec:
+    """The FitSpec that runs `chosen`: its fit-level keywords as fields, the rest as options."""
+    fields = {k: v for k, v in chosen.options.items() if k in FIT_FIELDS}
+    opts = {k: v for k, v in chosen.options.items() if k not in FIT_FIELDS}
+    return replace(spec, strategy=chosen.strategy, options=opts, **fields)
