@@ -36,7 +36,9 @@ class Measured:
     """What prices a candidate, the same on every rank: the model profile, the world's network, the
     timing constants of Pipe-SGD's model, the world size, the BatchNorm2d count (spatial statistics
     allreduces), `spatial_check(grid, samples)` (None or why the spatial strategy cannot run it) and
-    the runtime's measured per-step overheads, which every plan of a strategy adds to its formula."""
+    the runtime's measured per-step overheads, which every plan of a strategy adds to its formula.
+    `spare_cores`: cores per rank beyond the compute thread's one (0 .. 1): how much of a
+    communication thread's work can run beside compute (eq. 4's overlap needs a core to run on)."""
 
     prof: ModelProfile
     net: Network
@@ -45,6 +47,7 @@ class Measured:
     bn_layers: int
     spatial_check: SpatialCheck
     overheads: Overheads = Overheads()
+    spare_cores: float = 1.0
 
 
 def _divisors(n: int) -> list[int]:
@@ -72,7 +75,9 @@ def _data(m: Measured) -> Iterator[Plan | Dropped]:
 
 
 def _pipe_sgd(m: Measured) -> Iterator[Plan | Dropped]:
-    """Pipe-SGD eqs. 2 (K=1: synchronous) and 4-5 (K=2: pipelined), codec cost on the comm term."""
+    """Pipe-SGD eqs. 2 (K=1: synchronous) and 4-5 (K=2: pipelined), codec cost on the comm term. The
+    overlap of eq. 4 happens only as far as a spare core runs the communication thread: with none, the
+    pipelined step costs eq. 2's sum (both threads share one core)."""
     B, W, prof = m.prof.batch, m.world, m.prof
     if W == 1:
         yield Dropped("pipe-sgd", {}, "one rank: no gradient exchange to pipeline")
@@ -91,7 +96,8 @@ def _pipe_sgd(m: Measured) -> Iterator[Plan | Dropped]:
                              wire_ratio=c.wire_ratio.get(str(codec), 1.0),
                              codec_per_byte=c.codec_per_byte.get(str(codec), 0.0))
             r = predict(x)
-            step = (r["sync"] if K == 1 else r["pipe"]) + m.overheads.pipe_sgd[K - 1]
+            overlapped = m.spare_cores * r["pipe"] + (1 - m.spare_cores) * r["sync"]
+            step = (r["sync"] if K == 1 else overlapped) + m.overheads.pipe_sgd[K - 1]
             compute = comp + x.l_up
             mem = _state_bytes(prof.param_bytes) + (K + 1) * prof.param_bytes + prof.activation_bytes_per_sample * B / W
             yield Plan("pipe-sgd", opts, step, int(mem), {"compute": min(compute, step),

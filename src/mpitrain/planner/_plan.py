@@ -178,8 +178,11 @@ def plan(model: nn.Module, sample_batch: tuple[Batch, torch.Tensor], loss_fn: Lo
     if limit is None:  # the smallest available memory of any node bounds its ranks
         own = torch.tensor([available_memory() / per_node], dtype=torch.float64)
         limit = float((comm.allreduce(own, op="min") if comm.size > 1 else own)[0])
+    spare = torch.tensor([min(max((os.cpu_count() or 1) / per_node - 1, 0.0), 1.0)], dtype=torch.float64)
+    if comm.size > 1:
+        comm.allreduce(spare, op="min")
     measured = Measured(prof, net, cal, comm.size, sum(isinstance(m, nn.BatchNorm2d) for m in model.modules()),
-                        _spatial_check(model, comm), over)
+                        _spatial_check(model, comm), over, float(spare[0]))
     plans, dropped = candidates(measured, names, limit)
     out = Plans(plans, dropped)
     if explain and comm.rank == 0:
