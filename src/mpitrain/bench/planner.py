@@ -91,9 +91,9 @@ def _tokens() -> Batch:
 
 
 def _resnet() -> nn.Module:
-    from torchvision.models import resnet18
+    from ..spatial.models import torchvision_module  # torchvision without its C++ ops
 
-    model: nn.Module = resnet18(num_classes=10)
+    model: nn.Module = torchvision_module("models.resnet").resnet18(num_classes=10)
     return model
 
 

@@ -245,8 +245,9 @@ _GENERATORS: dict[str, Callable[[Measured], Iterator[Plan | Dropped]]] = {
 
 
 def candidates(m: Measured, strategies: set[str], memory_limit: float) -> tuple[list[Plan], list[Dropped]]:
-    """(plans sorted fastest first, dropped candidates with reasons) over `strategies`. Ties keep
-    generation order (stable sort): the same order on every rank."""
+    """(plans sorted fastest first, dropped candidates with reasons) over `strategies`. Predictions
+    within :data:`TIE_MARGIN` per :func:`machinery` level go to the plan with less machinery; exact
+    ties keep generation order (stable sort): the same order on every rank."""
     plans: list[Plan] = []
     dropped: list[Dropped] = []
     for gen in _GENERATORS.values():
@@ -261,5 +262,21 @@ def candidates(m: Measured, strategies: set[str], memory_limit: float) -> tuple[
                 dropped.append(Dropped(c.strategy, c.options, why))
             else:
                 plans.append(c)
-    plans.sort(key=lambda p: p.step_s)
+    plans.sort(key=lambda p: p.step_s * (1 + TIE_MARGIN * machinery(p)))
     return plans, dropped
+
+
+#: Predictions within this fraction per :func:`machinery` level count as a tie (measurement noise).
+TIE_MARGIN = 0.02
+
+
+def machinery(p: Plan) -> int:
+    """How much a plan changes or adds to plain data parallelism: 0 data; 1 the other strategies that
+    compute the one-process mathematics (model, hybrid, spatial, synchronous uncompressed pipe-sgd);
+    2 pipe-sgd with staleness or lossy compression (changes the mathematics: worth it only if clearly
+    faster). The ranking orders plans by ``step_s * (1 + TIE_MARGIN * machinery)``."""
+    if p.strategy == "data":
+        return 0
+    if p.strategy == "pipe-sgd" and (p.options.get("staleness", 1) > 1 or p.options.get("compression") is not None):
+        return 2
+    return 1
