@@ -11,16 +11,21 @@ from mpitrain.perf.spatial import layer_path, ring_allreduce
 from mpitrain.perf.timing import ring_allreduce_time
 
 
-def test_pipeline_step_is_m_plus_p_minus_1_slots_plus_allreduce():
-    c = pipeline_step(t_max=0.01, M=4, P=2, p2p_s=0.001, allreduce_s=0.005, update_s=0.002)
+def test_balanced_pipeline_step_is_m_plus_p_minus_1_slots_plus_allreduce():
+    c = pipeline_step([0.01, 0.01], M=4, p2p_s=0.001, allreduce_s=0.005, update_s=0.002)
     assert c.compute == pytest.approx(0.04)
     assert c.bubble == pytest.approx(0.01)
     assert c.communication == pytest.approx(2 * 5 * 0.001 + 0.005)
     assert c.total == pytest.approx(0.04 + 0.01 + 0.015 + 0.002)
-    one = pipeline_step(0.01, M=3, P=1, p2p_s=1.0, allreduce_s=0.0)  # one partition sends nothing
+    one = pipeline_step([0.01], M=3, p2p_s=1.0, allreduce_s=0.0)  # one partition sends nothing
     assert one.bubble == 0.0 and one.communication == 0.0
     with pytest.raises(ValueError):
-        pipeline_step(0.01, M=0, P=2, p2p_s=0.0, allreduce_s=0.0)
+        pipeline_step([0.01, 0.01], M=0, p2p_s=0.0, allreduce_s=0.0)
+
+
+def test_unbalanced_pipeline_is_the_first_micro_batch_through_all_then_the_slowest():
+    c = pipeline_step([0.01, 0.03], M=3, p2p_s=0.0, allreduce_s=0.0)
+    assert c.total == pytest.approx(0.04 + 2 * 0.03)  # sum of stages, then M - 1 at the slowest rate
 
 
 def test_micro_batches_start_at_the_largest_divisor_and_halve():

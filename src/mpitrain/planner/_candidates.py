@@ -69,7 +69,7 @@ def _data(m: Measured) -> Iterator[Plan | Dropped]:
         yield Dropped("data", {}, f"the batch of {B} does not split into {W} equal slices")
         return
     compute = prof.step_s(B / W) + _update_s(m, prof.param_bytes)
-    comm = (m.net.allreduce.time(prof.param_bytes) if W > 1 else 0.0) + m.overheads.data
+    comm = (m.net.allreduce.time(prof.param_bytes) if W > 1 else 0.0) + m.overheads.of_data(prof.param_bytes)
     mem = _state_bytes(prof.param_bytes) + prof.param_bytes + prof.activation_bytes_per_sample * B / W
     yield Plan("data", {}, compute + comm, int(mem), {"compute": compute, "communication": comm})
 
@@ -97,7 +97,7 @@ def _pipe_sgd(m: Measured) -> Iterator[Plan | Dropped]:
                              codec_per_byte=c.codec_per_byte.get(str(codec), 0.0))
             r = predict(x)
             overlapped = m.spare_cores * r["pipe"] + (1 - m.spare_cores) * r["sync"]
-            step = (r["sync"] if K == 1 else overlapped) + m.overheads.pipe_sgd[K - 1]
+            step = (r["sync"] if K == 1 else overlapped) + m.overheads.of_pipe_sgd(K, prof.param_bytes)
             compute = comp + x.l_up
             mem = _state_bytes(prof.param_bytes) + (K + 1) * prof.param_bytes + prof.activation_bytes_per_sample * B / W
             yield Plan("pipe-sgd", opts, step, int(mem), {"compute": min(compute, step),
@@ -125,7 +125,7 @@ def _pipelines(m: Measured) -> Iterator[Plan | Dropped]:
             yield Dropped(strategy, base, f"the batch of {B} does not split over {R} replicas")
             continue
         bounds = balanced_bounds(prof.node_share, prof.cuts, P)
-        share = max(_stage_sums(prof.node_share, bounds))
+        shares = _stage_sums(prof.node_share, bounds)
         grads = max(_stage_sums([float(b) for b in prof.node_param_bytes], bounds))
         acts = max(_stage_sums(prof.node_bytes_per_sample, bounds))
         cross = max(prof.crossing_bytes_per_sample[c] for c in bounds[1:-1])
@@ -133,8 +133,9 @@ def _pipelines(m: Measured) -> Iterator[Plan | Dropped]:
         for M in micro_batch_candidates(B // R):
             n = B // (R * M)
             ar = ring_allreduce_time(grads, R, m.cal.alpha, m.cal.beta, m.cal.gamma, m.cal.S)
-            ar += m.overheads.data * (R > 1) + m.overheads.pipeline_slot * (M + P - 1)
-            cost = pipeline_step(prof.step_s(n) * share, M, P, m.net.p2p.time(cross * n), ar, _update_s(m, grads))
+            ar += m.overheads.of_data(grads) * (R > 1) + m.overheads.pipeline_slot * (M + P - 1)
+            cost = pipeline_step([prof.step_s(n) * s for s in shares], M, m.net.p2p.time(cross * n), ar,
+                                 _update_s(m, grads))
             mem = _state_bytes(grads) + acts * n * min(M, P) + 2 * cross * n
             plan = Plan(strategy, {**base, "micro_batches": M}, cost.total, int(mem),
                         {"compute": cost.compute + cost.update, "communication": cost.communication,

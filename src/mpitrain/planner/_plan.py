@@ -18,7 +18,7 @@ from ..runtime import world
 from ..strategies.base import Batch, LossFn, is_number
 from ._candidates import STRATEGY_NAMES, Measured, candidates
 from ._measure import measure_plan
-from ._overhead import Overheads, measure_overheads, probe_model
+from ._overhead import Overheads, measure_overheads
 from ._profile import (
     agree,
     cache_path,
@@ -120,7 +120,8 @@ def _measure(model: nn.Module, loss_fn: LossFn, sample_batch: tuple[Batch, torch
     prof = agree(comm, measure_model(model, loss_fn, sample_batch, [max(1, B // (4 * W)), max(1, B // W)]))
     net = measure_network(comm)
     cal = calibrate(comm, repeats=5, max_bytes=CALIBRATION_BYTES)
-    over = measure_overheads(comm, lambda p, b: measure_plan(probe_model, p, b, nn.functional.cross_entropy, comm))
+    over = measure_overheads(comm, lambda make, p, b: measure_plan(make, p, b, nn.functional.cross_entropy, comm),
+                             net.allreduce.time)
     data = {"profile": profile_to_dict(prof), "network": asdict(net), "calibration": asdict(cal),
             "overheads": asdict(over)}
     out: dict[str, Any] = comm.broadcast_object(data, 0) if W > 1 else data
@@ -131,7 +132,9 @@ def _restore(data: dict[str, Any]) -> tuple[Any, Network, Calibration, Overheads
     n = dict(data["network"])
     net = Network(n["level"], n["ranks"], *(LinkCost(**n[k]) for k in ("p2p", "allreduce", "alltoall")))
     o = dict(data["overheads"])
-    over = Overheads(o["data"], (o["pipe_sgd"][0], o["pipe_sgd"][1]), o["pipeline_slot"], o["spatial_conv"])
+    pipe = o["pipe_sgd"]
+    over = Overheads((o["data"][0], o["data"][1]), ((pipe[0][0], pipe[0][1]), (pipe[1][0], pipe[1][1])),
+                     o["pipeline_slot"], o["spatial_conv"])
     return profile_from_dict(data["profile"]), net, Calibration(**data["calibration"]), over
 
 
