@@ -151,14 +151,32 @@ def _halo_s(m: Measured, grid: tuple[int, int], samples: int) -> float:
     return sum(2 * k * m.net.p2p.time(b) for s in m.prof.convs for k, b in halo_messages(s, grid, samples))
 
 
+def _halo_inflation(prof: ModelProfile, grid: tuple[int, int]) -> float:
+    """Factor by which a rank's compute grows because each conv also computes over its halo: per conv
+    node, (local block + halo) / local block area (§V-A's C is timed on the padded block), weighted by
+    the node's share of the step. 1.0 without a per-node profile."""
+    convs = iter(prof.convs)
+    extra = 0.0
+    for share, is_conv in zip(prof.node_share, prof.node_is_conv):
+        shape = next(convs, None) if is_conv else None
+        if shape is None:
+            continue
+        o = shape.k // 2
+        h, w = shape.h / grid[0], shape.w / grid[1]
+        padded = (h + (2 * o if grid[0] > 1 else 0)) * (w + (2 * o if grid[1] > 1 else 0))
+        extra += share * (padded / (h * w) - 1)
+    return 1.0 + extra
+
+
 def _spatial_cost(m: Measured, grid: tuple[int, int], samples: int) -> tuple[float, dict[str, float], float]:
     """(step seconds, breakdown, memory bytes) of spatial training on `grid` x `samples` groups: the
-    step of a share of B / samples / (ph pw) samples, §V-A's halos, the BatchNorm statistics allreduces
+    step of a share of B / samples / (ph pw) samples (grown by the convs' halo areas), §V-A's halos, the
+    BatchNorm statistics allreduces
     over the spatial group, the fused gradient allreduce over every rank, and the gather of outputs."""
     prof, B = m.prof, m.prof.batch
     per = grid[0] * grid[1]
     work = math.ceil(B / samples) / per
-    compute = prof.step_s(work) + _update_s(m, prof.param_bytes)
+    compute = prof.step_s(work) * _halo_inflation(prof, grid) + _update_s(m, prof.param_bytes)
     halo = _halo_s(m, grid, samples) + m.overheads.spatial_conv * len(prof.convs)
     stats = 4 * m.bn_layers * ring_allreduce_time(64, per, m.cal.alpha, m.cal.beta, m.cal.gamma)
     comm = m.net.allreduce.time(prof.param_bytes) + stats + m.net.p2p.time(prof.output_bytes_per_sample * B)
