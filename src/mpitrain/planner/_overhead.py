@@ -45,8 +45,8 @@ class Overheads:
 
 def probe_model(hidden: int = 2) -> nn.Module:
     """Two 3x3 convs on 2 channels (halo exchanges when split) and a 2-`hidden`-2 linear head:
-    fx-traceable, spatially convertible; ~100 parameters at the default `hidden`, 4 MiB of them at :data:`BIG_HIDDEN`, with no compute to
-    speak of either way."""
+    fx-traceable, spatially convertible; ~100 parameters at the default `hidden`, 4 MiB of them at
+    :data:`BIG_HIDDEN`, with no compute to speak of either way."""
     torch.manual_seed(0)
     return nn.Sequential(nn.Conv2d(2, 2, 3, padding=1), nn.ReLU(), nn.Conv2d(2, 2, 3, padding=1),
                          nn.AdaptiveAvgPool2d(1), nn.Flatten(),
