@@ -171,7 +171,8 @@ def _halo_inflation(prof: ModelProfile, grid: tuple[int, int]) -> float:
 def _spatial_cost(m: Measured, grid: tuple[int, int], samples: int) -> tuple[float, dict[str, float], float]:
     """(step seconds, breakdown, memory bytes) of spatial training on `grid` x `samples` groups: the
     step of a share of B / samples / (ph pw) samples (grown by the convs' halo areas), §V-A's halos, the
-    BatchNorm statistics allreduces over the spatial group, the fused gradient allreduce over every rank, and the gather of outputs."""
+    BatchNorm statistics allreduces over the spatial group, the fused gradient allreduce over every
+    rank, and the gather of outputs."""
     prof, B = m.prof, m.prof.batch
     per = grid[0] * grid[1]
     work = math.ceil(B / samples) / per
