@@ -11,7 +11,7 @@ RUN    := $(BIN)/mpitrain run
 # interrupt a rank blocked inside MPI (see tests/README.md).
 MPIPYTEST := python -m mpi4py -m pytest -x -q --color=no -p no:cacheprovider --timeout-method=thread -m mpi
 
-.PHONY: venv test test-serial test-mpi lint typecheck demo bench clean
+.PHONY: venv test test-serial test-multihost test-mpi lint typecheck demo bench clean
 
 venv: $(STAMP)
 
@@ -28,8 +28,12 @@ lint: venv
 typecheck: venv
 	$(BIN)/mypy
 
+# test-serial includes tests/multihost (emulated hosts: root + iproute2, else skipped saying why).
 test-serial: venv
 	$(BIN)/python -m pytest -q -m "not mpi" --timeout=300 tests
+
+test-multihost: venv
+	$(BIN)/python -m pytest -q -m "not mpi" --timeout=300 tests/multihost tests/test_launch.py
 
 test-mpi: venv
 	timeout 900 $(RUN) -n 2 -- $(MPIPYTEST) --timeout=240 tests
@@ -40,7 +44,7 @@ test-mpi: venv
 test: lint test-serial test-mpi
 
 demo: venv
-	$(BIN)/mpitrain demo --ranks $(NP)
+	$(BIN)/mpitrain demo --ranks $(NP) --strategy data --checkpoint --no-progress
 
 bench: venv
 	$(BIN)/mpitrain bench allreduce -n $(NP)

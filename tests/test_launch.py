@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from mpitrain._hosts import Host, expand_hostlist, expand_tasks_per_node, slurm_hosts
 from mpitrain.launch import LaunchSpec, build_command
 from tests.helpers import run_job
 
@@ -39,13 +40,101 @@ def test_oversubscription_disables_binding_only_beyond_the_cores():
     assert "--oversubscribe" not in fits
 
 
-def test_hosts_count_slots_and_hostfile_is_passed_through():
+def test_hosts_count_slots_and_hostfile_is_passed_through(tmp_path):
     argv, _ = build_command(LaunchSpec(np=8, command=["true"], hosts="a:4,b:4"), flavor="openmpi")
     assert argv[argv.index("-H") + 1] == "a:4,b:4" and "--oversubscribe" not in argv
-    argv, _ = build_command(LaunchSpec(np=8, command=["true"], hostfile="hosts.txt"), flavor="openmpi")
-    assert argv[argv.index("--hostfile") + 1] == "hosts.txt"
+    hostfile = tmp_path / "hosts.txt"
+    hostfile.write_text("# two nodes\na slots=4\nb slots=4 max_slots=8\n")
+    argv, _ = build_command(LaunchSpec(np=8, command=["true"], hostfile=str(hostfile)), flavor="openmpi")
+    assert argv[argv.index("--hostfile") + 1] == str(hostfile) and "--oversubscribe" not in argv
+    over, _ = build_command(LaunchSpec(np=9, command=["true"], hostfile=str(hostfile)), flavor="openmpi")
+    assert "--oversubscribe" in over
     with pytest.raises(ValueError, match="not both"):
-        build_command(LaunchSpec(np=2, command=["true"], hosts="a", hostfile="f"), flavor="openmpi")
+        build_command(LaunchSpec(np=2, command=["true"], hosts="a", hostfile=str(hostfile)), flavor="openmpi")
+
+
+@pytest.mark.parametrize("line", ["a;reboot slots=2", "$(id) slots=1", "a slots=two", "a slots=0", "a cpu=3",
+                                  "a `x`"])
+def test_hostfile_accepts_only_names_and_slots(tmp_path, line):
+    hostfile = tmp_path / "hosts.txt"
+    hostfile.write_text(f"ok slots=1\n{line}\n")
+    with pytest.raises(ValueError, match=r"hosts.txt:2"):
+        build_command(LaunchSpec(np=2, command=["true"], hostfile=str(hostfile)), flavor="openmpi")
+
+
+def test_bad_host_names_and_env_names_are_refused_before_launch():
+    for hosts in ("a;b:1", "a:x", "a b", "-oProxyCommand=x"):
+        with pytest.raises(ValueError, match="-H entry"):
+            build_command(LaunchSpec(np=1, command=["true"], hosts=hosts), flavor="openmpi")
+    with pytest.raises(ValueError, match="not an environment variable name"):
+        build_command(LaunchSpec(np=1, command=["true"], env={"A B": "1"}), flavor="openmpi")
+    with pytest.raises(ValueError, match="not an MCA parameter"):
+        build_command(LaunchSpec(np=1, command=["true"], mca=[("a;b", "1")]), flavor="openmpi")
+
+
+def test_every_mpitrain_variable_and_each_x_name_is_forwarded(monkeypatch):
+    monkeypatch.setenv("MPITRAIN_BACKEND", "torch")
+    monkeypatch.setenv("MPITRAIN_SOMETHING_NEW", "1")
+    monkeypatch.setenv("MINE", "here")
+    argv, env = build_command(LaunchSpec(np=2, command=["true"], env={"MINE": None, "SET": "v"},
+                                         mca=[("btl_tcp_if_include", "10.0.0.0/24")]), flavor="openmpi")
+    forwarded = {argv[i + 1] for i, a in enumerate(argv) if a == "-x"}
+    assert {"MPITRAIN_BACKEND", "MPITRAIN_SOMETHING_NEW", "MINE", "SET"} <= forwarded and env["SET"] == "v"
+    i = argv.index("--mca")
+    assert argv[i:i + 3] == ["--mca", "btl_tcp_if_include", "10.0.0.0/24"]
+    monkeypatch.delenv("MINE")
+    with pytest.raises(ValueError, match="not set here"):
+        build_command(LaunchSpec(np=2, command=["true"], env={"MINE": None}), flavor="openmpi")
+
+
+def test_threads_get_that_many_cores_or_no_binding():
+    cores = os.cpu_count() or 1
+    argv, _ = build_command(LaunchSpec(np=1, command=["true"], threads=cores), flavor="openmpi")
+    if cores > 1:
+        assert argv[argv.index("--map-by") + 1] == f"slot:PE={cores}"
+    argv, _ = build_command(LaunchSpec(np=1, command=["true"], threads=cores + 1), flavor="openmpi")
+    assert argv[argv.index("--bind-to") + 1] == "none" and "--map-by" not in argv
+    argv, _ = build_command(LaunchSpec(np=2, command=["true"], hosts="a:1,b:1", threads=2), flavor="openmpi")
+    assert argv[argv.index("--bind-to") + 1] == "none"  # remote cores are unknown here: never one core
+
+
+def test_slurm_allocation_supplies_hosts_and_ranks(monkeypatch):
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "node[01-03,07],gpu5")
+    monkeypatch.setenv("SLURM_TASKS_PER_NODE", "2(x3),1,4")
+    monkeypatch.setenv("SLURM_NTASKS", "11")
+    argv, _ = build_command(LaunchSpec(np=11, command=["true"]), flavor="openmpi")
+    assert argv[argv.index("-H") + 1] == "node01:2,node02:2,node03:2,node07:1,gpu5:4"
+    assert "--oversubscribe" not in argv
+    out = subprocess.run([*MPITRAIN, "run", "--dry-run", "--", "true"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "-n 11 " in out.stdout, out.stderr
+    argv, _ = build_command(LaunchSpec(np=2, command=["true"], hosts="x:2"), flavor="openmpi")
+    assert argv[argv.index("-H") + 1] == "x:2"  # explicit hosts win over the allocation
+
+
+def test_hostlist_expansion_follows_slurm():
+    assert expand_hostlist("node[01-03,07],gpu5") == ["node01", "node02", "node03", "node07", "gpu5"]
+    assert expand_hostlist("r[1-2]n[8-9]") == ["r1n8", "r1n9", "r2n8", "r2n9"]
+    assert expand_hostlist("a,b-c[009-011]") == ["a", "b-c009", "b-c010", "b-c011"]
+    assert expand_tasks_per_node("2(x3),1") == [2, 2, 2, 1]
+    assert slurm_hosts({"SLURM_JOB_NODELIST": "n[1-3]", "SLURM_NTASKS": "4"}) == (
+        [Host("n1", 2), Host("n2", 1), Host("n3", 1)], 4)
+    assert slurm_hosts({}) is None
+    for bad in ("n[1-", "n[a-b]", "n[1-2];x"):
+        with pytest.raises(ValueError):
+            expand_hostlist(bad)
+
+
+def test_cli_launch_arguments_reach_bench_and_demo(tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("h1 slots=2\nh2 slots=2\n")
+    for verb in (["bench", "allreduce"], ["demo"]):
+        out = subprocess.run([*MPITRAIN, *verb, "-n", "4", "--hostfile", str(hostfile), "-x", "A=1",
+                              "--mca", "k", "v", "--dry-run"], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert f"--hostfile {hostfile}" in out.stdout and "-x A" in out.stdout and "--mca k v" in out.stdout
+    out = subprocess.run([*MPITRAIN, "bench", "allreduce", "-H", "a;b", "--dry-run"], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 2 and "not a host name" in out.stderr
 
 
 def test_mpich_flavor_uses_hydra_flags():
@@ -131,3 +220,11 @@ def test_stalled_wait_warns_naming_rank_and_tensor_then_aborts():
     """)
     assert rc != 0 and "rank 0: still waiting" in out and "'activation 3' from rank 1" in out, out
     assert 3 <= secs < 13, f"job ended {secs:.1f}s after the stall began"
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs 2 cores to give a rank 2")
+def test_a_rank_with_two_threads_is_not_pinned_to_one_core():
+    out = subprocess.run([*MPITRAIN, "run", "-n", "1", "--threads", "2", "--", sys.executable, "-c",
+                          "import os; print('CORES', len(os.sched_getaffinity(0)))"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "CORES 2" in out.stdout, out.stdout + out.stderr

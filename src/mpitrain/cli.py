@@ -1,11 +1,12 @@
-"""The `mpitrain` command: run | bench | demo | plan."""
+"""The `mpitrain` command: run | bench | demo."""
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from .launch import LaunchSpec, in_mpi_job, launch, run_module
 
@@ -14,40 +15,75 @@ __all__ = ["main", "BENCHMARKS"]
 #: ``mpitrain bench NAME`` runs ``python -m mpitrain.bench.NAME`` under mpiexec.
 BENCHMARKS = {
     "machine": "each kernel alone vs on every rank at once: the machine's speed-up ceiling",
-    "allreduce": "Communicator allreduce vs raw mpi4py (and torch backend): latency, busbw",
+    "allreduce": "Communicator allreduce (flat, hierarchical) vs raw mpi4py and gloo: latency, busbw",
     "dataparallel": "DataParallel steps/s per kvstore type vs torch DDP (gloo)",
     "kvstore": "parameter server push+pull (1/2/4 servers) vs allreduce; funnel/concurrent/depchain",
     "pipeline": "sequential vs model vs data vs hybrid img/s; pipeline efficiency vs M/(M+P-1)",
     "pipesgd": "Pipe-SGD timing model predicted vs measured; Fig. 4-style table",
     "spatial": "mesh model strong scaling and memory per rank",
     "planner": "the planner's predictions vs measured steps: error, regret, chosen plan per workload",
+    "horovod": "Horovod-style synthetic img/s: mpitrain.horovod DistributedOptimizer vs DataParallel vs DDP",
 }
+
+
+def _spec(args: argparse.Namespace, np: int | None, command: list[str]) -> LaunchSpec:
+    """The LaunchSpec for the shared launch arguments; -n defaults to SLURM_NTASKS inside an allocation."""
+    if np is None:
+        ntasks = os.environ.get("SLURM_NTASKS", "")
+        if not ntasks.isdigit():
+            raise ValueError("-n is required outside a Slurm allocation")
+        np = int(ntasks)
+    env: dict[str, str | None] = {}
+    for item in args.x or []:
+        name, eq, value = item.partition("=")
+        env[name] = value if eq else None
+    return LaunchSpec(np=np, command=command, hosts=args.hosts, hostfile=args.hostfile, threads=args.threads,
+                      env=env, mca=[(k, v) for k, v in args.mca or []])
+
+
+def _launched(what: str, start: Callable[[], int]) -> int:
+    """Run `start`; a bad argument becomes a one-line error and exit status 2 (nothing was started)."""
+    try:
+        return int(start())
+    except (ValueError, FileNotFoundError) as e:
+        print(f"mpitrain {what}: {e}", file=sys.stderr)
+        return 2
 
 
 def _run(args: argparse.Namespace) -> int:
     cmd = list(args.command)
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]
-    spec = LaunchSpec(np=args.n, command=cmd, hosts=args.hosts, hostfile=args.hostfile, threads=args.threads)
-    try:
-        return launch(spec, dry_run=args.dry_run)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"mpitrain run: {e}", file=sys.stderr)
-        return 2
+    return _launched("run", lambda: launch(_spec(args, args.n, cmd), dry_run=args.dry_run))
 
 
 def _bench(args: argparse.Namespace, rest: list[str]) -> int:
     module = f"mpitrain.bench.{args.name}"
     if in_mpi_job():  # already a rank: run in place
         return int(importlib.import_module(module).main(rest) or 0)
-    return run_module(args.n, module, rest, threads=args.threads)
+    return _launched("bench", lambda: run_module(_spec(args, args.n, []), module, rest, dry_run=args.dry_run))
 
 
 def _demo(args: argparse.Namespace, rest: list[str]) -> int:
     forwarded = ["--strategy", args.strategy, *rest]
     if in_mpi_job():
         return int(importlib.import_module("mpitrain.demo").main(forwarded) or 0)
-    return run_module(args.ranks, "mpitrain.demo", forwarded, threads=args.threads)
+    return _launched("demo", lambda: run_module(_spec(args, args.n, []), "mpitrain.demo", forwarded,
+                                                dry_run=args.dry_run))
+
+
+def _launch_args(p: argparse.ArgumentParser, np_default: int | None,
+                 np_flags: tuple[str, ...] = ("-n", "--np")) -> None:
+    """The launch arguments shared by run, bench and demo."""
+    p.add_argument(*np_flags, dest="n", type=int, default=np_default,
+                   help="number of ranks" + ("" if np_default else " (default: SLURM_NTASKS in an allocation)"))
+    p.add_argument("-H", "--hosts", help="host1:slots,host2:slots (default: the Slurm allocation's nodes)")
+    p.add_argument("--hostfile", help="MPI hostfile: 'name [slots=N]' per line")
+    p.add_argument("--threads", type=int, default=1, help="compute threads per rank (OMP_NUM_THREADS)")
+    p.add_argument("-x", action="append", metavar="NAME[=VALUE]",
+                   help="set/forward an environment variable to every rank (MPITRAIN_* always are)")
+    p.add_argument("--mca", nargs=2, action="append", metavar=("KEY", "VALUE"), help="Open MPI MCA parameter")
+    p.add_argument("--dry-run", action="store_true", help="print the exact command and exit")
 
 
 def _plan(args: argparse.Namespace, rest: list[str]) -> int:
@@ -55,9 +91,7 @@ def _plan(args: argparse.Namespace, rest: list[str]) -> int:
     module = "mpitrain.planner._command"
     if in_mpi_job():
         return int(importlib.import_module(module).main(rest) or 0)
-    spec = LaunchSpec(np=args.n, command=[sys.executable, "-m", module, *rest], hosts=args.hosts,
-                      threads=args.threads)
-    return launch(spec)
+    return _launched("plan", lambda: run_module(_spec(args, args.n, []), module, rest, dry_run=args.dry_run))
 
 
 def parser() -> argparse.ArgumentParser:
@@ -65,27 +99,19 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="verb", required=True)
 
     r = sub.add_parser("run", help="launch COMMAND on N ranks through mpiexec")
-    r.add_argument("-n", "--np", dest="n", type=int, required=True, help="number of ranks")
-    r.add_argument("-H", "--hosts", help="host1:slots,host2:slots")
-    r.add_argument("--hostfile", help="MPI hostfile")
-    r.add_argument("--threads", type=int, default=1, help="compute threads per rank (OMP_NUM_THREADS)")
-    r.add_argument("--dry-run", action="store_true", help="print the exact command and exit")
+    _launch_args(r, None)
     r.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND ARGS...")
 
     b = sub.add_parser("bench", help="run a benchmark: " + ", ".join(BENCHMARKS))
     b.add_argument("name", choices=sorted(BENCHMARKS))
-    b.add_argument("-n", "--np", dest="n", type=int, default=2)
-    b.add_argument("--threads", type=int, default=1)
+    _launch_args(b, 2)
 
     d = sub.add_parser("demo", help="train a small CNN on scikit-learn's digits")
-    d.add_argument("--ranks", type=int, default=2)
+    _launch_args(d, 2, ("--ranks", "-n", "--np"))
     d.add_argument("--strategy", default="model")
-    d.add_argument("--threads", type=int, default=1)
     pl = sub.add_parser("plan", help="rank the ways to train MODULE:FACTORY on N ranks (see mpitrain plan -h)",
                         add_help=False)
-    pl.add_argument("-n", "--np", dest="n", type=int, default=2)
-    pl.add_argument("-H", "--hosts", help="host1:slots,host2:slots")
-    pl.add_argument("--threads", type=int, default=1)
+    _launch_args(pl, 2)
     return p
 
 

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+
+from ._hosts import Host, format_hosts, parse_hosts, read_hostfile, slurm_hosts
 
 __all__ = ["LaunchSpec", "find_mpiexec", "mpi_flavor", "build_command", "launch", "run_module", "in_mpi_job"]
 
@@ -22,11 +25,16 @@ _MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_"
 
 # Variables the ranks need on every host (Open MPI forwards only what -x names to remote hosts).
 _FORWARD = ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV", "OMP_NUM_THREADS", "PYTHONUNBUFFERED")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_MCA_KEY = re.compile(r"^[A-Za-z0-9_]+$")
 
 
 @dataclass
 class LaunchSpec:
-    """What to run: `command` on `np` ranks, optionally across `hosts` ("h1:2,h2:2") or a hostfile."""
+    """What to run: `command` on `np` ranks, optionally across `hosts` ("h1:2,h2:2") or a hostfile.
+
+    `env` holds ``-x`` requests: NAME -> VALUE sets and forwards it, NAME -> None forwards the caller's
+    value. `mca` holds ``--mca KEY VALUE`` pairs passed to mpiexec unchanged (Open MPI only)."""
 
     np: int
     command: list[str]
@@ -35,6 +43,8 @@ class LaunchSpec:
     threads: int = 1
     extra_env: dict[str, str] = field(default_factory=dict)
     mpiexec: str | None = None
+    env: dict[str, str | None] = field(default_factory=dict)
+    mca: list[tuple[str, str]] = field(default_factory=list)
 
 
 def find_mpiexec() -> str:
@@ -58,17 +68,52 @@ def mpi_flavor(mpiexec: str) -> str:
     return "mpich" if ("hydra" in text or "mpich" in text) else "openmpi"
 
 
-def _slots(spec: LaunchSpec) -> int:
-    """Slots available for oversubscription decisions: the hosts' declared slots, else local cores."""
+def _hosts(spec: LaunchSpec) -> list[Host] | None:
+    """The validated host list (from -H, the hostfile or a Slurm allocation); None for this host alone."""
+    if spec.hosts and spec.hostfile:
+        raise ValueError("give either -H/--hosts or --hostfile, not both")
     if spec.hosts:
-        total = 0
-        for h in spec.hosts.split(","):
-            _, _, n = h.partition(":")
-            total += int(n) if n else 1
-        return total
+        return parse_hosts(spec.hosts)
     if spec.hostfile:
-        return 1 << 30  # the hostfile declares slots; let MPI decide
-    return os.cpu_count() or 1
+        return read_hostfile(spec.hostfile)
+    return None
+
+
+def _slots(hosts: list[Host] | None) -> int:
+    """Slots available for oversubscription decisions: the hosts' declared slots, else local cores."""
+    if hosts is None:
+        return os.cpu_count() or 1
+    if any(h.slots is None for h in hosts):
+        return 1 << 30  # some host's slots are its cores, which only MPI knows: let it decide
+    return sum(h.slots or 0 for h in hosts)
+
+
+def _binding(spec: LaunchSpec, hosts: list[Host] | None, over: bool) -> list[str]:
+    """Open MPI mapping/binding flags. Oversubscribed ranks are not pinned (they share cores); a rank with
+    T > 1 threads gets T cores (``--map-by slot:PE=T``) where this host has them, else is not pinned,
+    never the one core Open MPI's default gives it."""
+    if over:
+        return ["--oversubscribe", "--bind-to", "none"]
+    if spec.threads > 1:
+        if hosts is None and spec.np * spec.threads <= (os.cpu_count() or 1):
+            return ["--map-by", f"slot:PE={spec.threads}"]
+        return ["--bind-to", "none"]
+    return []
+
+
+def _env_requests(spec: LaunchSpec) -> tuple[dict[str, str], list[str]]:
+    """(values to set, names to forward) from ``-x`` requests and every MPITRAIN_* variable of the caller."""
+    values: dict[str, str] = {}
+    names = [k for k in os.environ if k.startswith("MPITRAIN_")]
+    for name, value in spec.env.items():
+        if not _ENV_NAME.match(name):
+            raise ValueError(f"-x {name!r}: not an environment variable name")
+        if value is not None:
+            values[name] = value
+        elif name not in os.environ:
+            raise ValueError(f"-x {name}: not set here (give -x {name}=VALUE)")
+        names.append(name)
+    return values, names
 
 
 def build_command(spec: LaunchSpec, flavor: str | None = None) -> tuple[list[str], dict[str, str]]:
@@ -76,41 +121,62 @@ def build_command(spec: LaunchSpec, flavor: str | None = None) -> tuple[list[str
 
     Defaults: root allowed, oversubscription (and no core binding, and yielding when idle) when
     `np` exceeds the slots, OMP_NUM_THREADS=`threads` and huge-page tensor memory for every rank.
+    Every MPITRAIN_* variable and each ``-x`` name reaches the ranks on every host. Inside a Slurm
+    allocation with no hosts given, the allocation's nodes and task counts are the hosts. All
+    arguments are checked before anything starts (ValueError).
     """
     if spec.np < 1:
         raise ValueError(f"-n must be at least 1, got {spec.np}")
+    if spec.threads < 1:
+        raise ValueError(f"--threads must be at least 1, got {spec.threads}")
     if not spec.command:
         raise ValueError("no command to run: mpitrain run -n N -- COMMAND ...")
-    if spec.hosts and spec.hostfile:
-        raise ValueError("give either -H/--hosts or --hostfile, not both")
+    hosts = _hosts(spec)
+    host_arg = spec.hosts
+    if hosts is None and spec.hostfile is None:
+        slurm = slurm_hosts()
+        if slurm is not None:
+            hosts = slurm[0]
+            host_arg = format_hosts(hosts)
+    for key, _ in spec.mca:
+        if not _MCA_KEY.match(key):
+            raise ValueError(f"--mca {key!r}: not an MCA parameter name")
+    env_values, env_names = _env_requests(spec)
     mpiexec = spec.mpiexec or find_mpiexec()
     flavor = flavor or mpi_flavor(mpiexec)
-    over = spec.np > _slots(spec)
+    over = spec.np > _slots(hosts)
     # THP_MEM_ALLOC_ENABLE: torch's CPU allocator asks for transparent huge pages, as numpy does for
     # large arrays. Measured here: a 16 MiB shared-memory allreduce on torch memory took 4.2 ms
     # without, 2.8 ms with (the same as on numpy memory) — docs/ARCHITECTURE.md, "Starting ranks".
     env = {"OMP_NUM_THREADS": str(spec.threads), "PYTHONUNBUFFERED": "1", "THP_MEM_ALLOC_ENABLE": "1",
-           **{k: v for k, v in _MALLOC_ENV.items() if k not in os.environ}, **spec.extra_env}
+           **{k: v for k, v in _MALLOC_ENV.items() if k not in os.environ}, **spec.extra_env, **env_values}
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
     argv = [mpiexec, "-n", str(spec.np)]
     if flavor == "mpich":
-        if spec.hosts:
-            argv += ["-hosts", spec.hosts]
+        if spec.mca:
+            raise ValueError("--mca is an Open MPI option; this mpiexec is MPICH's")
+        if host_arg:
+            argv += ["-hosts", host_arg]
         if spec.hostfile:
             argv += ["-f", spec.hostfile]
         for k, v in env.items():
             argv += ["-genv", k, v]
+        for k in dict.fromkeys(env_names):
+            if k not in env:
+                argv += ["-genv", k, os.environ[k]]
         return argv + list(spec.command), env
     env.update({"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"})
     if over:
-        # Busy-polling ranks on shared cores starve each other: yield, and don't pin to cores.
+        # Busy-polling ranks on shared cores starve each other: yield.
         env["OMPI_MCA_mpi_yield_when_idle"] = "1"
-        argv += ["--oversubscribe", "--bind-to", "none"]
-    if spec.hosts:
-        argv += ["-H", spec.hosts]
+    argv += _binding(spec, hosts, over)
+    if host_arg:
+        argv += ["-H", host_arg]
     if spec.hostfile:
         argv += ["--hostfile", spec.hostfile]
-    forward = [k for k in (*_FORWARD, *_MALLOC_ENV, *env) if k in env or k in os.environ]
+    for key, value in spec.mca:
+        argv += ["--mca", key, value]
+    forward = [k for k in (*_FORWARD, *_MALLOC_ENV, *env, *env_names) if k in env or k in os.environ]
     for k in dict.fromkeys(forward):
         argv += ["-x", k]
     return argv + list(spec.command), env
@@ -146,6 +212,7 @@ def launch(spec: LaunchSpec, dry_run: bool = False) -> int:
             signal.signal(sig, handler)
 
 
-def run_module(np: int, module: str, args: Sequence[str], threads: int = 1) -> int:
-    """Run ``python -m module args`` on `np` ranks (used by ``mpitrain bench`` and ``mpitrain demo``)."""
-    return launch(LaunchSpec(np=np, command=[sys.executable, "-m", module, *args], threads=threads))
+def run_module(spec: LaunchSpec, module: str, args: Sequence[str], dry_run: bool = False) -> int:
+    """Run ``python -m module args`` as `spec` says (its command is replaced; used by ``mpitrain bench``
+    and ``mpitrain demo``, so they take the same -n/-H/--hostfile/-x/--mca arguments as ``run``)."""
+    return launch(replace(spec, command=[sys.executable, "-m", module, *args]), dry_run=dry_run)

@@ -1,10 +1,15 @@
-"""Allreduce latency and bus bandwidth: our MPI path, our torch (gloo) path and raw mpi4py, interleaved."""
+"""Allreduce latency and bus bandwidth, interleaved in one job: Open MPI's own choice (raw mpi4py), our
+ring over every rank (flat), our communicator's allreduce (hierarchical when the ranks span hosts), and
+torch.distributed's gloo. With ``--link-gbit`` the table also gives each contender's share of the
+bandwidth floor: an allreduce of S bytes among H hosts must move 2S(H-1)/H bytes over each host's link.
+"""
 
 from __future__ import annotations
 
 import argparse
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -32,27 +37,30 @@ def _per_call(fn: Callable[[], object], iters: int, barrier: Callable[[], object
     return (time.perf_counter() - t0) / iters
 
 
-def _contenders(nbytes: int, tcomm) -> dict[str, Callable[[], object]]:
+def _contenders(nbytes: int, tcomm: Any) -> dict[str, Callable[[], object]]:
     """One buffer per contender, all float32 sum in place; each call is one complete allreduce."""
     from mpi4py import MPI
 
+    from ..comm.ring import ring_allreduce
     from ..runtime import world
 
     comm = world()
     n = nbytes // 4
     raw_buf = np.ones(n, dtype=np.float32)
+    ring_buf = torch.ones(n)
     ours_buf = torch.ones(n)
-    out = {
-        "mpi4py": lambda: MPI.COMM_WORLD.Allreduce(MPI.IN_PLACE, raw_buf, op=MPI.SUM),
-        "mpitrain[mpi]": lambda: comm.allreduce(ours_buf),
+    out: dict[str, Callable[[], object]] = {
+        "ompi": lambda: MPI.COMM_WORLD.Allreduce(MPI.IN_PLACE, raw_buf, op=MPI.SUM),
+        "ring": lambda: ring_allreduce(comm, ring_buf),
+        "mpitrain": lambda: comm.allreduce(ours_buf),
     }
     if tcomm is not None:
         gloo_buf = torch.ones(n)
-        out["mpitrain[torch/gloo]"] = lambda: tcomm.allreduce(gloo_buf)
+        out["gloo"] = lambda: tcomm.allreduce(gloo_buf)
     return out
 
 
-def _measure(nbytes: int, rounds: int, tcomm) -> dict[str, float]:
+def _measure(nbytes: int, rounds: int, tcomm: Any) -> dict[str, float]:
     """Median seconds per allreduce for each contender; contenders alternate inside every round."""
     from ..runtime import world
 
@@ -73,12 +81,22 @@ def _fmt_size(b: int) -> str:
     return f"{b // (1 << 20)} MiB" if b >= 1 << 20 else f"{b // KIB} KiB"
 
 
+def _hosts(comm: Any) -> list[int]:
+    """Ranks per host (MPI's shared-memory split), hosts in order of their lowest rank."""
+    from ..comm._rendezvous import host_leaders
+
+    leaders = host_leaders(comm.mpi_comm)
+    return [leaders.count(r) for r in sorted(set(leaders))]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="mpitrain bench allreduce")
     p.add_argument("--min-bytes", type=int, default=KIB)
     p.add_argument("--max-bytes", type=int, default=64 << 20)
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds per size (median reported)")
     p.add_argument("--no-torch", action="store_true", help="skip the torch.distributed (gloo) backend")
+    p.add_argument("--link-gbit", type=float, default=None,
+                   help="each host's link speed (Gbit/s): adds the floor 2S(H-1)/H/link and each share of it")
     args = p.parse_args(argv)
 
     from ..comm._torchdist import init_torch_world
@@ -86,28 +104,31 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     comm = world()
     n = comm.size
+    hosts = _hosts(comm)
     tcomm = None if args.no_torch else init_torch_world(comm.rank, n, comm)
-    rows = []
+    names = list(_contenders(KIB, tcomm))
+    rows: list[list[object]] = []
     for nbytes in _sizes(args.min_bytes, args.max_bytes):
         t = _measure(nbytes, args.rounds, tcomm)
-        raw = t["mpi4py"]
-        row = [_fmt_size(nbytes)]
-        for name in t:
-            busbw = nbytes / t[name] * 2 * (n - 1) / n / 1e9
-            row += [t[name] * 1e6, busbw]
-        row.append(t["mpitrain[mpi]"] / raw)
-        if tcomm is not None:
-            row.append(t["mpitrain[torch/gloo]"] / raw)
+        row: list[object] = [_fmt_size(nbytes)]
+        for name in names:
+            row += [t[name] * 1e6, nbytes / t[name] * 2 * (n - 1) / n / 1e9]
+        if args.link_gbit and len(hosts) > 1:
+            floor = 2 * nbytes * (len(hosts) - 1) / len(hosts) / (args.link_gbit * 1e9 / 8)
+            row.append(floor * 1e6)
+            row += [floor / t[name] for name in names]
         rows.append(row)
     if comm.rank == 0:
-        names = list(_contenders(KIB, tcomm))
         heads = ["size"]
         for name in names:
             heads += [f"{name} us", f"{name} busbw GB/s"]
-        heads.append("mpi/raw time")
-        if tcomm is not None:
-            heads.append("gloo/raw time")
-        print(header("allreduce, float32 sum in place (busbw = algbw*2(n-1)/n; time ratio < 1 is faster)", n))
+        if args.link_gbit and len(hosts) > 1:
+            heads += ["floor us", *(f"{name}/floor" for name in names)]
+        print(header("allreduce, float32 sum in place (busbw = algbw*2(n-1)/n over ranks; x/floor: share of the "
+                     "link's bandwidth floor, 1 = at the floor)", n))
+        print(f"# hosts: {len(hosts)} with {hosts} ranks; link: {args.link_gbit or 'not given'} Gbit/s")
+        print("# ompi: Open MPI's own Allreduce; ring: our ring over all ranks; mpitrain: Communicator.allreduce "
+              "(hierarchical across hosts); gloo: torch.distributed")
         print(f"# rounds: {args.rounds} interleaved; median of per-round means; slowest rank per round")
         print_table(heads, rows)
     return 0

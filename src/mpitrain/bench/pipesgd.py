@@ -240,19 +240,33 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+def _ranks_per_host() -> list[int]:
+    """Ranks per host of the launched world by MPI's shared-memory split (hosts in order of their lowest
+    rank), whatever the backend. Collective over the world."""
+    from mpi4py import MPI
+
+    from mpitrain.comm._rendezvous import host_leaders
+
+    leaders = host_leaders(MPI.COMM_WORLD)
+    return [leaders.count(r) for r in sorted(set(leaders))]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     comm = mpitrain.init()
     p = comm.size
     data = load_digits28()
     cal = calibrate(comm)
+    hosts = _ranks_per_host()
     rows = []
     if comm.rank == 0:
         print(header("Pipe-SGD: timing model vs measurement, Fig. 4-style comparison", p))
         print(f"# calibrated: alpha={cal.alpha:.3g}s beta={cal.beta:.3g}s/B gamma={cal.gamma:.3g}s/B S={cal.S:.3g}s "
               f"codec s/B={ {k: float(f'{v:.3g}') for k, v in cal.codec_per_byte.items()} }")
         print(f"# emulated link: alpha={args.link_alpha:g}s/message beta={args.link_beta:g}s/byte (EMULATION); "
-              f"global batch {BATCH}; SGD lr 0.1; target test accuracy {args.target}", flush=True)
+              f"global batch {BATCH}; SGD lr 0.1; target test accuracy {args.target}")
+        print(f"# hosts: {len(hosts)} with {hosts} ranks (link=real is the network between them; the calibrated "
+              f"alpha/beta above measured it)", flush=True)
     for name in args.models.split(","):
         model_fn = MODELS[name]
         n_bytes = 4 * sum(q.numel() for q in model_fn().parameters())

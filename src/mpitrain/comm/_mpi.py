@@ -9,6 +9,7 @@ import torch
 from mpi4py import MPI
 
 from .._utils.flat import offsets
+from ._hierarchical import HIERARCHY_ABOVE, Hierarchy
 from .base import CommError, Communicator, Request, _CallbackRequest, _DoneRequest, split_sizes
 
 __all__ = ["MPICommunicator"]
@@ -60,6 +61,17 @@ class MPICommunicator(Communicator):
         self._comm = comm
         self._rank = comm.Get_rank()
         self._size = comm.Get_size()
+        self._hierarchy: Hierarchy | None = None  # hosts and leaders: built by the first large allreduce
+
+    def _hierarchical(self, t: torch.Tensor) -> Hierarchy | None:
+        """The host hierarchy if an allreduce of `t` goes hierarchical (ranks on several hosts, large
+        enough; the same verdict on every rank). The first large allreduce builds it (collective)."""
+        nbytes = t.numel() * t.element_size()
+        if nbytes < HIERARCHY_ABOVE or self._size < 2:
+            return None
+        if self._hierarchy is None:
+            self._hierarchy = Hierarchy(self._comm)
+        return self._hierarchy if self._hierarchy.applies(nbytes) else None
 
     @property
     def rank(self) -> int:
@@ -84,7 +96,10 @@ class MPICommunicator(Communicator):
 
     def _allreduce_inplace(self, t: torch.Tensor, op: str) -> torch.Tensor:
         self._check(t, "t", op)
-        if t.numel() and self._size > 1:
+        hier = self._hierarchical(t) if t.numel() and self._size > 1 else None
+        if hier is not None:
+            hier.wait(hier.submit(_buf(t), t, _MPI_OPS[op], op in ("sum", "avg")))
+        elif t.numel() and self._size > 1:
             for piece in _pieces(t):
                 self._comm.Allreduce(MPI.IN_PLACE, _buf(piece), op=_MPI_OPS[op])
         if op == "avg":
@@ -167,7 +182,10 @@ class MPICommunicator(Communicator):
             return _DoneRequest(t.div_(self._size) if op == "avg" else t)
         staged = _staged(t)
         work = t.float() if staged else t
-        reqs = [self._comm.Iallreduce(MPI.IN_PLACE, _buf(p), op=_MPI_OPS[op]) for p in _pieces(work)]
+        hier = self._hierarchical(work)
+        job = hier.submit(_buf(work), work, _MPI_OPS[op], op in ("sum", "avg")) if hier is not None else None
+        reqs = [] if job is not None else [
+            self._comm.Iallreduce(MPI.IN_PLACE, _buf(p), op=_MPI_OPS[op]) for p in _pieces(work)]
 
         def finish() -> None:
             if op == "avg":
@@ -175,6 +193,9 @@ class MPICommunicator(Communicator):
             if staged:
                 t.copy_(work)
 
+        if hier is not None and job is not None:
+            return _CallbackRequest(lambda: hier.wait(job), lambda: hier.finished(job), t,
+                                    finish, keep=work)
         return _CallbackRequest(lambda: MPI.Request.Waitall(reqs), lambda: MPI.Request.Testall(reqs), t, finish,
                                 keep=work)
 
@@ -227,6 +248,8 @@ class MPICommunicator(Communicator):
         MPI.COMM_WORLD.Abort(code or 1)
 
     def free(self) -> None:
+        if self._hierarchy is not None and not self._closed:
+            self._hierarchy.close()
         if not self._closed and self._comm not in (MPI.COMM_WORLD, MPI.COMM_SELF):
             self._comm.Free()
         self._closed = True

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ._rendezvous import choose_address, host_leaders, interfaces, route_interface
 from .base import CommError, Communicator, Request, _CallbackRequest, _DoneRequest, split_sizes
 
 __all__ = ["TorchCommunicator", "init_torch_world"]
@@ -22,7 +23,12 @@ _OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp
 
 def init_torch_world(rank: int, size: int, bootstrap: Communicator | None) -> TorchCommunicator:
     """Start the default process group. Under torchrun (MASTER_ADDR set) use env://; under mpiexec
-    rank 0 picks a free port and tells the others through `bootstrap` (the MPI world)."""
+    rank 0 picks a free port and tells the others through `bootstrap` (the MPI world).
+
+    No host name is resolved: on one host the group meets on 127.0.0.1 over the loopback interface;
+    across hosts (per MPI's shared-memory split) it meets at rank 0's address on the network MPI's TCP
+    traffic uses (``btl_tcp_if_include``/``oob_tcp_if_include`` when set), and gloo is told the interface
+    that reaches it (``GLOO_SOCKET_IFNAME``, unless the user set it). Collective over `bootstrap`."""
     backend = "nccl" if torch.cuda.is_available() and os.environ.get("MPITRAIN_TORCH_BACKEND") != "gloo" else "gloo"
     if not dist.is_initialized():
         if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
@@ -30,14 +36,9 @@ def init_torch_world(rank: int, size: int, bootstrap: Communicator | None) -> To
         else:
             if bootstrap is None:
                 raise CommError("backend 'torch' needs MASTER_ADDR/MASTER_PORT (torchrun) or an MPI job to bootstrap")
-            addr = None
-            if bootstrap.rank == 0:
-                with socket.socket() as s:
-                    s.bind(("", 0))
-                    addr = (socket.gethostname() if bootstrap.size > 1 else "127.0.0.1", s.getsockname()[1])
-            host, port = bootstrap.broadcast_object(addr)
-            if _same_host(bootstrap):
-                host = "127.0.0.1"
+            host, port, ifname = _rendezvous(bootstrap)
+            if ifname is not None and "GLOO_SOCKET_IFNAME" not in os.environ:
+                os.environ["GLOO_SOCKET_IFNAME"] = ifname
             dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=rank, world_size=size)
         # Tear the groups down before interpreter shutdown: gloo threads touching freed Python
         # objects at exit abort the process (seen here with sub-groups alive at exit).
@@ -45,8 +46,45 @@ def init_torch_world(rank: int, size: int, bootstrap: Communicator | None) -> To
     return TorchCommunicator(None, list(range(size)))
 
 
+def _rendezvous(bootstrap: Communicator) -> tuple[str, int, str | None]:
+    """(address, port, this rank's interface name or None) to meet at; the same verdict on every rank."""
+    leaders = host_leaders(_mpi_comm(bootstrap))
+    mine = interfaces()
+    port = None
+    if bootstrap.rank == 0:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+    port = bootstrap.broadcast_object(port)
+    if len(set(leaders)) == 1:
+        return "127.0.0.1", port, next((m.name for m in mine if m.loopback), None)
+    # Every rank must agree on rank 0's address: rank 0 decides from every host's interfaces and MPI's
+    # restriction, and broadcasts it (an error too, so every rank raises it).
+    seen = bootstrap.allgather_object(mine)
+    addr: str | LookupError | None = None
+    if bootstrap.rank == 0:
+        others = [seen[r] for r in sorted(set(leaders)) if leaders[r] != leaders[0]]
+        try:
+            addr = choose_address(mine, others)
+        except LookupError as e:
+            addr = e
+    addr = bootstrap.broadcast_object(addr)
+    if isinstance(addr, LookupError):
+        raise CommError(f"backend 'torch' across hosts: {addr}")
+    return addr, port, route_interface(addr, mine)
+
+
 def _same_host(bootstrap: Communicator) -> bool:
-    return len(set(bootstrap.allgather_object(socket.gethostname()))) == 1
+    """Whether every rank of `bootstrap` runs on one host, per MPI's shared-memory split (not host names,
+    which different hosts may share). Collective over `bootstrap`."""
+    return len(set(host_leaders(_mpi_comm(bootstrap)))) == 1
+
+
+def _mpi_comm(bootstrap: Communicator) -> Any:
+    mpi_comm = getattr(bootstrap, "mpi_comm", None)
+    if mpi_comm is None:
+        raise CommError("deciding which ranks share a host needs an MPI bootstrap communicator")
+    return mpi_comm
 
 
 class TorchCommunicator(Communicator):

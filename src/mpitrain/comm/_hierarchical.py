@@ -1,0 +1,152 @@
+"""Hierarchical allreduce for ranks spread over several hosts.
+
+Three stages: reduce onto one leader per host over shared memory (``MPI_Reduce`` on the host's
+``COMM_TYPE_SHARED`` communicator), allreduce among the leaders across the network, broadcast from the
+leader inside each host. Across the network each link then carries a host's data once instead of once
+per rank, and the leaders' allreduce is chosen by size: below :data:`RING_ABOVE` bytes Open MPI's
+allreduce (latency-bound; its recursive doubling), above it our pipelined ring
+(:func:`mpitrain.comm.ring.ring_allreduce`: reduce-scatter + allgather, 2S(n-1)/n bytes per link, the
+bandwidth floor), which Open MPI's default over TCP does not reach (docs/multihost.md).
+
+Used by :class:`~mpitrain.comm._mpi.MPICommunicator` for allreduces of at least :data:`HIERARCHY_ABOVE`
+bytes when its ranks span more than one host (:func:`Hierarchy.applies`). All stages run on private
+duplicates of the communicators, on one worker thread per communicator, in submission order: a blocking
+and a nonblocking allreduce issued in the same order on every rank match, and the caller's own
+collectives on the parent communicator never interleave with these. The first allreduce of at least
+:data:`HIERARCHY_ABOVE` bytes on a communicator finds its hosts (a collective), so that one call blocks
+until every rank has issued it, even when nonblocking.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from mpi4py import MPI
+
+from .._utils.stall import watched
+from .ring import ring_allreduce
+
+__all__ = ["Hierarchy", "HIERARCHY_ABOVE", "RING_ABOVE"]
+
+#: Allreduces smaller than this stay flat (one Open MPI call): latency, not bandwidth, dominates them.
+HIERARCHY_ABOVE = 256 << 10
+#: The leaders' allreduce is our ring from this size (floating sum/avg), Open MPI's below it.
+RING_ABOVE = 1 << 20
+#: A wait on the worker longer than this warns (naming the tensor size), as every blocking wait does.
+_WARN_S = 60.0
+
+
+@dataclass
+class _Job:
+    buf: list[Any]  # [numpy array, MPI datatype] of the contiguous tensor, reduced in place
+    tensor: torch.Tensor
+    op: Any  # MPI.Op
+    ring: bool
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+
+
+class Hierarchy:
+    """The host structure of an MPI communicator and the worker that runs hierarchical allreduces on it.
+
+    Construction is collective over `comm` (every rank must construct it, in the same order relative to
+    other collectives on `comm`). `host_of` (tests only) groups ranks into hosts by this number instead
+    of by shared memory, so one machine can check the algorithm against a flat allreduce."""
+
+    def __init__(self, comm: MPI.Intracomm, host_of: int | None = None) -> None:
+        rank = comm.Get_rank()
+        self.node = (comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank) if host_of is None
+                     else comm.Split(host_of, key=rank))
+        self.is_leader = self.node.Get_rank() == 0
+        leaders = comm.Split(0 if self.is_leader else MPI.UNDEFINED, key=rank)
+        self.leaders: MPI.Intracomm | None = None if leaders == MPI.COMM_NULL else MPI.Intracomm(leaders)
+        sizes = comm.allgather(self.node.Get_size() if self.is_leader else 0)
+        self.host_sizes = [s for s in sizes if s]  # ranks per host, hosts in order of their lowest rank
+        self._queue: queue.Queue[_Job | None] = queue.Queue()
+        self._worker: threading.Thread | None = None
+        self._leader_comm: Any = None
+
+    @property
+    def hosts(self) -> int:
+        return len(self.host_sizes)
+
+    def applies(self, nbytes: int) -> bool:
+        """Whether an allreduce of `nbytes` goes hierarchical (the same verdict on every rank)."""
+        return self.hosts > 1 and nbytes >= HIERARCHY_ABOVE
+
+    def submit(self, buf: list[Any], tensor: torch.Tensor, op: Any, ring_ok: bool) -> _Job:
+        """Queue an in-place allreduce of `buf` (which views `tensor`); returns the job to wait on.
+        `ring_ok`: the op is a sum, so the leaders may use the ring (for floating tensors)."""
+        ring = ring_ok and tensor.is_floating_point() and tensor.numel() * tensor.element_size() >= RING_ABOVE
+        job = _Job(buf, tensor, op, ring)
+        if self._worker is None:
+            self._worker = threading.Thread(target=self._run, name="mpitrain-hierarchical-allreduce", daemon=True)
+            self._worker.start()
+        self._queue.put(job)
+        return job
+
+    def wait(self, job: _Job) -> None:
+        """Block until `job` is done; re-raises its error. Warns if it takes longer than a minute."""
+        if not job.done.is_set():
+            nbytes = job.tensor.numel() * job.tensor.element_size()
+            with watched("hierarchical allreduce", f"{nbytes} bytes; are all ranks calling the same allreduce?",
+                         _WARN_S):
+                job.done.wait()
+        if job.error is not None:
+            raise job.error
+
+    def finished(self, job: _Job) -> bool:
+        """Whether `job` is done (without blocking); re-raises its error once it is."""
+        if not job.done.is_set():
+            return False
+        if job.error is not None:
+            raise job.error
+        return True
+
+    def close(self) -> None:
+        """Stop the worker (after the queued jobs) and free the communicators."""
+        if self._worker is not None:
+            self._queue.put(None)
+            self._worker.join()
+            self._worker = None
+        for c in (self.leaders, self.node):
+            if c is not None:
+                c.Free()
+        self.leaders = None
+
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            try:
+                self._allreduce(job)
+            except BaseException as e:  # handed to the waiting caller, never swallowed
+                job.error = e
+            finally:
+                job.done.set()
+
+    def _allreduce(self, job: _Job) -> None:
+        if self.node.Get_size() > 1:
+            send = MPI.IN_PLACE if self.is_leader else job.buf
+            self.node.Reduce(send, job.buf if self.is_leader else None, op=job.op, root=0)
+        if self.leaders is not None and self.leaders.Get_size() > 1:
+            if job.ring:
+                ring_allreduce(self._ring_comm(), job.tensor.view(-1))
+            else:
+                self.leaders.Allreduce(MPI.IN_PLACE, job.buf, op=job.op)
+        if self.node.Get_size() > 1:
+            self.node.Bcast(job.buf, root=0)
+
+    def _ring_comm(self) -> Any:
+        """The leaders as a Communicator for the ring (its point-to-point calls only)."""
+        if self._leader_comm is None:
+            from ._mpi import MPICommunicator
+
+            assert self.leaders is not None  # only leaders run the ring
+            self._leader_comm = MPICommunicator(self.leaders)
+        return self._leader_comm

@@ -1,0 +1,418 @@
+"""Horovod's asynchronous collectives and handles: ``*_async[_]``, ``synchronize``, ``poll``, ``join``,
+``barrier``.
+
+Every call checks its arguments on the calling rank (ValueError before any message), queues one
+:class:`~._engine.Op` and returns an integer handle at once; the engine thread negotiates and runs it.
+``synchronize(handle)`` waits (with the stall policy below) and returns the result, re-raising on the
+calling thread what failed on the engine thread. Inputs of the out-of-place calls are never modified;
+the ``_``-suffixed calls work in place.
+
+Dtypes: uint8/int8/int16/int32/int64/float16/bfloat16/float32/float64. The Communicator moves and
+reduces fewer (no 8/16-bit integers): those travel in an int32 staging copy, and are cast back (a
+sum that overflows wraps around as in the original dtype).
+
+Scaling follows Horovod on CPU: floating tensors scale in their dtype (float16/bfloat16 in float32
+math), integers in float64 truncated toward zero, the prescaled integer before the sum. Average is
+a sum followed by a division by the process set's size (ranks that have joined count, as zeros).
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from .._utils.flat import copy_from_flat, flatten, group_by
+from .._utils.stall import StallPolicy, wait_until
+from ..comm.base import DTYPES, Communicator
+from ._basics import OP_NAMES, Adasum, Average, HorovodInternalError, Max, Min, Product, Sum, state
+from ._engine import JOIN_HANDLERS, Key, Op
+from ._process_sets import ProcessSet, _resolve, global_process_set
+
+__all__ = ["allreduce_async", "allreduce_async_", "grouped_allreduce_async", "grouped_allreduce_async_",
+           "allgather_async", "grouped_allgather_async", "broadcast_async", "broadcast_async_",
+           "alltoall_async", "reducescatter_async", "grouped_reducescatter_async", "synchronize", "poll",
+           "join", "barrier", "SUPPORTED_DTYPES", "handle_average_backwards_compatibility"]
+
+SUPPORTED_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
+                    torch.bfloat16, torch.float32, torch.float64)
+_MPI_OP = {Average: "sum", Sum: "sum", Min: "min", Max: "max", Product: "prod"}
+#: How long synchronize() waits before a warning, and before it ends the job (a peer never came).
+WAIT_POLICY = StallPolicy(warn_after=60.0, abort_after=600.0, max_nap=2.5e-4)
+
+_handle_map: dict[int, Op] = {}
+_handles = itertools.count(1)
+
+
+# -- handles ---------------------------------------------------------------------------------------------
+def _submit(op: Op) -> int:
+    # "in flight" lasts until synchronize(), not until completion, so the rule does not depend on timing
+    if op.name is not None and any(o.name == op.name and o.pset_id == op.pset_id for o in _handle_map.values()):
+        raise ValueError(f"{op.kind}: an operation named {op.name!r} is already in flight on this rank (not yet "
+                         f"synchronized); names of concurrent operations must be unique")
+    state().engine.submit(op)
+    handle = next(_handles)
+    _handle_map[handle] = op
+    return handle
+
+
+def synchronize(handle: int) -> Any:
+    """Wait until the operation of `handle` completed on this rank and return its result (a tensor, a
+    list of tensors for grouped ops, ``(output, received_splits)`` for alltoall). Re-raises its error:
+    ValueError for bad arguments found during negotiation, HorovodInternalError for cross-rank
+    mismatches and failures. An unknown (or already synchronized) handle returns None, as Horovod."""
+    op = _handle_map.pop(handle, None)
+    if op is None:
+        return None
+    if not op.done.is_set():
+        st = state()
+        wait_until(op.done.is_set, lambda: f"{op.describe()} to complete on every rank of its process set",
+                   WAIT_POLICY, who=f"rank {st.world.rank}", abort=st.world.abort)
+    if op.error is not None:
+        if isinstance(op.error, (HorovodInternalError, ValueError, NotImplementedError)):
+            raise op.error
+        raise HorovodInternalError(f"{op.describe()} failed: {op.error}") from op.error
+    return op.result
+
+
+def poll(handle: int) -> bool:
+    """True once the operation of `handle` has completed (then synchronize() returns at once). Never blocks."""
+    op = _handle_map.get(handle)
+    if op is None:
+        raise ValueError(f"unknown or already synchronized handle {handle!r}")
+    return op.done.is_set()
+
+
+# -- argument checks -------------------------------------------------------------------------------------
+def handle_average_backwards_compatibility(op: int | None, average: bool | None) -> int:
+    """The op to use from Horovod's `op` and deprecated `average` arguments (default Average)."""
+    if op is not None:
+        if average is not None:
+            raise ValueError("The op parameter supersedes average. Please provide only one of them.")
+        return op
+    if average is not None:
+        warnings.warn("Parameter `average` has been replaced with `op` and will be removed in v1.0",
+                      DeprecationWarning, stacklevel=3)
+        return Average if average else Sum
+    return Average
+
+
+def _check_tensor(t: Any, what: str = "tensor") -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"Tensor type {t.dtype} is not supported; supported: {[str(d) for d in SUPPORTED_DTYPES]}")
+    if t.device.type != "cpu":
+        raise ValueError(f"{what} is on {t.device}; mpitrain.horovod reduces CPU tensors")
+    if not t.is_contiguous():
+        raise ValueError("Tensor is required to be contiguous.")
+    return t
+
+
+def _check_op(op: int) -> int:
+    if op == Adasum:
+        raise NotImplementedError("Adasum is not supported by mpitrain.horovod; use Average or Sum")
+    if op not in _MPI_OP:
+        raise ValueError(f"unknown reduction op {op!r}; use hvd.Average, Sum, Min, Max or Product")
+    return op
+
+
+def _wire(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a tensor travels in: its own if the Communicator takes it, else int32 (8/16-bit ints)."""
+    return dtype if dtype in DTYPES else torch.int32
+
+
+def _specs(ts: Sequence[torch.Tensor], skip_first: bool = False) -> tuple[tuple[str, ...], tuple[tuple[int, ...], ...]]:
+    dtypes = tuple(str(t.dtype).removeprefix("torch.") for t in ts)
+    shapes = tuple(tuple(t.shape[1:] if skip_first else t.shape) for t in ts)
+    return dtypes, shapes
+
+
+# -- scaling ---------------------------------------------------------------------------------------------
+def _scale_(t: torch.Tensor, factor: float) -> None:
+    """t *= factor in place: float16/bfloat16 in float32 math, integers in float64 truncated toward zero."""
+    if t.dtype in (torch.float16, torch.bfloat16):
+        t.copy_(t.float() * factor)
+    elif t.is_floating_point():
+        t.mul_(factor)
+    else:
+        t.copy_(torch.trunc(t.double() * factor))
+
+
+def _finish_scale_(t: torch.Tensor, op: int, n: int, post: float) -> None:
+    """After the sum: Average divides by `n` (times `post`), other ops multiply by `post`."""
+    if op != Average:
+        if post != 1.0:
+            _scale_(t, post)
+    elif post != 1.0:
+        _scale_(t, post / n)
+    elif t.is_floating_point():
+        t.copy_(t.float() / n) if t.dtype in (torch.float16, torch.bfloat16) else t.div_(n)
+    else:
+        t.copy_(torch.trunc(t.double() / n))
+
+
+# -- allreduce -------------------------------------------------------------------------------------------
+def _reduce_fused(comm: Communicator, ts: Sequence[torch.Tensor], mpi_op: str) -> None:
+    """Reduce every tensor of `ts` in place: one collective per wire dtype, on a flat copy unless a
+    lone tensor already travels as it is. Joined ranks call this on zeros of the same specs, so both
+    sides issue identical MPI calls."""
+    for wire, group in group_by(ts, lambda t: _wire(t.dtype)).items():
+        if len(group) == 1 and group[0].dtype == wire:
+            comm.allreduce(group[0].view(-1), mpi_op)
+            continue
+        flat = flatten([t.to(wire) for t in group])
+        comm.allreduce(flat, mpi_op)
+        copy_from_flat(flat, group)
+
+
+def _allreduce_inplace(comm: Communicator, ts: Sequence[torch.Tensor], op: int, pre: float, post: float) -> None:
+    if pre != 1.0:
+        for t in ts:
+            _scale_(t, pre)
+    _reduce_fused(comm, ts, _MPI_OP[op])
+    for t in ts:
+        _finish_scale_(t, op, comm.size, post)
+
+
+def _join_allreduce(comm: Communicator, key: Key) -> None:
+    fields = dict(key[2])
+    zeros = [torch.zeros(shape, dtype=getattr(torch, dt)) for dt, shape in zip(fields["dtypes"], fields["shapes"])]
+    _reduce_fused(comm, zeros, _MPI_OP[[k for k, v in OP_NAMES.items() if v == fields["op"]][0]])
+
+
+JOIN_HANDLERS["allreduce"] = _join_allreduce
+JOIN_HANDLERS["barrier"] = lambda comm, key: comm.barrier()
+
+
+def _allreduce_op(outs: list[torch.Tensor], name: str | None, op: int, pre: float, post: float,
+                  process_set: ProcessSet, single: bool) -> int:
+    _check_op(op)
+    pid, _ = _resolve(process_set)
+    dtypes, shapes = _specs(outs)
+    key: Key = ("allreduce", name, (("dtypes", dtypes), ("shapes", shapes), ("op", OP_NAMES[op])))
+
+    def execute(comm: Communicator, infos: list[Any]) -> Any:
+        _allreduce_inplace(comm, outs, op, pre, post)
+        return outs[0] if single else outs
+
+    return _submit(Op("allreduce", name, pid, key, None, execute))
+
+
+def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+                    op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                    process_set: ProcessSet = global_process_set) -> int:
+    """Start reducing `tensor` over `process_set` into a new tensor; returns a handle. `op` defaults to
+    Average; Adasum raises NotImplementedError. The input is not modified."""
+    op = handle_average_backwards_compatibility(op, average)
+    t = _check_tensor(tensor)
+    return _allreduce_op([t.detach().clone()], name, op, prescale_factor, postscale_factor, process_set, True)
+
+
+def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+                     op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                     process_set: ProcessSet = global_process_set) -> int:
+    """As :func:`allreduce_async`, in place: `tensor` holds the result after synchronize()."""
+    op = handle_average_backwards_compatibility(op, average)
+    return _allreduce_op([_check_tensor(tensor)], name, op, prescale_factor, postscale_factor, process_set, True)
+
+
+def _check_list(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    if isinstance(tensors, torch.Tensor) or not len(tensors):
+        raise ValueError("grouped operations take a non-empty list of tensors")
+    return [_check_tensor(t, f"tensors[{i}]") for i, t in enumerate(tensors)]
+
+
+def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
+                            op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                            process_set: ProcessSet = global_process_set) -> int:
+    """Start reducing a list of tensors as one negotiated, fused operation; results are new tensors."""
+    op = handle_average_backwards_compatibility(op, average)
+    outs = [t.detach().clone() for t in _check_list(tensors)]
+    return _allreduce_op(outs, name, op, prescale_factor, postscale_factor, process_set, False)
+
+
+def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
+                             op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                             process_set: ProcessSet = global_process_set) -> int:
+    """As :func:`grouped_allreduce_async`, in place."""
+    op = handle_average_backwards_compatibility(op, average)
+    return _allreduce_op(_check_list(tensors), name, op, prescale_factor, postscale_factor, process_set, False)
+
+
+# -- allgather -------------------------------------------------------------------------------------------
+def _gather_rows(comm: Communicator, t: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """Concatenate every rank's `t` on dim 0, where rank r has rows[r] rows (padded to the longest)."""
+    src = t.reshape(1) if t.dim() == 0 else t
+    wire = src.to(_wire(src.dtype)).contiguous()
+    if all(r == rows[0] for r in rows):
+        return comm.allgather(wire).to(t.dtype)
+    most = max(rows)
+    padded = torch.zeros((most, *wire.shape[1:]), dtype=wire.dtype)
+    padded[:wire.shape[0]] = wire
+    gathered = comm.allgather(padded).view(len(rows), most, *wire.shape[1:])
+    return torch.cat([gathered[r, :n] for r, n in enumerate(rows)]).to(t.dtype)
+
+
+def _allgather_op(ts: list[torch.Tensor], name: str | None, process_set: ProcessSet, single: bool,
+                  rows_sink: list[list[int]] | None = None) -> int:
+    """Queue an allgather; `rows_sink`, if given, receives each tensor's per-rank first dims."""
+    pid, _ = _resolve(process_set)
+    dtypes, trailing = _specs(ts, skip_first=True)
+    key: Key = ("allgather", name, (("dtypes", dtypes), ("trailing shapes", trailing)))
+    info = tuple(t.shape[0] if t.dim() else 1 for t in ts)
+
+    def execute(comm: Communicator, infos: list[Any]) -> Any:
+        outs = [_gather_rows(comm, t, [rows[i] for rows in infos]) for i, t in enumerate(ts)]
+        if rows_sink is not None:
+            rows_sink.extend([rows[i] for rows in infos] for i in range(len(ts)))
+        return outs[0] if single else outs
+
+    return _submit(Op("allgather", name, pid, key, info, execute))
+
+
+def allgather_async(tensor: torch.Tensor, name: str | None = None,
+                    process_set: ProcessSet = global_process_set) -> int:
+    """Start concatenating every rank's `tensor` on dim 0 in rank order (first dims may differ)."""
+    return _allgather_op([_check_tensor(tensor)], name, process_set, True)
+
+
+def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = None,
+                            process_set: ProcessSet = global_process_set) -> int:
+    """Start allgathering each tensor of a list, negotiated as one operation."""
+    return _allgather_op(_check_list(tensors), name, process_set, False)
+
+
+# -- broadcast -------------------------------------------------------------------------------------------
+def _broadcast_op(out: torch.Tensor, root_rank: int, name: str | None, process_set: ProcessSet) -> int:
+    pid, _ = _resolve(process_set)
+    if not isinstance(root_rank, int):
+        raise ValueError(f"root_rank must be an int, got {root_rank!r}")
+    root = process_set._root(root_rank)
+    dtypes, shapes = _specs([out])
+    key: Key = ("broadcast", name, (("dtype", dtypes[0]), ("shape", shapes[0]), ("root_rank", root_rank)))
+
+    def execute(comm: Communicator, infos: list[Any]) -> torch.Tensor:
+        wire = _wire(out.dtype)
+        buf = out.view(-1) if wire == out.dtype else out.reshape(-1).to(wire)
+        comm.broadcast(buf, root)
+        if buf.dtype != out.dtype:
+            out.view(-1).copy_(buf)
+        return out
+
+    return _submit(Op("broadcast", name, pid, key, None, execute))
+
+
+def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+                    process_set: ProcessSet = global_process_set) -> int:
+    """Start copying global rank `root_rank`'s `tensor` into a new tensor on every rank of the set."""
+    return _broadcast_op(_check_tensor(tensor).detach().clone(), root_rank, name, process_set)
+
+
+def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+                     process_set: ProcessSet = global_process_set) -> int:
+    """As :func:`broadcast_async`, in place."""
+    return _broadcast_op(_check_tensor(tensor), root_rank, name, process_set)
+
+
+# -- alltoall --------------------------------------------------------------------------------------------
+def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
+                   process_set: ProcessSet = global_process_set) -> int:
+    """Start sending ``splits[r]`` rows of `tensor` (dim 0, in order) to set rank r. `splits` is None
+    (equal parts: dim 0 must divide by the set size), a list or an int32 tensor. synchronize() returns
+    ``(output, received_splits)`` with received_splits an int32 tensor."""
+    t = _check_tensor(tensor)
+    pid, ranks = _resolve(process_set)
+    n = len(ranks)
+    if t.dim() == 0:
+        raise ValueError("alltoall needs a tensor with at least one dimension")
+    if splits is None:
+        if t.shape[0] % n:
+            raise ValueError(f"alltoall: the first dimension ({t.shape[0]}) is not a multiple of the number "
+                             f"of ranks ({n}); pass splits=")
+        send = [t.shape[0] // n] * n
+    else:
+        if isinstance(splits, torch.Tensor):
+            if splits.dtype != torch.int32:
+                raise ValueError(f"alltoall splits must be an int32 tensor, got {splits.dtype}")
+            send = [int(s) for s in splits.reshape(-1).tolist()]
+        else:
+            send = [int(s) for s in splits]
+        if len(send) != n or any(s < 0 for s in send):
+            raise ValueError(f"alltoall splits must hold {n} non-negative counts, got {send}")
+        if sum(send) > t.shape[0]:
+            raise ValueError(f"alltoall splits sum to {sum(send)}, more than the first dimension ({t.shape[0]})")
+    dtypes, trailing = _specs([t], skip_first=True)
+    key: Key = ("alltoall", name, (("dtype", dtypes[0]), ("trailing shape", trailing[0])))
+
+    def execute(comm: Communicator, infos: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        recv = [info[comm.rank] for info in infos]
+        wire = t[:sum(send)].to(_wire(t.dtype)).contiguous()
+        out = comm.alltoallv(wire, send, recv).to(t.dtype)
+        return out, torch.tensor(recv, dtype=torch.int32)
+
+    return _submit(Op("alltoall", name, pid, key, tuple(send), execute))
+
+
+# -- reducescatter ---------------------------------------------------------------------------------------
+def _reducescatter_op(ts: list[torch.Tensor], name: str | None, op: int, pre: float, post: float,
+                      process_set: ProcessSet, single: bool) -> int:
+    if op == Adasum:
+        raise NotImplementedError("reducescatter does not support Adasum")
+    if op not in (Average, Sum):
+        raise NotImplementedError(f"reducescatter supports Sum and Average, got {OP_NAMES.get(op, op)}")
+    pid, _ = _resolve(process_set)
+    if any(t.dim() == 0 for t in ts):
+        raise ValueError("reducescatter needs tensors with at least one dimension (got a scalar)")
+    dtypes, shapes = _specs(ts)
+    key: Key = ("reducescatter", name, (("dtypes", dtypes), ("shapes", shapes), ("op", OP_NAMES[op])))
+
+    def execute(comm: Communicator, infos: list[Any]) -> Any:
+        outs = []
+        for t in ts:
+            work = t.to(_wire(t.dtype), copy=True)
+            if pre != 1.0:
+                _scale_(work, pre)
+            out = comm.reduce_scatter(work, "sum")
+            _finish_scale_(out, op, comm.size, post)
+            outs.append(out.to(t.dtype))
+        return outs[0] if single else outs
+
+    return _submit(Op("reducescatter", name, pid, key, None, execute))
+
+
+def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: int = Average,
+                        process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
+                        postscale_factor: float = 1.0) -> int:
+    """Start reducing `tensor` (same shape everywhere) and keeping this rank's block of dim 0: the first
+    ``d0 % size`` ranks get one row more. Sum or Average."""
+    return _reducescatter_op([_check_tensor(tensor)], name, op, prescale_factor, postscale_factor, process_set,
+                             True)
+
+
+def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | None = None, op: int = Average,
+                                process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
+                                postscale_factor: float = 1.0) -> int:
+    """Start a reducescatter of each tensor of a list, negotiated as one operation."""
+    return _reducescatter_op(_check_list(tensors), name, op, prescale_factor, postscale_factor, process_set,
+                             False)
+
+
+# -- join, barrier ---------------------------------------------------------------------------------------
+def join(device: int = -1) -> int:
+    """Declare that this rank has no more data. Until every rank has joined, this rank takes part in
+    the others' allreduces with zeros (Average still divides by size()) and barriers; any other
+    collective fails on the ranks that issue it. Returns the last rank to join, the same on every rank.
+    Global process set only. `device` is accepted for compatibility (CPU only)."""
+    return int(synchronize(_submit(Op("join", None, 0, ("join", None, ()), None, lambda c, i: None))))
+
+
+def barrier(process_set: ProcessSet = global_process_set) -> None:
+    """Block until every rank of `process_set` has called barrier (after their earlier ops)."""
+    pid, _ = _resolve(process_set)
+    synchronize(_submit(Op("barrier", None, pid, ("barrier", None, ()), None, lambda comm, i: comm.barrier())))
+
+

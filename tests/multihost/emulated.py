@@ -1,0 +1,276 @@
+"""Emulated hosts: K Linux network namespaces on a private bridge, each with its own hostname (UTS
+namespace), /etc/hosts, /tmp and /dev/shm (mount namespace), reached by an ssh-like agent.
+
+Layout: a "switch" namespace holds a bridge; host i's namespace holds ``eth0`` (address i+1 of the
+subnet), a veth whose peer is a port of the bridge. Nothing is created in the caller's namespace: each
+namespace lives as long as one holder process (``unshare ... sh -c '...; read x'``) whose stdin is a pipe
+from this process, so the namespaces vanish when `close()` closes the pipes, and also when this process
+dies in any way (the pipe closes; no ``ip netns`` names persist).
+
+``tc tbf`` can shape every link (both directions). This kernel may lack ``netem``: `has_netem()` says.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = ["EmulatedHosts", "missing_prerequisite", "has_netem", "ROOT"]
+
+ROOT = Path(__file__).resolve().parents[2]
+_TOOLS = ("ip", "unshare", "nsenter", "tc")
+
+
+def missing_prerequisite() -> str | None:
+    """Why emulated hosts cannot be built here, or None."""
+    if os.geteuid() != 0:
+        return "emulated hosts need root (network, UTS and mount namespaces)"
+    for tool in _TOOLS:
+        if shutil.which(tool) is None:
+            return f"emulated hosts need '{tool}' (iproute2/util-linux), not found on PATH"
+    probe = subprocess.run(["unshare", "--net", "--uts", "--mount", "--", "ip", "link", "add", "b0", "type", "bridge"],
+                           capture_output=True, text=True, timeout=30)
+    if probe.returncode != 0:
+        return f"cannot create namespaces with a bridge here: {probe.stderr.strip()}"
+    return None
+
+
+def has_netem() -> bool:
+    """Whether this kernel can add latency (the netem qdisc), tried in a throwaway namespace."""
+    probe = subprocess.run(["unshare", "--net", "--", "tc", "qdisc", "add", "dev", "lo", "root", "netem", "delay",
+                            "1ms"], capture_output=True, timeout=30)
+    return probe.returncode == 0
+
+
+@dataclass
+class _Holder:
+    proc: subprocess.Popen[str]
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+
+@dataclass
+class EmulatedHosts:
+    """`names` hosts on `subnet`; `rate` ("1gbit") shapes each link; `self_alias` maps a host's own name
+    to that address in its /etc/hosts (Debian's 127.0.1.1) while the others' names map to their real
+    addresses. Hosts may share a name (then address them by `addresses`)."""
+
+    names: list[str]
+    subnet: str = "10.213.7.0/24"
+    rate: str | None = None
+    self_alias: str | None = None
+    workdir: Path = field(init=False)
+    addresses: list[str] = field(init=False)
+    _switch: _Holder | None = field(init=False, default=None)
+    _hosts: list[_Holder] = field(init=False, default_factory=list)
+
+    def __post_init__(self) -> None:
+        net = ipaddress.ip_network(self.subnet)
+        self.addresses = [str(net.network_address + i + 1) for i in range(len(self.names))]
+        self.workdir = Path(tempfile.mkdtemp(prefix="mpitrain-multihost-", dir="/var/tmp"))
+
+    # -- set-up and tear-down --------------------------------------------------------------------
+    def start(self) -> EmulatedHosts:
+        try:
+            self._switch = self._hold(["--net"], "ip link set lo up; ip link add br0 type bridge; ip link set br0 up")
+            for i, name in enumerate(self.names):
+                hosts_file = self.workdir / f"hosts.{i}"
+                hosts_file.write_text(self._etc_hosts(i))
+                setup = (f"hostname {name}; mount -t tmpfs tmpfs /tmp; mount -t tmpfs tmpfs /dev/shm; "
+                         f"mount --bind {hosts_file} /etc/hosts; ip link set lo up")
+                self._hosts.append(self._hold(["--net", "--uts", "--mount", "--propagation", "private"], setup))
+                self._link(i)
+            self._write_agent()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _hold(self, flags: list[str], setup: str) -> _Holder:
+        """A process holding new namespaces: runs `setup`, says ready, waits for stdin to close."""
+        script = f"set -e; {setup}; echo ready; read x || true"
+        proc = subprocess.Popen(["unshare", *flags, "--", "sh", "-c", script], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        holder = _Holder(proc)
+        assert proc.stdout is not None
+        line = proc.stdout.readline()  # ends at "ready", or at EOF when setup failed
+        if line.strip() != "ready":
+            err = proc.stderr.read() if proc.stderr else ""
+            proc.wait(timeout=10)
+            raise RuntimeError(f"namespace set-up failed: {setup!r}: {err.strip()}")
+        return holder
+
+    def _ns(self, pid: int, *cmd: str) -> None:
+        out = subprocess.run(["nsenter", "-t", str(pid), "-n", "--", *cmd], capture_output=True, text=True,
+                             timeout=30)
+        if out.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed: {out.stderr.strip()}")
+
+    def _link(self, i: int) -> None:
+        assert self._switch is not None
+        sw, host = self._switch.pid, self._hosts[i].pid
+        port = f"v{i}"
+        self._ns(sw, "ip", "link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", str(host))
+        self._ns(sw, "ip", "link", "set", port, "master", "br0", "up")
+        prefix = ipaddress.ip_network(self.subnet).prefixlen
+        self._ns(host, "ip", "addr", "add", f"{self.addresses[i]}/{prefix}", "dev", "eth0")
+        self._ns(host, "ip", "link", "set", "eth0", "up")
+        if self.rate:
+            # tbf on both ends: host -> switch on eth0, switch -> host on the bridge port. The burst must
+            # hold at least one timer tick of traffic at this rate.
+            for pid, dev in ((host, "eth0"), (sw, port)):
+                self._ns(pid, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", self.rate, "burst", "256kb",
+                         "latency", "100ms")
+
+    def _etc_hosts(self, i: int) -> str:
+        lines = ["127.0.0.1 localhost"]
+        if self.self_alias:
+            lines.append(f"{self.self_alias} {self.names[i]}")
+        for j, (name, addr) in enumerate(zip(self.names, self.addresses, strict=True)):
+            if not (self.self_alias and j == i) and self.names.count(name) == 1:
+                lines.append(f"{addr} {name}")
+        return "\n".join(lines) + "\n"
+
+    def _write_agent(self) -> None:
+        """An ssh-like agent: ``agent HOST COMMAND...`` runs COMMAND in HOST's namespaces via a shell,
+        as ssh would on the remote side. HOST may be a name (when unique) or an address."""
+        cases = []
+        for name, addr, holder in zip(self.names, self.addresses, self._hosts, strict=True):
+            keys = [addr] + ([name] if self.names.count(name) == 1 else [])
+            cases.append(f"  {'|'.join(keys)}) pid={holder.pid} ;;")
+        body = "\n".join(cases)
+        self.agent.write_text(textwrap.dedent("""\
+            #!/bin/sh
+            # ssh-like agent for emulated hosts: agent HOST COMMAND...
+            case "$1" in
+            {body}
+              *) echo "emulated-hosts agent: unknown host $1" >&2; exit 255 ;;
+            esac
+            shift
+            exec nsenter -t "$pid" -n -u -m --wd={root} -- /bin/sh -c "$*"
+            """).format(body=body, root=ROOT))
+        self.agent.chmod(0o755)
+
+    def close(self) -> None:
+        """End every holder (its namespaces go with it) and remove the work directory. Idempotent."""
+        holders = [*self._hosts, *([self._switch] if self._switch else [])]
+        for h in holders:
+            if h.proc.stdin and not h.proc.stdin.closed:
+                h.proc.stdin.close()
+        for h in holders:
+            try:
+                h.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                h.proc.kill()
+                h.proc.wait(timeout=10)
+            for stream in (h.proc.stdout, h.proc.stderr):
+                if stream:
+                    stream.close()
+        self._hosts, self._switch = [], None
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def __enter__(self) -> EmulatedHosts:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- using the hosts ---------------------------------------------------------------------------
+    @property
+    def agent(self) -> Path:
+        return self.workdir / "agent"
+
+    def hostfile(self, slots: list[int], by_address: bool = False) -> Path:
+        """A hostfile with `slots[i]` slots on host i (hosts with 0 slots are left out)."""
+        path = self.workdir / f"hostfile.{'-'.join(map(str, slots))}{'.ip' if by_address else ''}"
+        keys = self.addresses if by_address else self.names
+        path.write_text("".join(f"{k} slots={s}\n" for k, s in zip(keys, slots, strict=False) if s))
+        return path
+
+    def enter(self, i: int) -> list[str]:
+        """The argv prefix that runs a command inside host i (network, hostname, mounts)."""
+        return ["nsenter", "-t", str(self._hosts[i].pid), "-n", "-u", "-m", f"--wd={ROOT}", "--"]
+
+    def link_bytes(self) -> list[tuple[int, int]]:
+        """Per host link, (bytes the host sent, bytes it received), from the host end's counters."""
+        out = []
+        for i in range(len(self._hosts)):
+            cmd = "cat /sys/class/net/eth0/statistics/tx_bytes /sys/class/net/eth0/statistics/rx_bytes"
+            # /sys shows the reader's network namespace only after a remount; read it from inside.
+            text = subprocess.run([*self.enter(i), "sh", "-c", f"mount -t sysfs sysfs /sys 2>/dev/null; {cmd}"],
+                                  capture_output=True, text=True, timeout=30, check=True).stdout.split()
+            out.append((int(text[0]), int(text[1])))
+        return out
+
+    def run(self, np: int, hostfile: Path, command: list[str], launch_args: list[str] | None = None,
+            env: dict[str, str] | None = None, timeout: float = 120, verb: list[str] | None = None
+            ) -> subprocess.CompletedProcess[str]:
+        """``mpitrain run -n np --hostfile F [launch_args] -- command`` started inside host 0, the other
+        hosts reached through the agent; TCP and out-of-band traffic restricted to the hosts' subnet;
+        no binding (every emulated host sees the same cores: PRRTE would pin each host's first rank to
+        core 0); idle ranks yield (all hosts share this machine's cores)."""
+        mpitrain = [sys.executable, "-m", "mpitrain", *(verb or ["run"])]
+        argv = [*self.enter(0), *mpitrain, "-n", str(np), "--hostfile", str(hostfile),
+                "--mca", "btl_tcp_if_include", self.subnet, "--mca", "oob_tcp_if_include", self.subnet,
+                "--mca", "hwloc_default_binding_policy", "none", "--mca", "mpi_yield_when_idle", "1",
+                *(launch_args or [])]
+        if command:  # run's COMMAND follows "--"; bench and demo take their own arguments directly
+            argv += ["--", *command] if verb is None else command
+        full_env = {**os.environ, "PRTE_MCA_plm_ssh_agent": str(self.agent),
+                    "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}", **(env or {})}
+        return _run_group(argv, timeout, full_env)
+
+
+def _run_group(argv: list[str], timeout: float, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """Run `argv` in its own session; on timeout kill the whole session (mpiexec, the agents, the remote
+    daemons and every rank are in it) and report what it printed."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        err += f"\n[emulated hosts] killed after {timeout} s"
+        return subprocess.CompletedProcess(argv, -signal.SIGKILL, out, err)
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m tests.multihost.emulated --hosts 4 --slots 2 --rate 1gbit -- VERB ARGS...``: build the
+    hosts, run ``mpitrain VERB -n hosts*slots --hostfile ... ARGS`` from host 0, print its output, tear down."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m tests.multihost.emulated")
+    p.add_argument("--hosts", type=int, default=4)
+    p.add_argument("--slots", type=int, default=1, help="ranks per host")
+    p.add_argument("--rate", default=None, help="tc tbf rate of every link, e.g. 1gbit, 100mbit")
+    p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("rest", nargs=argparse.REMAINDER, help="-- VERB ARGS (run | bench NAME | demo)")
+    args = p.parse_args(argv)
+    rest = args.rest[1:] if args.rest[:1] == ["--"] else args.rest
+    why = missing_prerequisite()
+    if why:
+        print(why, file=sys.stderr)
+        return 2
+    verb = rest[:2] if rest[:1] == ["bench"] else rest[:1]
+    with EmulatedHosts([f"h{i}" for i in range(args.hosts)], rate=args.rate) as hosts:
+        out = hosts.run(args.hosts * args.slots, hosts.hostfile([args.slots] * args.hosts), rest[len(verb):],
+                        verb=verb, timeout=args.timeout)
+    sys.stdout.write(out.stdout)
+    sys.stderr.write(out.stderr)
+    return out.returncode
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
