@@ -25,6 +25,8 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "engine": ("mpitrain.engine", None),
     "kvstore": ("mpitrain.kvstore", None),
     "spatial": ("mpitrain.spatial", None),
+    "plan": ("mpitrain.planner", "plan"),
+    "Plan": ("mpitrain.planner", "Plan"),
 }
 
 __all__ = [

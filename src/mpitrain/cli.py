@@ -21,6 +21,7 @@ BENCHMARKS = {
     "pipeline": "sequential vs model vs data vs hybrid img/s; pipeline efficiency vs M/(M+P-1)",
     "pipesgd": "Pipe-SGD timing model predicted vs measured; Fig. 4-style table",
     "spatial": "mesh model strong scaling and memory per rank",
+    "planner": "the planner's predictions vs measured steps: error, regret, chosen plan per workload",
     "horovod": "Horovod-style synthetic img/s: mpitrain.horovod DistributedOptimizer vs DataParallel vs DDP",
 }
 
@@ -85,6 +86,14 @@ def _launch_args(p: argparse.ArgumentParser, np_default: int | None,
     p.add_argument("--dry-run", action="store_true", help="print the exact command and exit")
 
 
+def _plan(args: argparse.Namespace, rest: list[str]) -> int:
+    """``mpitrain plan``: the planner's command (mpitrain.planner._command) on N ranks (or in place)."""
+    module = "mpitrain.planner._command"
+    if in_mpi_job():
+        return int(importlib.import_module(module).main(rest) or 0)
+    return _launched("plan", lambda: run_module(_spec(args, args.n, []), module, rest, dry_run=args.dry_run))
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mpitrain", description="Train PyTorch models across processes over MPI.")
     sub = p.add_subparsers(dest="verb", required=True)
@@ -100,6 +109,9 @@ def parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="train a small CNN on scikit-learn's digits")
     _launch_args(d, 2, ("--ranks", "-n", "--np"))
     d.add_argument("--strategy", default="model")
+    pl = sub.add_parser("plan", help="rank the ways to train MODULE:FACTORY on N ranks (see mpitrain plan -h)",
+                        add_help=False)
+    _launch_args(pl, 2)
     return p
 
 
@@ -111,6 +123,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _run(p.parse_args(argv))
     if args.verb == "bench":
         return _bench(args, rest)
+    if args.verb == "plan":
+        return _plan(args, rest)
     return _demo(args, rest)
 
 

@@ -50,6 +50,7 @@ STRATEGIES: dict[str, str] = {
     "hybrid": "mpitrain.strategies.pipeline:make_trainer",
     "pipe-sgd": "mpitrain.strategies.pipesgd:make_trainer",
     "spatial": "mpitrain.spatial.trainer:make_trainer",
+    "auto": "mpitrain.planner:make_trainer",
 }
 
 #: Deprecated spellings of fit's stall keywords (kept for one release, with a DeprecationWarning).
@@ -65,7 +66,7 @@ class FitResult:
     training loss, images/s, and eval loss/metrics when `eval_data` was given."""
 
     model: nn.Module
-    history: list[dict[str, float]]
+    history: list[dict[str, Any]]
 
 
 
@@ -179,7 +180,7 @@ class LoopState:
     step: int
     loss: float
     lr: float | None
-    history: list[dict[str, float]]
+    history: list[dict[str, Any]]
 
 
 Callback = Callable[[LoopState], object]
@@ -307,7 +308,7 @@ class _Loop:
         self.optimizer: torch.optim.Optimizer | None = getattr(trainer, "optimizer", None) if has_lr else None
         self.scheduler = s.lr_scheduler(self.optimizer) if s.lr_scheduler is not None and self.optimizer else None
         self.pos = _Position()
-        self.history: list[dict[str, float]] = []
+        self.history: list[dict[str, Any]] = []
         self.saved_step = -1
         self.stop = False
 
@@ -378,6 +379,7 @@ class _Loop:
             self.history.append(record)
             if self.show:
                 print("  ".join(f"{k}={v:.4g}" for k, v in record.items()), flush=True)
+            record.update(getattr(self.trainer, "record", {}))  # strategy="auto": the plan it chose
             self.pos = _Position(epoch=p.epoch + 1, step=p.step)
             self._callback(s.on_epoch_end, LoopState(p.epoch + 1, p.step, record["loss"], lr, self.history))
         if s.checkpoint_dir is not None and self.saved_step != self.pos.step:

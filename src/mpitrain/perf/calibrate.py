@@ -15,7 +15,8 @@ import torch
 from ..comm.base import Communicator
 from ..comm.codecs import get_codec
 
-__all__ = ["Calibration", "calibrate", "fit_alpha_beta", "codec_cost", "best_time"]
+__all__ = ["Calibration", "calibrate", "fit_alpha_beta", "codec_cost", "best_time", "LinkCost", "Network",
+           "measure_network"]
 
 #: Message sizes (bytes) of the latency/bandwidth fit: small ones pin alpha, large ones beta.
 SIZES = (8, 1024, 16384, 262144, 1048576, 4194304)
@@ -102,3 +103,67 @@ def calibrate(comm: Communicator, repeats: int = 10, codecs: tuple[str | None, .
     names = [str(c) for c in codecs]
     return Calibration(alpha=alpha, beta=beta, gamma=gamma, S=sync, codec_per_byte=dict(zip(names, per_byte)),
                        wire_ratio={n: r for n, (_, r) in zip(names, costs)})
+
+
+@dataclass(frozen=True)
+class LinkCost:
+    """``t(m) = alpha + beta * m`` seconds for a message or collective of `m` bytes per rank."""
+
+    alpha: float
+    beta: float
+
+    def time(self, nbytes: float) -> float:
+        return 0.0 if nbytes <= 0 else self.alpha + self.beta * nbytes
+
+
+@dataclass(frozen=True)
+class Network:
+    """Alpha-beta of one communicator level (its ranks all on one node, or spanning nodes), measured
+    for the three patterns the strategies use: a ring shift (point-to-point: pipeline activations,
+    halos), allreduce (gradients) and alltoall (redistribution). `ranks`: the level's size."""
+
+    level: str
+    ranks: int
+    p2p: LinkCost
+    allreduce: LinkCost
+    alltoall: LinkCost
+
+
+#: Message sizes (bytes per rank) of :func:`measure_network`.
+NETWORK_SIZES = (8, 65536, 1048576, 4194304)
+
+
+def _collective_times(comm: Communicator, sizes: Sequence[int], repeats: int) -> list[list[float]]:
+    """Best seconds of [shift, allreduce, alltoall] per size on this rank (every rank calls)."""
+    right, left = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
+    out = []
+    for m in sizes:
+        n = max(m // 4, comm.size)
+        n -= n % comm.size
+        send, recv = torch.zeros(n), torch.empty(n)
+        counts = [n // comm.size] * comm.size
+        row: list[float] = []
+        fns: list[Callable[[], object]] = [
+            lambda s=send, r=recv: comm.sendrecv(s, right, r, left),  # type: ignore[misc]
+            lambda s=send: comm.allreduce(s),  # type: ignore[misc]
+            lambda s=send, c=counts: comm.alltoallv(s, c, c)]  # type: ignore[misc]
+        for fn in fns:
+            comm.barrier()
+            row.append(best_time(fn, repeats))
+        out.append(row)
+    return out
+
+
+def measure_network(comm: Communicator, repeats: int = 5, sizes: Sequence[int] = NETWORK_SIZES,
+                    level: str = "world") -> Network:
+    """Alpha-beta fits (:func:`fit_alpha_beta`) of point-to-point, allreduce and alltoall over `comm`,
+    each size the best of `repeats` on a rank, then the maximum over ranks (the slowest rank bounds a
+    synchronous step). Collective over `comm`; the same Network on every rank. A one-rank `comm`
+    costs nothing (all zero)."""
+    if comm.size == 1:
+        zero = LinkCost(0.0, 0.0)
+        return Network(level, 1, zero, zero, zero)
+    local = torch.tensor(_collective_times(comm, sizes, repeats), dtype=torch.float64)
+    comm.allreduce(local, op="max")
+    costs = [LinkCost(*fit_alpha_beta(list(sizes), local[:, k].tolist())) for k in range(3)]
+    return Network(level, comm.size, *costs)

@@ -12,9 +12,10 @@ import torch
 import torch.nn.functional as F
 
 from .calibrate import best_time
+from .timing import ring_allreduce_time
 
 __all__ = ["ConvShape", "LayerCost", "halo_messages", "layer_cost", "predict", "conv_shapes",
-           "time_local_conv", "ring_allreduce"]
+           "time_local_conv", "ring_allreduce", "layer_path"]
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,9 @@ def halo_messages(shape: ConvShape, grid: tuple[int, int], samples: int, itemsiz
 
 
 def ring_allreduce(p: int, nbytes: int, alpha: float, beta: float) -> float:
-    return 0.0 if p <= 1 else 2 * (p - 1) * alpha + 2 * (p - 1) / p * nbytes * beta
+    """§V-A's BPa: the ring allreduce of :func:`~mpitrain.perf.timing.ring_allreduce_time` (Pipe-SGD
+    eqs. 5-6, the one copy of the formula) without the summing term, as the paper writes it."""
+    return ring_allreduce_time(nbytes, p, alpha, beta, 0.0)
 
 
 def layer_cost(shape: ConvShape, grid: tuple[int, int], samples: int, compute: tuple[float, float, float],
@@ -121,3 +124,34 @@ def time_local_conv(shape: ConvShape, grid: tuple[int, int], samples: int, repea
     return (best_time(lambda: F.conv2d(x, wt, None, shape.stride), repeats),
             best_time(lambda: torch.ops.aten.convolution_backward(dy, x, wt, *args, [True, False, False]), repeats),
             best_time(lambda: torch.ops.aten.convolution_backward(dy, x, wt, *args, [False, True, False]), repeats))
+
+
+def layer_path(costs: Sequence[Sequence[float]], shuffle: Callable[[int, int, int], float]
+               ) -> tuple[float, list[int]]:
+    """§V-C: the fastest assignment of one candidate distribution per layer of a line network.
+
+    ``costs[i][d]``: Cost_D(l_i), seconds of layer i under distribution d (inf: not possible);
+    ``shuffle(i, d, e)``: Shuffle(D, E), seconds to redistribute layer i's output from d to e. The
+    graph has a vertex per (layer, distribution), edges ``(i, d) -> (i+1, e)`` weighted
+    ``Cost_d(l_i) + Shuffle(d, e)``, and the shortest source-to-sink path is found in one sweep (a DAG).
+    Returns (seconds, distribution index per layer); ties go to the lower index, so every rank given
+    the same costs takes the same path."""
+    if not costs:
+        return 0.0, []
+    inf = float("inf")
+    best = list(costs[0])
+    back: list[list[int]] = []
+    for i in range(1, len(costs)):
+        row, arg = [], []
+        for e, c in enumerate(costs[i]):
+            cands = [best[d] + shuffle(i - 1, d, e) for d in range(len(best))]
+            k = min(range(len(cands)), key=lambda j: cands[j])
+            row.append(cands[k] + c if c < inf else inf)
+            arg.append(k)
+        best, back = row, [*back, arg]
+    d = min(range(len(best)), key=lambda j: best[j])
+    total, path = best[d], [d]
+    for arg in reversed(back):
+        d = arg[d]
+        path.append(d)
+    return total, path[::-1]

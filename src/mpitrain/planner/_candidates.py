@@ -1,0 +1,301 @@
+"""Every candidate plan for a world of W ranks, priced by the cost models of :mod:`mpitrain.perf`.
+
+Pure functions of the agreed measurements (no message, no clock), so every rank holding the same
+:class:`Measured` builds the same list in the same order.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from ..perf.calibrate import Calibration, Network
+from ..perf.pipeline import micro_batch_candidates, pipeline_step
+from ..perf.spatial import halo_messages, layer_path
+from ..perf.timing import TimingInputs, predict, ring_allreduce_time
+from ..strategies.pipeline._partition import balanced_bounds
+from ._overhead import Overheads
+from ._profile import ModelProfile
+from ._types import Dropped, Plan
+
+__all__ = ["Measured", "candidates", "STRATEGY_NAMES", "CODECS"]
+
+#: The strategies the planner knows, in the order it lists them.
+STRATEGY_NAMES = ("data", "model", "hybrid", "spatial", "pipe-sgd", "mixed")
+#: Pipe-SGD's gradient compressions tried (None: plain float32).
+CODECS: tuple[str | None, ...] = (None, "bf16", "fp16", "int8")
+#: Optimizer state kept per parameter byte, besides the weights and gradients (one buffer: momentum).
+OPTIMIZER_STATE = 1
+
+SpatialCheck = Callable[[tuple[int, int], int], str | None]
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What prices a candidate, the same on every rank: the model profile, the world's network, the
+    timing constants of Pipe-SGD's model, the world size, the BatchNorm2d count (spatial statistics
+    allreduces), `spatial_check(grid, samples)` (None or why the spatial strategy cannot run it) and
+    the runtime's measured per-step overheads, which every plan of a strategy adds to its formula.
+    `spare_cores`: cores per rank beyond the compute thread's one (0 .. 1): how much of a
+    communication thread's work can run beside compute (eq. 4's overlap needs a core to run on)."""
+
+    prof: ModelProfile
+    net: Network
+    cal: Calibration
+    world: int
+    bn_layers: int
+    spatial_check: SpatialCheck
+    overheads: Overheads = Overheads()
+    spare_cores: float = 1.0
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _update_s(m: Measured, param_bytes: float) -> float:
+    """l_up of Pipe-SGD eq. 2: one pass over weights and gradients (read both, write the weights)."""
+    return 3 * param_bytes * m.cal.gamma
+
+
+def _state_bytes(param_bytes: float) -> float:
+    return (2 + OPTIMIZER_STATE) * param_bytes
+
+
+def _data(m: Measured) -> Iterator[Plan | Dropped]:
+    B, W, prof = m.prof.batch, m.world, m.prof
+    if B % W:
+        yield Dropped("data", {}, f"the batch of {B} does not split into {W} equal slices")
+        return
+    compute = prof.step_s(B / W) + _update_s(m, prof.param_bytes)
+    comm = (m.net.allreduce.time(prof.param_bytes) if W > 1 else 0.0) + m.overheads.of_data(prof.param_bytes)
+    mem = _state_bytes(prof.param_bytes) + prof.param_bytes + prof.activation_bytes_per_sample * B / W
+    yield Plan("data", {}, compute + comm, int(mem), {"compute": compute, "communication": comm})
+
+
+def _pipe_sgd(m: Measured) -> Iterator[Plan | Dropped]:
+    """Pipe-SGD eqs. 2 (K=1: synchronous) and 4-5 (K=2: pipelined), codec cost on the comm term. The
+    overlap of eq. 4 happens only as far as a spare core runs the communication thread: with none, the
+    pipelined step costs eq. 2's sum (both threads share one core)."""
+    B, W, prof = m.prof.batch, m.world, m.prof
+    if W == 1:
+        yield Dropped("pipe-sgd", {}, "one rank: no gradient exchange to pipeline")
+        return
+    for K in (1, 2):
+        for codec in CODECS:
+            opts = {"staleness": K, "compression": codec}
+            if B % W:
+                yield Dropped("pipe-sgd", opts, f"the batch of {B} does not split into {W} equal slices")
+                continue
+            comp = prof.step_s(B / W)
+            c = m.cal
+            x = TimingInputs(l_up=_update_s(m, prof.param_bytes), l_for=comp * prof.forward_share,
+                             l_back=comp * (1 - prof.forward_share), alpha=c.alpha, beta=c.beta, gamma=c.gamma,
+                             n_bytes=prof.param_bytes, p=W, S=c.S, K=K,
+                             wire_ratio=c.wire_ratio.get(str(codec), 1.0),
+                             codec_per_byte=c.codec_per_byte.get(str(codec), 0.0))
+            r = predict(x)
+            overlapped = m.spare_cores * r["pipe"] + (1 - m.spare_cores) * r["sync"]
+            step = (r["sync"] if K == 1 else overlapped) + m.overheads.of_pipe_sgd(K, prof.param_bytes)
+            compute = comp + x.l_up
+            mem = _state_bytes(prof.param_bytes) + (K + 1) * prof.param_bytes + prof.activation_bytes_per_sample * B / W
+            yield Plan("pipe-sgd", opts, step, int(mem), {"compute": min(compute, step),
+                                                          "communication": max(step - compute, 0.0)})
+
+
+def _stage_sums(values: list[float], bounds: list[int]) -> list[float]:
+    return [sum(values[a:b]) for a, b in zip(bounds, bounds[1:])]
+
+
+def _pipelines(m: Measured) -> Iterator[Plan | Dropped]:
+    """HyPar-Flow's model (P = W) and hybrid (P | W, R = W / P) with the best M (perf.pipeline)."""
+    B, W, prof = m.prof.batch, m.world, m.prof
+    for P in _divisors(W)[1:]:
+        R = W // P
+        strategy = "model" if R == 1 else "hybrid"
+        base = {"partitions": P} if R == 1 else {"partitions": P, "replicas": R}
+        if prof.capture_error:
+            yield Dropped(strategy, base, f"the model cannot be split into partitions ({prof.capture_error})")
+            continue
+        if len(prof.cuts) + 1 < P:
+            yield Dropped(strategy, base, f"the graph can be cut at only {len(prof.cuts)} places")
+            continue
+        if B % R:
+            yield Dropped(strategy, base, f"the batch of {B} does not split over {R} replicas")
+            continue
+        bounds = balanced_bounds(prof.node_share, prof.cuts, P)
+        shares = _stage_sums(prof.node_share, bounds)
+        grads = max(_stage_sums([float(b) for b in prof.node_param_bytes], bounds))
+        acts = max(_stage_sums(prof.node_bytes_per_sample, bounds))
+        cross = max(prof.crossing_bytes_per_sample[c] for c in bounds[1:-1])
+        best: Plan | None = None
+        for M in micro_batch_candidates(B // R):
+            n = B // (R * M)
+            ar = ring_allreduce_time(grads, R, m.cal.alpha, m.cal.beta, m.cal.gamma, m.cal.S)
+            ar += m.overheads.of_data(grads) * (R > 1) + m.overheads.pipeline_slot * (M + P - 1)
+            cost = pipeline_step([prof.step_s(n) * s for s in shares], M, m.net.p2p.time(cross * n), ar,
+                                 _update_s(m, grads))
+            mem = _state_bytes(grads) + acts * n * min(M, P) + 2 * cross * n
+            plan = Plan(strategy, {**base, "micro_batches": M}, cost.total, int(mem),
+                        {"compute": cost.compute + cost.update, "communication": cost.communication,
+                         "bubble": cost.bubble})
+            if best is None or plan.step_s < best.step_s:
+                best = plan
+        if best is not None:
+            yield best
+
+
+def _halo_s(m: Measured, grid: tuple[int, int], samples: int) -> float:
+    """§V-A's halo terms of every conv, forward and backward (not hidden behind compute here)."""
+    return sum(2 * k * m.net.p2p.time(b) for s in m.prof.convs for k, b in halo_messages(s, grid, samples))
+
+
+def _halo_inflation(prof: ModelProfile, grid: tuple[int, int]) -> float:
+    """Factor by which a rank's compute grows because each conv also computes over its halo: per conv
+    node, (local block + halo) / local block area (§V-A's C is timed on the padded block), weighted by
+    the node's share of the step. 1.0 without a per-node profile."""
+    convs = iter(prof.convs)
+    extra = 0.0
+    for share, is_conv in zip(prof.node_share, prof.node_is_conv):
+        shape = next(convs, None) if is_conv else None
+        if shape is None:
+            continue
+        o = shape.k // 2
+        h, w = shape.h / grid[0], shape.w / grid[1]
+        padded = (h + (2 * o if grid[0] > 1 else 0)) * (w + (2 * o if grid[1] > 1 else 0))
+        extra += share * (padded / (h * w) - 1)
+    return 1.0 + extra
+
+
+def _spatial_cost(m: Measured, grid: tuple[int, int], samples: int) -> tuple[float, dict[str, float], float]:
+    """(step seconds, breakdown, memory bytes) of spatial training on `grid` x `samples` groups: the
+    step of a share of B / samples / (ph pw) samples (grown by the convs' halo areas), §V-A's halos, the
+    BatchNorm statistics allreduces over the spatial group, the fused gradient allreduce over every
+    rank, and the gather of outputs."""
+    prof, B = m.prof, m.prof.batch
+    per = grid[0] * grid[1]
+    work = math.ceil(B / samples) / per
+    compute = prof.step_s(work) * _halo_inflation(prof, grid) + _update_s(m, prof.param_bytes)
+    halo = _halo_s(m, grid, samples) + m.overheads.spatial_conv * len(prof.convs)
+    stats = 4 * m.bn_layers * ring_allreduce_time(64, per, m.cal.alpha, m.cal.beta, m.cal.gamma)
+    comm = m.net.allreduce.time(prof.param_bytes) + stats + m.net.p2p.time(prof.output_bytes_per_sample * B)
+    mem = (_state_bytes(prof.param_bytes) + prof.param_bytes + prof.activation_bytes_per_sample * work
+           + prof.output_bytes_per_sample * B)
+    return compute + halo + comm, {"compute": compute, "communication": comm, "halo": halo}, mem
+
+
+def _grids(per: int) -> list[tuple[int, int]]:
+    return [(a, per // a) for a in _divisors(per)]
+
+
+def _spatial(m: Measured) -> Iterator[Plan | Dropped]:
+    B, W, prof = m.prof.batch, m.world, m.prof
+    for per in _divisors(W)[1:]:
+        samples = W // per
+        for grid in _grids(per):
+            opts = {"grid": grid, "samples": samples}
+            why = prof.spatial_error or m.spatial_check(grid, samples)
+            if not why and not prof.convs:
+                why = "the model has no Conv2d to split"
+            if not why and B % samples:
+                why = f"the batch of {B} does not split into {samples} sample groups"
+            if not why and prof.input_shape is not None and (prof.input_shape[2] < grid[0] * 2
+                                                            or prof.input_shape[3] < grid[1] * 2):
+                why = f"the image {prof.input_shape[2:]} is too small for grid {grid}"
+            if why:
+                yield Dropped("spatial", opts, why)
+                continue
+            step, breakdown, mem = _spatial_cost(m, grid, samples)
+            yield Plan("spatial", opts, step, int(mem), breakdown)
+
+
+def mixed_path(m: Measured) -> tuple[float, list[str]] | None:
+    """§V-C's shortest path over (node, distribution): every layer either spatial on the W ranks'
+    widest grid (W, 1) or sample-parallel over W; a spatial -> sample edge redistributes the layer's
+    output by alltoall; sample -> spatial is not allowed (the paper's early-spatial, late-sample
+    shape). Returns (seconds, distribution per node) or None when it cannot be priced."""
+    prof, W, B = m.prof, m.world, m.prof.batch
+    if not prof.node_share or not prof.convs or B % W or W < 2:
+        return None
+    grid = (W, 1)
+    sample_s = prof.step_s(B / W)
+    spatial_s = prof.step_s(B / W)  # the same pixels per rank: B samples on W-row blocks
+    conv_iter = iter(prof.convs)
+    costs: list[list[float]] = []
+    for share, conv in zip(prof.node_share, prof.node_is_conv):
+        halo = 0.0
+        if conv:
+            shape = next(conv_iter, None)
+            halo = 0.0 if shape is None else sum(2 * k * m.net.p2p.time(b) for k, b in halo_messages(shape, grid, 1))
+        costs.append([share * spatial_s + halo, share * sample_s])
+
+    def shuffle(i: int, d: int, e: int) -> float:
+        if d == e:
+            return 0.0
+        if d == 1:
+            return math.inf
+        return 2 * m.net.alltoall.time(prof.node_bytes_per_sample[i] * B / W)
+
+    total, path = layer_path(costs, shuffle)
+    return total, ["spatial" if d == 0 else "sample" for d in path]
+
+
+def _mixed(m: Measured) -> Iterator[Plan | Dropped]:
+    found = mixed_path(m)
+    if found is None:
+        yield Dropped("mixed", {}, "no per-layer path: needs a captured NCHW conv model and a batch divisible "
+                                   "by the ranks")
+        return
+    total, path = found
+    k = path.count("spatial")
+    if 0 < k < len(path):
+        yield Dropped("mixed", {"spatial_layers": k},
+                      f"§V shortest path: {k} spatial node(s) then sample-parallel, predicted "
+                      f"{total * 1e3:.1f} ms of layers; fit runs one distribution for every layer, so it "
+                      f"cannot run a per-layer redistribution yet")
+    else:
+        yield Dropped("mixed", {}, f"§V shortest path keeps one distribution ({path[0] if path else '-'}) for "
+                                   f"every layer: the same as that plan")
+
+
+_GENERATORS: dict[str, Callable[[Measured], Iterator[Plan | Dropped]]] = {
+    "data": _data, "model": _pipelines, "spatial": _spatial, "pipe-sgd": _pipe_sgd, "mixed": _mixed}
+
+
+def candidates(m: Measured, strategies: set[str], memory_limit: float) -> tuple[list[Plan], list[Dropped]]:
+    """(plans sorted fastest first, dropped candidates with reasons) over `strategies`. Predictions
+    within :data:`TIE_MARGIN` per :func:`machinery` level go to the plan with less machinery; exact
+    ties keep generation order (stable sort): the same order on every rank."""
+    plans: list[Plan] = []
+    dropped: list[Dropped] = []
+    for gen in _GENERATORS.values():
+        for c in gen(m):
+            if c.strategy not in strategies:
+                continue
+            if isinstance(c, Dropped):
+                dropped.append(c)
+            elif c.memory_bytes > memory_limit:
+                why = (f"predicted {c.memory_bytes / 2**20:.0f} MiB per rank exceeds the memory limit of "
+                       f"{memory_limit / 2**20:.0f} MiB")
+                dropped.append(Dropped(c.strategy, c.options, why))
+            else:
+                plans.append(c)
+    plans.sort(key=lambda p: p.step_s * (1 + TIE_MARGIN * machinery(p)))
+    return plans, dropped
+
+
+#: Predictions within this fraction per :func:`machinery` level count as a tie (measurement noise).
+TIE_MARGIN = 0.02
+
+
+def machinery(p: Plan) -> int:
+    """How much a plan changes or adds to plain data parallelism: 0 data; 1 the other strategies that
+    compute the one-process mathematics (model, hybrid, spatial, synchronous uncompressed pipe-sgd);
+    2 pipe-sgd with staleness or lossy compression (changes the mathematics: worth it only if clearly
+    faster). The ranking orders plans by ``step_s * (1 + TIE_MARGIN * machinery)``."""
+    if p.strategy == "data":
+        return 0
+    if p.strategy == "pipe-sgd" and (p.options.get("staleness", 1) > 1 or p.options.get("compression") is not None):
+        return 2
+    return 1

@@ -1,0 +1,194 @@
+"""`plan(model, sample_batch, loss_fn, ...)`: calibrate on the ranks, agree, price every candidate."""
+
+from __future__ import annotations
+
+import copy
+import os
+import socket
+from collections.abc import Iterable
+from dataclasses import asdict
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..comm.base import Communicator
+from ..perf.calibrate import Calibration, LinkCost, Network, calibrate, measure_network
+from ..runtime import world
+from ..strategies.base import Batch, LossFn, is_number
+from ._candidates import STRATEGY_NAMES, Measured, candidates
+from ._measure import measure_plan
+from ._overhead import Overheads, measure_overheads
+from ._profile import (
+    agree,
+    cache_path,
+    load_cached,
+    measure_model,
+    model_signature,
+    profile_from_dict,
+    profile_to_dict,
+    store,
+)
+from ._types import PlanError, Plans
+
+__all__ = ["plan", "available_memory", "parse_bytes"]
+
+#: Largest message of the timing-model calibration (bytes): enough to pin beta, quick to send.
+CALIBRATION_BYTES = 1 << 20
+
+
+def parse_bytes(text: str | float) -> float:
+    """``"8G"``, ``"512M"``, ``"1.5e9"`` or a number -> bytes (binary units). ValueError if malformed."""
+    if is_number(text):
+        return float(text)
+    s = str(text).strip().upper().removesuffix("B").removesuffix("I")
+    units = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+    scale = units.get(s[-1:], 1)
+    return float(s[:-1] if s[-1:] in units else s) * scale
+
+
+def available_memory() -> float:
+    """Bytes the kernel reports as available to new allocations on this node (MemAvailable)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
+
+
+def _check(model: object, sample_batch: object, loss_fn: object, comm: Communicator, world_size: object,
+           memory_limit: object, strategies: object) -> tuple[set[str], float | None]:
+    """Every refusal of bad input; local, so every rank given the same arguments raises alike."""
+    if not isinstance(model, nn.Module):
+        raise PlanError(f"plan: model must be a torch.nn.Module, got {type(model).__name__}")
+    if not (isinstance(sample_batch, (tuple, list)) and len(sample_batch) == 2
+            and isinstance(sample_batch[1], torch.Tensor) and sample_batch[1].dim() >= 1
+            and len(sample_batch[1]) >= 1):
+        raise PlanError("plan: sample_batch must be one global mini-batch (inputs, targets), targets a tensor "
+                        "with the batch along dim 0")
+    if not callable(loss_fn):
+        raise PlanError(f"plan: loss_fn must be callable, got {type(loss_fn).__name__}")
+    if world_size is not None and world_size != comm.size:
+        raise PlanError(f"plan: world_size={world_size!r} but the communicator has {comm.size} ranks; the "
+                        f"planner measures on the ranks it plans for: run it on {world_size} ranks "
+                        f"(mpitrain plan -n {world_size} ...)")
+    limit: float | None = None
+    if memory_limit is not None:
+        try:
+            limit = parse_bytes(memory_limit)  # type: ignore[arg-type]  # checked by parse_bytes itself
+        except (ValueError, TypeError, IndexError):
+            limit = -1.0
+        if not limit > 0:
+            raise PlanError(f"plan: memory_limit must be a positive number of bytes or a size such as '8G', "
+                            f"got {memory_limit!r}")
+    names = set(STRATEGY_NAMES) if strategies is None else strategies
+    if isinstance(names, str) or not isinstance(names, Iterable):
+        raise PlanError(f"plan: strategies must be a collection of names from {list(STRATEGY_NAMES)}, got "
+                        f"{strategies!r}")
+    names = set(names)
+    unknown = sorted(str(n) for n in names - set(STRATEGY_NAMES))
+    if unknown or not names:
+        raise PlanError(f"plan: unknown strategies {unknown or '(none given)'}; choose from {list(STRATEGY_NAMES)}")
+    if "model" in names or "hybrid" in names:
+        names |= {"model", "hybrid"} & names
+    return names, limit
+
+
+def _spatial_check(model: nn.Module, comm: Communicator) -> Any:
+    """``check(grid, samples)``: None if the spatial strategy converts every layer of `model`, else why
+    (the spatial package's own conversion, on a copy; constructing a Distribution sends nothing)."""
+    from ..spatial.distribution import Distribution, SpatialError
+    from ..spatial.parallelize import convert
+
+    def check(grid: tuple[int, int], samples: int) -> str | None:
+        try:
+            convert(copy.deepcopy(model), Distribution(comm, grid, samples))
+        except (SpatialError, ValueError, TypeError) as e:
+            return f"the spatial strategy cannot convert the model ({e})"
+        return None
+
+    return check
+
+
+def _measure(model: nn.Module, loss_fn: LossFn, sample_batch: tuple[Batch, torch.Tensor],
+             comm: Communicator) -> dict[str, Any]:
+    """Calibrate on every rank at once and agree (max over ranks, then rank 0's numbers broadcast)."""
+    B, W = len(sample_batch[1]), comm.size
+    prof = agree(comm, measure_model(model, loss_fn, sample_batch, [max(1, B // (4 * W)), max(1, B // W)]))
+    net = measure_network(comm)
+    cal = calibrate(comm, repeats=5, max_bytes=CALIBRATION_BYTES)
+    over = measure_overheads(comm, lambda make, p, b: measure_plan(make, p, b, nn.functional.cross_entropy, comm),
+                             net.allreduce.time)
+    data = {"profile": profile_to_dict(prof), "network": asdict(net), "calibration": asdict(cal),
+            "overheads": asdict(over)}
+    out: dict[str, Any] = comm.broadcast_object(data, 0) if W > 1 else data
+    return out
+
+
+def _restore(data: dict[str, Any]) -> tuple[Any, Network, Calibration, Overheads]:
+    n = dict(data["network"])
+    net = Network(n["level"], n["ranks"], *(LinkCost(**n[k]) for k in ("p2p", "allreduce", "alltoall")))
+    o = dict(data["overheads"])
+    pipe = o["pipe_sgd"]
+    over = Overheads((o["data"][0], o["data"][1]), ((pipe[0][0], pipe[0][1]), (pipe[1][0], pipe[1][1])),
+                     o["pipeline_slot"], o["spatial_conv"])
+    return profile_from_dict(data["profile"]), net, Calibration(**data["calibration"]), over
+
+
+def plan(model: nn.Module, sample_batch: tuple[Batch, torch.Tensor], loss_fn: LossFn, *,
+         comm: Communicator | None = None, world_size: int | None = None, memory_limit: float | str | None = None,
+         strategies: Iterable[str] | None = None, explain: bool = False,
+         cache: str | os.PathLike[str] | bool = True) -> Plans:
+    """The ways to train `model` on the ranks of `comm` (default: the world), fastest predicted first.
+
+    `sample_batch` is one global mini-batch ``(inputs, targets)`` as ``fit``'s data yields it. Each
+    returned :class:`Plan` runs as ``fit(model, data, loss_fn, opt, strategy=p.strategy, **p.options)``.
+    Candidates: data; model and hybrid for every P dividing the world (M by HyPar-Flow's halving
+    search); spatial grids and sample x spatial; pipe-sgd with K in {1, 2} and each compression; and
+    §V's per-layer shortest path (reported in ``dropped``: fit cannot run a per-layer mix yet). Plans
+    predicted over `memory_limit` bytes per rank (default: the node's available memory divided by
+    its ranks), or that cannot run, are left out and listed in the result's ``dropped`` with the
+    reason; `explain` also prints the table and those reasons on rank 0.
+
+    Collective: every rank of `comm` must call it with the same arguments. Bad arguments raise
+    :class:`PlanError` on every rank before any message; ranks given different models or batches
+    raise it together at the first message. Calibration (each rank's share timed at the same time,
+    the network's alpha-beta, Pipe-SGD's constants, each strategy's per-step overhead on a probe
+    model) takes seconds; it is cached per (machine, model
+    signature) in `cache` (True: ``~/.cache/mpitrain/planner``; False: not cached). Every rank
+    returns the same plans in the same order."""
+    comm = comm or world()
+    names, limit = _check(model, sample_batch, loss_fn, comm, world_size, memory_limit, strategies)
+    key = model_signature(model, sample_batch, comm.size)
+    mine = (key, sorted(names), limit, socket.gethostname())
+    seen = comm.allgather_object(mine) if comm.size > 1 else [mine]
+    bad = [r for r, s in enumerate(seen) if s[:3] != mine[:3]]
+    if bad:
+        raise PlanError(f"plan: ranks {bad} were given a different model, batch or arguments than rank 0")
+    per_node = sum(1 for s in seen if s[3] == mine[3])
+    path = cache_path(cache, key)
+    data = load_cached(path) if comm.rank == 0 else None
+    if comm.size > 1:
+        data = comm.broadcast_object(data, 0)
+    if data is None:
+        data = _measure(model, loss_fn, sample_batch, comm)
+        if comm.rank == 0:
+            store(path, data)
+    prof, net, cal, over = _restore(data)
+    if limit is None:  # the smallest available memory of any node bounds its ranks
+        own = torch.tensor([available_memory() / per_node], dtype=torch.float64)
+        limit = float((comm.allreduce(own, op="min") if comm.size > 1 else own)[0])
+    spare = torch.tensor([min(max((os.cpu_count() or 1) / per_node - 1, 0.0), 1.0)], dtype=torch.float64)
+    if comm.size > 1:
+        comm.allreduce(spare, op="min")
+    measured = Measured(prof, net, cal, comm.size, sum(isinstance(m, nn.BatchNorm2d) for m in model.modules()),
+                        _spatial_check(model, comm), over, float(spare[0]))
+    plans, dropped = candidates(measured, names, limit)
+    out = Plans(plans, dropped)
+    if explain and comm.rank == 0:
+        print(out.table(), flush=True)
+        print(out.explanation(), flush=True)
+    return out

@@ -1,0 +1,35 @@
+"""`mpitrain plan` from outside a job: the ranked JSON with measured steps, and a clear refusal."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.helpers import ROOT
+
+MPITRAIN = str(Path(sys.executable).parent / "mpitrain")
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
+    return subprocess.run([MPITRAIN, "plan", "-n", "2", *args], capture_output=True, text=True, timeout=240,
+                          cwd=ROOT, env=env)
+
+
+def test_plan_command_prints_ranked_json_and_measures_the_top_plan():
+    r = _run("tests.planner.models:tiny_mlp", "--batch-shape", "12,16", "--json", "--measure", "1", "--steps", "2",
+             "--no-cache", "--strategies", "data,model,hybrid")
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = json.loads(r.stdout[r.stdout.index("{"):])
+    steps = [p["step_s"] for p in out["plans"]]
+    assert steps == sorted(steps) and {p["strategy"] for p in out["plans"]} <= {"data", "model", "hybrid"}
+    assert len(out["measured_step_s"]) == 1 and out["measured_step_s"][0] > 0
+
+
+def test_plan_command_refuses_a_bad_shape_with_a_message_and_status_2():
+    r = _run("tests.planner.models:tiny_mlp", "--batch-shape", "12,x")
+    assert r.returncode != 0
+    assert "comma-separated positive ints" in r.stdout + r.stderr

@@ -1,0 +1,102 @@
+"""plan() over real MPI: the same decision on every rank, bad input refused on every rank before any
+message, the disk cache, and fit(strategy="auto") against one process training the same batches."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import mpitrain
+from mpitrain.fit import FitError, fit
+from mpitrain.planner import PlanError, plan
+from mpitrain.planner._candidates import TIE_MARGIN, machinery
+from tests.helpers import assert_all_ranks, assert_close_all_ranks
+from tests.planner.models import cnn_batch, mlp_batches, tiny_cnn, tiny_mlp
+
+CE = nn.functional.cross_entropy
+
+
+@pytest.mark.mpi(min_size=1)
+def test_every_rank_reaches_the_same_ranked_plans(comm, tmp_path_factory):
+    x, y = cnn_batch(n=12)
+    torch.manual_seed(comm.rank)  # ranks measure different times: the agreement makes them equal
+    plans = plan(tiny_cnn(), (x, y), CE, comm=comm, cache=False)
+    mine = [(p.describe(), p.step_s, p.memory_bytes) for p in plans]
+    seen = comm.allgather_object(mine)
+    assert_all_ranks(comm, all(s == seen[0] for s in seen), f"rank 0 {seen[0][:2]} vs mine {mine[:2]}")
+    assert_all_ranks(comm, len(plans) > 0 and plans[0].step_s > 0, "no plan")
+    keys = [p.step_s * (1 + TIE_MARGIN * machinery(p)) for p in plans]
+    assert_all_ranks(comm, keys == sorted(keys), "not fastest first (up to the tie margin)")
+    names = {p.strategy for p in plans}
+    assert_all_ranks(comm, "data" in names and (comm.size == 1 or "pipe-sgd" in names), f"{names}")
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("bad, message", [
+    ({"model": "not a model"}, "torch.nn.Module"),
+    ({"sample_batch": torch.zeros(3)}, "sample_batch"),
+    ({"memory_limit": "-4G"}, "memory_limit"),
+    ({"strategies": ["data", "warp-drive"]}, "warp-drive"),
+    ({"world_size": 99}, "world_size=99"),
+])
+def test_bad_input_is_refused_on_every_rank_before_any_message(comm, bad, message):
+    args = {"model": tiny_mlp(), "sample_batch": mlp_batches(1)[0], "loss_fn": CE}
+    kwargs = {k: bad.pop(k) for k in ("memory_limit", "strategies", "world_size") if k in bad}
+    args.update(bad)
+    with pytest.raises(PlanError) as e:
+        plan(args["model"], args["sample_batch"], args["loss_fn"], comm=comm, cache=False, **kwargs)
+    assert_all_ranks(comm, message in str(e.value), str(e.value))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_ranks_given_different_models_are_refused_together(comm):
+    model = tiny_mlp(width=32 if comm.rank == 0 else 48)
+    with pytest.raises(PlanError) as e:
+        plan(model, mlp_batches(1)[0], CE, comm=comm, cache=False)
+    assert_all_ranks(comm, "different model" in str(e.value), str(e.value))
+
+
+@pytest.mark.mpi(min_size=1)
+def test_the_cache_gives_the_same_plans_without_measuring_again(comm, tmp_path):
+    folder = comm.broadcast_object(str(tmp_path), 0)  # rank 0 writes, every rank reads rank 0's verdict
+    batch = mlp_batches(1)[0]
+    first = plan(tiny_mlp().double(), batch, CE, comm=comm, cache=folder)
+    second = plan(tiny_mlp().double(), batch, CE, comm=comm, cache=folder)
+    assert_all_ranks(comm, [p.to_dict() for p in first] == [p.to_dict() for p in second], "cache changed plans")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_fit_auto_trains_what_one_process_trains_and_records_the_plan(comm, capsys):
+    batches = mlp_batches(3)
+    model = tiny_mlp().double()
+    reference = copy.deepcopy(model)
+    opt = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
+    result = fit(model, batches, CE, opt, strategy="auto", strategies=("data", "model", "hybrid"),
+                 cache=False, progress=False, comm=comm)
+    ref_opt = opt(reference.parameters())
+    for x, y in batches:
+        ref_opt.zero_grad()
+        CE(reference(x), y).backward()
+        ref_opt.step()
+    got = torch.cat([p.detach().flatten() for p in result.model.parameters()])
+    want = torch.cat([p.detach().flatten() for p in reference.parameters()])
+    assert_close_all_ranks(comm, got, want, atol=1e-10, what=f"auto chose {result.history[0].get('plan')}")
+    record = result.history[0]
+    assert_all_ranks(comm, isinstance(record.get("plan"), str) and record["plan_step_s"] > 0, f"{record}")
+    out = capsys.readouterr().out
+    assert_all_ranks(comm, ("auto: " in out) == (comm.rank == 0), out[-300:])
+
+
+@pytest.mark.mpi(min_size=1)
+def test_fit_auto_refuses_layout_keywords_it_chooses_itself(comm):
+    with pytest.raises(FitError) as e:
+        fit(tiny_mlp(), mlp_batches(1), CE, lambda p: torch.optim.SGD(p, lr=0.1), strategy="auto",
+            partitions=2, progress=False, comm=comm)
+    assert_all_ranks(comm, "partitions=1" in str(e.value), str(e.value))
+
+
+def test_plan_is_exported_lazily_from_the_package():
+    assert mpitrain.plan is plan and mpitrain.Plan.__name__ == "Plan"
