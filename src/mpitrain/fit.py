@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import math
 import os
 import time
@@ -23,6 +22,7 @@ from .comm.base import Communicator
 from .runtime import world
 from .strategies._batching import batch_size as _rows_of
 from .strategies._batching import slice_share
+from .strategies._registry import STRATEGIES, features, make_trainer
 from .strategies.base import (
     Balance,
     Batch,
@@ -33,25 +33,12 @@ from .strategies.base import (
     LossFn,
     OptimizerFactory,
     Trainer,
-    TrainerFactory,
     is_int,
     is_number,
 )
 
 __all__ = ["fit", "make_trainer", "FitResult", "FitSpec", "Trainer", "STRATEGIES", "FitError", "StopTraining",
            "LoopState"]
-
-#: strategy name -> "module:factory". The factory is a :data:`~mpitrain.strategies.base.TrainerFactory`,
-#: ``make_trainer(model, loss_fn, optimizer, comm, spec) -> Trainer``, and must refuse bad input on every
-#: rank before sending any message.
-STRATEGIES: dict[str, str] = {
-    "data": "mpitrain.strategies.data_parallel:make_trainer",
-    "model": "mpitrain.strategies.pipeline:make_trainer",
-    "hybrid": "mpitrain.strategies.pipeline:make_trainer",
-    "pipe-sgd": "mpitrain.strategies.pipesgd:make_trainer",
-    "spatial": "mpitrain.spatial.trainer:make_trainer",
-    "auto": "mpitrain.planner:make_trainer",
-}
 
 #: Deprecated spellings of fit's stall keywords (kept for one release, with a DeprecationWarning).
 STALL_ALIASES = {"stall_timeout": "warn_after", "stall_abort": "abort_after", "stall_warning_s": "warn_after"}
@@ -92,16 +79,6 @@ def _metrics(metrics: Iterable[str | Metric] | Mapping[str, Metric] | None) -> d
         else:
             out[getattr(m, "__name__", repr(m))] = m
     return out
-
-
-def make_trainer(model: nn.Module, loss_fn: LossFn, optimizer: OptimizerFactory, comm: Communicator,
-                 spec: FitSpec) -> Trainer:
-    """The strategy's Trainer for `spec` (what `fit` drives; benchmarks time its steps directly)."""
-    if spec.strategy not in STRATEGIES:
-        raise FitError(f"unknown strategy {spec.strategy!r}; choose one of {sorted(STRATEGIES)}")
-    module, _, name = STRATEGIES[spec.strategy].partition(":")
-    factory: TrainerFactory = getattr(importlib.import_module(module), name)
-    return factory(model, loss_fn, optimizer, comm, spec)
 
 
 def stall_policy(warn_after: float, abort_after: float | None, renamed: dict[str, object]) -> StallPolicy:
@@ -217,14 +194,6 @@ class _Settings:
     on_epoch_end: Callback | None
 
 
-def _features(strategy: str) -> frozenset[str]:
-    """The loop features the strategy declares (its module's FEATURES); importing sends nothing."""
-    if strategy not in STRATEGIES:
-        raise FitError(f"unknown strategy {strategy!r}; choose one of {sorted(STRATEGIES)}")
-    module = importlib.import_module(STRATEGIES[strategy].partition(":")[0])
-    return frozenset(getattr(module, "FEATURES", frozenset()))
-
-
 _FEATURE_WORDS = {"checkpoint": "checkpointing (checkpoint_dir=)", "lr_scheduler": "lr_scheduler=",
                   "grad_clip": "grad_clip=", "bf16": 'precision="bf16"',
                   "shares": "accumulate= > 1"}
@@ -233,7 +202,7 @@ _FEATURE_WORDS = {"checkpoint": "checkpointing (checkpoint_dir=)", "lr_scheduler
 def _require(strategy: str, s: _Settings, data: object) -> bool:
     """FitError (local, every rank alike) for a feature `s` needs that the strategy lacks; returns
     whether the strategy reads its own shares."""
-    have = _features(strategy)
+    have = features(strategy)
     need = {"checkpoint": s.checkpoint_dir is not None, "lr_scheduler": s.lr_scheduler is not None,
             "grad_clip": s.loop.grad_clip is not None, "bf16": s.loop.precision == "bf16",
             "shares": s.accumulate > 1}
@@ -537,7 +506,7 @@ def fit(model: nn.Module, data: Any, loss_fn: LossFn,
     model_keys = list(model.state_dict())
     trainer = make_trainer(model, loss_fn, optimizer, comm, spec)
     loop = _Loop(trainer, comm, data, s, sharded, strategy, model_keys, progress and comm.rank == 0,
-                 "lr_scheduler" in _features(strategy))
+                 "lr_scheduler" in features(strategy))
     if resume_from is not None:
         loop.restore(*resume_from)
     loop.run(eval_data, loss_fn, named)

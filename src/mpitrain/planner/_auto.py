@@ -71,7 +71,7 @@ class AutoTrainer:
                   f"{chosen.memory_bytes / 2**20:.0f} MiB/rank)", flush=True)
             for p in plans[1:1 + RUNNERS_UP]:
                 print(f"  runner-up: {p.describe()}  ({p.step_s * 1e3:.1f} ms/step)", flush=True)
-        from ..fit import make_trainer as build  # fit's strategy table (imported when first needed)
+        from ..strategies._registry import make_trainer as build  # the strategy table
 
         self.inner = build(self.model, self.loss_fn, self.optimizer, self.comm, spec_for(chosen, self.spec))
         self.plans = plans

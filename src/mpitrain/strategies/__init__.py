@@ -1,5 +1,5 @@
 """Training strategies: data parallel, pipeline (model/hybrid), pipe-sgd. Each module named in
-``mpitrain.fit.STRATEGIES`` exposes ``make_trainer(model, loss_fn, optimizer, comm, spec) -> Trainer``;
+``strategies._registry.STRATEGIES`` exposes ``make_trainer(model, loss_fn, optimizer, comm, spec) -> Trainer``;
 what they share lives in :mod:`.base`."""
 
 from .base import FitError, FitSpec, StrategyOptions, Trainer
