@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import os
 import time
 from collections.abc import Callable, Iterable, Mapping, Sized
 from dataclasses import dataclass
@@ -12,6 +13,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from . import timeline as _timeline
 from ._utils.deprecation import renamed_options
 from ._utils.stall import StallPolicy
 from .comm.base import Communicator
@@ -157,7 +159,7 @@ def fit(model: nn.Module, data: Iterable[tuple[Batch, torch.Tensor]], loss_fn: L
         metrics: Iterable[str | Metric] | Mapping[str, Metric] | None = None,
         comm: Communicator | None = None, progress: bool = True, balance: Balance = "time",
         warn_after: float = DEFAULT_WARN_AFTER, abort_after: float | None = DEFAULT_ABORT_AFTER,
-        **options: object) -> FitResult:
+        timeline: str | os.PathLike[str] | None = None, **options: object) -> FitResult:
     """Train `model` on every rank of `comm` (default: the world) with one of :data:`STRATEGIES`.
 
     `data` yields ``(inputs, targets)`` *global* mini-batches, the same on every rank; the strategy
@@ -169,7 +171,9 @@ def fit(model: nn.Module, data: Iterable[tuple[Batch, torch.Tensor]], loss_fn: L
     what it waits for (again every `warn_after` seconds); after `abort_after` seconds (None: never) the
     job ends. ``stall_timeout``/``stall_warning_s`` and ``stall_abort`` are deprecated spellings of
     these two. Every rank must call `fit` with the same arguments; bad arguments raise FitError on
-    every rank before any message is sent.
+    every rank before any message is sent. `timeline` names a Chrome-trace JSON file that rank 0
+    writes at the end: a timeline of every rank's steps, compute and messages (docs/timeline.md;
+    when a timeline already runs, fit's events go to that one instead).
     """
     if epochs < 1 or (steps is not None and steps < 1):
         raise FitError(f"epochs must be >= 1 and steps None or >= 1, got epochs={epochs}, steps={steps}")
@@ -182,7 +186,29 @@ def fit(model: nn.Module, data: Iterable[tuple[Batch, torch.Tensor]], loss_fn: L
     stall = stall_policy(warn_after, abort_after, rest)
     spec = FitSpec(strategy=strategy, partitions=partitions, replicas=replicas, micro_batches=micro_batches,
                    schedule=schedule, balance=balance, options=rest, stall=stall)
+    if timeline is not None and not isinstance(timeline, (str, os.PathLike)):
+        raise FitError(f"fit: timeline must be a file path, got {timeline!r}")
     trainer = make_trainer(model, loss_fn, optimizer, comm, spec)
+    own_timeline = timeline is not None and not _timeline.active()
+    if own_timeline:
+        assert timeline is not None
+        _timeline.start(timeline, comm)
+    try:
+        history = _train(trainer, data, loss_fn, comm, epochs, steps, eval_data, named, progress)
+        result = FitResult(model=trainer.trained_model(), history=history)
+    except BaseException:
+        if own_timeline:
+            _timeline.discard()
+        raise
+    if own_timeline:
+        _timeline.stop()
+    return result
+
+
+def _train(trainer: Trainer, data: Iterable[tuple[Batch, torch.Tensor]], loss_fn: LossFn, comm: Communicator,
+           epochs: int, steps: int | None, eval_data: Iterable[tuple[Batch, torch.Tensor]] | None,
+           named: dict[str, Metric], progress: bool) -> list[dict[str, float]]:
+    """fit's loop over epochs and steps; the history it returns."""
     history: list[dict[str, float]] = []
     show = progress and comm.rank == 0
     for epoch in range(epochs):
@@ -193,7 +219,8 @@ def fit(model: nn.Module, data: Iterable[tuple[Batch, torch.Tensor]], loss_fn: L
         for i, (inputs, targets) in enumerate(data):
             if steps is not None and i >= steps:
                 break
-            loss = trainer.train_step(inputs, targets)
+            with _timeline.span("step", epoch=epoch, step=i):
+                loss = trainer.train_step(inputs, targets)
             loss_sum += loss * len(targets)
             samples += len(targets)
             if bar is not None:
@@ -209,4 +236,4 @@ def fit(model: nn.Module, data: Iterable[tuple[Batch, torch.Tensor]], loss_fn: L
         history.append(record)
         if show:
             print("  ".join(f"{k}={v:.4g}" for k, v in record.items()), flush=True)
-    return FitResult(model=trainer.trained_model(), history=history)
+    return history

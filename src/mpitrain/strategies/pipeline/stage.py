@@ -27,6 +27,7 @@ import torch
 
 from ...comm.base import Communicator, Request
 from ...comm.watchdog import StallPolicy, wait_watched
+from ...timeline import span
 from .graph import Partition, ValueMeta, mutated_placeholders
 from .schedule import Action
 
@@ -163,15 +164,16 @@ class Stage:
             self._post(a, metas)
             if i + 1 < len(actions):
                 self._post(actions[i + 1], metas)
-            if a.kind == "F":
-                with torch.set_grad_enabled(train):
-                    out = self.forward(a.micro, inputs[a.micro], train)
-                if self.last:
-                    loss = last_fn(a.micro, out)
-                    if train:
-                        losses[a.micro] = loss
-            else:
-                self.backward(a.micro, losses.pop(a.micro, None))
+            with span(str(a), stage=self.part.index, micro=a.micro):  # timeline: F3 / B3 of this stage
+                if a.kind == "F":
+                    with torch.set_grad_enabled(train):
+                        out = self.forward(a.micro, inputs[a.micro], train)
+                    if self.last:
+                        loss = last_fn(a.micro, out)
+                        if train:
+                            losses[a.micro] = loss
+                else:
+                    self.backward(a.micro, losses.pop(a.micro, None))
 
     def finish_sends(self) -> None:
         """Complete every send of the step (their buffers may be freed or reused afterwards)."""
