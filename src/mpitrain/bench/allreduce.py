@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from .common import header, print_table
+from .common import add_outputs, header, print_table, save_outputs
 
 __all__ = ["main"]
 
@@ -79,6 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--max-bytes", type=int, default=64 << 20)
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds per size (median reported)")
     p.add_argument("--no-torch", action="store_true", help="skip the torch.distributed (gloo) backend")
+    add_outputs(p)
     args = p.parse_args(argv)
 
     from ..comm.torchdist import init_torch_world
@@ -110,6 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(header("allreduce, float32 sum in place (busbw = algbw*2(n-1)/n; time ratio < 1 is faster)", n))
         print(f"# rounds: {args.rounds} interleaved; median of per-round means; slowest rank per round")
         print_table(heads, rows)
+    save_outputs(args, "allreduce", n, comm.rank)
     return 0
 
 

@@ -24,6 +24,7 @@ from torch import nn
 from ..fit import FitSpec, make_trainer
 from ..runtime import init
 from .common import (
+    add_outputs,
     alone_timer,
     header,
     median,
@@ -31,6 +32,7 @@ from .common import (
     paired_rounds,
     print_table,
     quartiles,
+    save_outputs,
     step_timer,
 )
 
@@ -180,6 +182,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--image", type=int, default=16)
     p.add_argument("--steps", type=int, default=1, help="timed steps per contender per round (median)")
     p.add_argument("--rounds", type=int, default=10, help="interleaved rounds (ratios taken per round)")
+    add_outputs(p)
     args = p.parse_args(list(argv or []))
     comm = init()
     if comm.rank == 0:
@@ -191,6 +194,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"torch threads per rank: {torch.get_num_threads()}", flush=True)
     throughput_table(comm, args)
     efficiency_table(comm, args)
+    save_outputs(args, "pipeline", comm.size, comm.rank)
     return 0
 
 

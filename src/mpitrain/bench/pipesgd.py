@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import mpitrain
-from mpitrain.bench.common import header, print_table
+from mpitrain.bench.common import add_outputs, header, print_table, save_outputs
 from mpitrain.comm.base import Communicator
 from mpitrain.fit import FitSpec
 from mpitrain.perf.calibrate import Calibration, calibrate
@@ -237,6 +237,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--link-beta", type=float, default=2e-8, help="emulated s per byte (2e-8 = 400 Mbit/s)")
     ap.add_argument("--target", type=float, default=0.9, help="test accuracy to reach")
     ap.add_argument("--epochs", type=int, default=12, help="at most this many epochs per run")
+    add_outputs(ap)
     return ap.parse_args(argv)
 
 
@@ -278,6 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     if comm.rank == 0:
         print_table(["model", "link", "config", "iter ms", "pred ms", "rel err", "compute ms", "exposed comm ms",
                      "codec ms", f"s to acc {args.target}", "final acc"], rows)
+    save_outputs(args, "pipesgd", p, comm.rank)
     return 0
 
 

@@ -37,6 +37,7 @@ from ..spatial.distribution import Distribution
 from ..spatial.mesh import WIDTHS, mesh_batch, mesh_model
 from ..spatial.trainer import SpatialTrainer
 from .common import (
+    add_outputs,
     alone_timer,
     header,
     median,
@@ -46,6 +47,7 @@ from .common import (
     print_table,
     quartiles,
     rank_max,
+    save_outputs,
     step_timer,
     time_call,
 )
@@ -70,6 +72,7 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--baseline", action="store_true", help="time plain torch on rank 0 alone first")
     p.add_argument("--ceiling", action="store_true",
                    help="also time every rank training plain torch on its own block at once, no messages")
+    add_outputs(p)
     return p.parse_args(list(argv))
 
 
@@ -242,6 +245,7 @@ def main(argv: Sequence[str]) -> int:
                   waits[r.label], r.model_s] for r in rows]
         print_table(["config", "ranks/sample", "groups", "step s", "speedup", "q25-q75", "vs best torch",
                      "step MiB/rank", "mem ratio", "halo wait s", "model conv s"], table)
+    save_outputs(args, "spatial", comm.size, comm.rank)
     return 0
 
 

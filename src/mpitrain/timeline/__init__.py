@@ -12,12 +12,13 @@ Rank 0 writes one process row per rank and one thread row per activity: compute 
 Communicator call, with bytes and peer), waits (time blocked on a message or collective), and one row
 per other thread (Pipe-SGD's communication thread, the kvstore's) with its waits. Clocks are aligned
 to rank 0's at start. When no timeline runs, nothing is installed and :func:`span` returns after one
-None check.
+None check. :func:`plot` (``mpitrain timeline plot trace.json -o out.png``) draws a trace as a Gantt chart.
 """
 
 from __future__ import annotations
 
+from ._plot import plot
 from ._recorder import KINDS, now, record, span
 from ._session import DEFAULT_MAX_EVENTS, ENV, active, discard, start, stop
 
-__all__ = ["start", "stop", "discard", "active", "span", "record", "now", "KINDS", "DEFAULT_MAX_EVENTS", "ENV"]
+__all__ = ["start", "stop", "discard", "active", "span", "record", "now", "KINDS", "DEFAULT_MAX_EVENTS", "ENV", "plot"]
