@@ -122,11 +122,11 @@ def test_successful_job_exits_zero_and_python_dash_m_works():
 
 def test_stalled_wait_warns_naming_rank_and_tensor_then_aborts():
     rc, out, secs = _run_job(JOB_HEAD + """
-    from mpitrain.comm.watchdog import StallPolicy, wait_watched
+    from mpitrain.comm._wait import StallPolicy, wait_request
     if comm.rank == 0:     # rank 1 never sends: a logical deadlock, not a dead rank
         print("FAIL_AT", time.time(), flush=True)
         req = comm.irecv(torch.empty(3), source=1, tag=77)
-        wait_watched(req, "recv of 'activation 3' from rank 1", comm.rank, comm.abort, StallPolicy(1.0, 3.0))
+        wait_request(req, "recv of 'activation 3' from rank 1", StallPolicy(1.0, 3.0), f"rank {comm.rank}", comm.abort)
     time.sleep(60)
     """)
     assert rc != 0 and "rank 0: still waiting" in out and "'activation 3' from rank 1" in out, out

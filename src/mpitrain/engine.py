@@ -19,7 +19,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-__all__ = ["Var", "Task", "Engine", "EngineError", "default_engine"]
+__all__ = ["Var", "Task", "Engine", "EngineError"]
 
 log = logging.getLogger("mpitrain.engine")
 
@@ -126,12 +126,12 @@ class Engine:
         return task
 
     def _dispatch(self, tasks: list[Task]) -> None:
-        queued = [t for t in tasks if t.pool is not None]
+        queued = [(t, pool) for t in tasks if (pool := t.pool) is not None]
         if queued:
             with self._qlock:
-                for t in queued:
-                    self._queues[t.pool].append(t)
-                    self._runnable[t.pool].notify()
+                for t, pool in queued:
+                    self._queues[pool].append(t)
+                    self._runnable[pool].notify()
                 if self._helpers:
                     self._helped.notify_all()
         for t in tasks:
@@ -258,7 +258,8 @@ class Engine:
                     job = q.popleft()
                 finally:
                     self._helpers -= 1
-            self._run(job)
+            if job is not None:  # always: the loop above stops only at a task, never at a stop sentinel
+                self._run(job)
 
     def close(self) -> None:
         """Finish queued tasks and stop the threads (idempotent)."""
@@ -277,15 +278,3 @@ class Engine:
 def _noop() -> None:
     pass
 
-
-_default: Engine | None = None
-_default_lock = threading.Lock()
-
-
-def default_engine() -> Engine:
-    """The process-wide engine (2 compute threads, 1 comm thread), created on first use."""
-    global _default
-    with _default_lock:
-        if _default is None:
-            _default = Engine()
-        return _default

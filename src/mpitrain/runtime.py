@@ -38,13 +38,13 @@ def init(backend: str | None = None) -> Communicator:
             return _world
         from mpi4py import MPI
 
-        from .comm.mpi import MPICommunicator
+        from .comm._mpi import MPICommunicator
 
         mpi_world = MPICommunicator(MPI.COMM_WORLD)
         if wanted == "mpi":
             _world = mpi_world
         else:
-            from .comm.torchdist import init_torch_world
+            from .comm._torchdist import init_torch_world
 
             _world = init_torch_world(mpi_world.rank, mpi_world.size, mpi_world)
         _install_abort_hook(_world)

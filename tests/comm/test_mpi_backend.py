@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from mpitrain.comm import mpi
+from mpitrain.comm import _mpi as mpi
 
 
 def test_pieces_are_in_order_views_of_the_tensor():

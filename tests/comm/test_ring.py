@@ -131,3 +131,14 @@ def test_bad_arguments_raise_on_every_rank_before_any_message(comm):
         except CommError:
             raised.append(True)
     assert_all_ranks(comm, all(raised), f"not refused: {[c['kw'] for c, r in zip(cases, raised) if not r]}")
+
+
+def test_ring_allreduce_former_stall_warning_s_name_warns_and_still_applies():
+    from mpi4py import MPI
+
+    from mpitrain.comm._mpi import MPICommunicator
+
+    t = torch.ones(3)
+    with pytest.warns(DeprecationWarning, match="'stall_warning_s' is deprecated.*'warn_after'"):
+        ring_allreduce(MPICommunicator(MPI.COMM_SELF), t, stall_warning_s=5.0)
+    assert torch.equal(t, torch.ones(3))

@@ -9,8 +9,8 @@ import torch
 
 from mpitrain import kvstore
 from mpitrain.kvstore import KVStoreError
-from mpitrain.kvstore.base import Entry
-from mpitrain.kvstore.sequencer import Sequencer
+from mpitrain.kvstore._allreduce import Entry
+from mpitrain.kvstore._sequencer import Sequencer
 from tests.helpers import run_job
 
 
@@ -82,7 +82,8 @@ def test_local_optimizer_states_round_trip(tmp_path):
 
 @pytest.mark.parametrize("call, match", [
     (lambda kv: kvstore.create("nope"), "unknown kvstore type"),
-    (lambda kv: kvstore.create("local", bogus=1), "bad option"),
+    (lambda kv: kvstore.create("local", bogus=1), r"unknown option\(s\) \['bogus'\]; valid options: \['warn_after'"),
+    (lambda kv: kvstore.create("local", warn_after=5, abort_after=1), "abort_after must be None or >= warn_after"),
     (lambda kv: kv.pushpull("missing", torch.zeros(2)), "not initialized"),
     (lambda kv: kv.pushpull("w", torch.zeros(3)), r"initialized as \(2,\)"),
     (lambda kv: kv.init("w", torch.zeros(2)), "already initialized"),
@@ -111,7 +112,7 @@ STALL_SCRIPT = textwrap.dedent("""
     import time, torch, mpitrain
     from mpitrain import kvstore
     comm = mpitrain.init()
-    kv = kvstore.create("dist_sync_mpi", comm, stall_timeout=0.5, stall_abort=2.0)
+    kv = kvstore.create("dist_sync_mpi", comm, warn_after=0.5, abort_after=2.0)
     if comm.rank == 0:
         kv.pushpull("never_on_1", torch.ones(3))
         kv.wait()
@@ -128,7 +129,7 @@ def test_dist_sync_mpi_stall_abort_ends_the_job_naming_rank_and_key():
 
 
 def test_fusion_groups_are_consecutive_same_dtype_and_bounded():
-    from mpitrain.kvstore.coordinator import _fusion_groups
+    from mpitrain.kvstore._coordinator import _fusion_groups
 
     def e(n, dt=torch.float32):
         return Entry("k", torch.zeros(n, dtype=dt), None)
@@ -138,3 +139,38 @@ def test_fusion_groups_are_consecutive_same_dtype_and_bounded():
     shapes = [[(x.buf.numel(), x.buf.dtype) for x in g] for g in groups]
     f32, f64 = torch.float32, torch.float64
     assert shapes == [[(10, f32), (10, f32)], [(10, f64)], [(100, f32)], [(5, f32), (5, f32)], [(30, f32)]]
+
+
+def test_dist_sync_mpi_old_stall_option_names_warn_and_still_apply():
+    from mpi4py import MPI
+
+    from mpitrain.comm._mpi import MPICommunicator
+
+    with pytest.warns(DeprecationWarning, match="'stall_timeout' is deprecated"):
+        kv = kvstore.create("dist_sync_mpi", MPICommunicator(MPI.COMM_SELF), stall_timeout=0.5, stall_abort=2.0)
+    try:
+        assert (kv._policy.warn_after, kv._policy.abort_after) == (0.5, 2.0)
+    finally:
+        kv.close()
+
+
+def test_a_real_type_error_in_a_constructor_propagates(monkeypatch):
+    from mpitrain.kvstore._local import LocalStore
+
+    def broken(self, comm=None, warn_after=60.0, abort_after=600.0):
+        raise TypeError("a bug inside the constructor")
+
+    monkeypatch.setattr(LocalStore, "__init__", broken)
+    with pytest.raises(TypeError, match="a bug inside the constructor"):
+        kvstore.create("local")
+
+
+def test_every_type_is_a_kvstore_and_takes_the_stall_options():
+    import importlib
+    import inspect
+
+    for name, where in kvstore.TYPES.items():
+        module, cls_name = where.split(":")
+        cls = getattr(importlib.import_module(f"mpitrain.kvstore.{module}"), cls_name)
+        params = inspect.signature(cls).parameters
+        assert issubclass(cls, kvstore.KVStore) and {"warn_after", "abort_after"} <= set(params), name

@@ -24,7 +24,7 @@ def _grad(worker: int, step: int, n: int) -> torch.Tensor:
 @pytest.mark.parametrize("servers", [1, 2])
 def test_dist_sync_push_pull_and_pushpull_give_the_sum_over_workers(comm, servers):
     kv = _store(comm, servers)
-    ok, msg = True, ""
+    ok, msg = isinstance(kv, kvstore.KVStore), "not a mpitrain.kvstore.KVStore"
     if kv.is_server:
         kv.serve()
     else:

@@ -81,10 +81,13 @@ class Backoff:
         self.pause = min(self.pause * 2, self.most)
 
 
-def poll(done: Callable[[], bool], policy: StallPolicy = DEFAULT_POLICY, deadline: float | None = None) -> bool:
+def poll(done: Callable[[], bool], policy: StallPolicy = DEFAULT_POLICY, deadline: float | None = None,
+         cv: threading.Condition | None = None) -> bool:
     """Call ``done()`` until it is true: `policy.spin` seconds back to back, then with backoff sleeps
     (an MPI test progresses the request, so sleeping between tests leaves the core to computation).
-    Returns False once ``time.monotonic()`` passes `deadline` with ``done()`` still false."""
+    With `cv`, each sleep is a wait on it that ends as soon as a notify finds ``done()`` true (for
+    waits on other threads' progress). Returns False once ``time.monotonic()`` passes `deadline` with
+    ``done()`` still false."""
     if policy.spin > 0:
         until = time.monotonic() + policy.spin
         while time.monotonic() < until:
@@ -94,23 +97,24 @@ def poll(done: Callable[[], bool], policy: StallPolicy = DEFAULT_POLICY, deadlin
     while not done():
         if deadline is not None and time.monotonic() > deadline:
             return False
-        nap.sleep()
+        nap.sleep(cv, done)
     return True
 
 
 def wait_until(done: Callable[[], bool], what: str | Callable[[], str], policy: StallPolicy = DEFAULT_POLICY,
-               *, who: str = "", abort: Callable[[int], None] | None = None) -> None:
+               *, who: str = "", abort: Callable[[int], None] | None = None,
+               cv: threading.Condition | None = None) -> None:
     """Poll ``done()`` (see :func:`poll`) with a way out: every `policy.warn_after` seconds one line on
     stderr "[mpitrain] <who>: still waiting after <N>s for <what>"; after `policy.abort_after` seconds
     "gave up after ..." and ``abort(1)``, which ends every rank (without `abort`: :class:`StallError`).
 
-    `what` may be a callable, formatted only for a late wait."""
+    `what` may be a callable, formatted only for a late wait; `cv`: as in :func:`poll`."""
     if done():
         return
     start = time.monotonic()
     prefix = f"[mpitrain] {who}: " if who else "[mpitrain] "
     next_warning = start + policy.warn_after
-    while not poll(done, policy, deadline=next_warning):
+    while not poll(done, policy, deadline=next_warning, cv=cv):
         waited = time.monotonic() - start
         text = what() if callable(what) else what
         if policy.abort_after is not None and waited >= policy.abort_after:

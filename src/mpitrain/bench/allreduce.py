@@ -82,7 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_outputs(p)
     args = p.parse_args(argv)
 
-    from ..comm.torchdist import init_torch_world
+    from ..comm._torchdist import init_torch_world
     from ..runtime import world
 
     comm = world()

@@ -27,7 +27,7 @@ from torch import nn
 import mpitrain
 from mpitrain.bench.common import add_outputs, header, print_table, save_outputs
 from mpitrain.comm.base import Communicator
-from mpitrain.kvstore.base import Key
+from mpitrain.kvstore._interface import Key
 from mpitrain.strategies.data_parallel import DataParallel
 
 __all__ = ["main", "MODELS"]
@@ -192,7 +192,7 @@ def _dp_runner(comm: Communicator, module: nn.Module, kv: str, bucket_mb: float,
 def _ddp(model: nn.Module, bucket_mb: float) -> nn.Module:
     import torch.distributed as dist
 
-    from mpitrain.comm.torchdist import init_torch_world
+    from mpitrain.comm._torchdist import init_torch_world
 
     if not dist.is_initialized():
         init_torch_world(mpitrain.rank(), mpitrain.size(), mpitrain.init())

@@ -26,9 +26,10 @@ from torch import nn
 
 import mpitrain
 from mpitrain import kvstore
+from mpitrain._utils.stall import StallPolicy, wait_until
 from mpitrain.bench.common import add_outputs, header, print_table, save_outputs, slowest_rank_times
 from mpitrain.comm.base import Communicator
-from mpitrain.kvstore.base import poll_request
+from mpitrain.kvstore._server import ServerStore
 
 __all__ = ["main"]
 
@@ -59,6 +60,7 @@ def _ps_row(world: Communicator, workers: int, servers: int, n: int, repeats: in
     result = None
     if sub is not None:
         kv = kvstore.create("dist_sync", sub, num_servers=servers, bigarray_bound=1 << 16)
+        assert isinstance(kv, ServerStore)  # for the type checker: create("dist_sync") builds one
         if kv.is_server:
             kv.serve()
         else:
@@ -74,7 +76,8 @@ def _ps_row(world: Communicator, workers: int, servers: int, n: int, repeats: in
             kv.close()
         sub.free()
     _rendezvous(world)
-    return world.broadcast_object(result, 0)
+    row: float | None = world.broadcast_object(result, 0)
+    return row
 
 
 def _allreduce_rows(world: Communicator, workers: int, n: int, repeats: int) -> list[tuple[str, float]]:
@@ -82,7 +85,11 @@ def _allreduce_rows(world: Communicator, workers: int, n: int, repeats: int) -> 
     rows: list[tuple[str, float]] = []
     if sub is not None:
         t = torch.ones(n)
-        rows.append(("allreduce (Communicator)", _median_time(lambda: sub.allreduce(t), sub, repeats)))
+
+        def allreduce() -> None:
+            sub.allreduce(t)
+
+        rows.append(("allreduce (Communicator)", _median_time(allreduce, sub, repeats)))
         kv = kvstore.create("dist_sync_mpi", sub)
 
         def pushpull() -> None:
@@ -93,12 +100,14 @@ def _allreduce_rows(world: Communicator, workers: int, n: int, repeats: int) -> 
         kv.close()
         sub.free()
     _rendezvous(world)
-    return world.broadcast_object(rows, 0)
+    table: list[tuple[str, float]] = world.broadcast_object(rows, 0)
+    return table
 
 
 def _rendezvous(world: Communicator) -> None:
     """Wait for every rank without spinning: ranks left out of a row must not steal the cores."""
-    poll_request(world.iallreduce(torch.zeros(1)), most=2e-3)
+    wait_until(world.iallreduce(torch.zeros(1)).test, "the other ranks between benchmark rows",
+               StallPolicy(max_nap=2e-3), who=f"bench kvstore rank {world.rank}", abort=world.abort)
 
 
 def ps_table(world: Communicator, args: argparse.Namespace) -> None:
@@ -149,13 +158,15 @@ class _HookTrainer:
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
         for p in self.model.parameters():
-            p.grad.zero_()
+            if p.grad is not None:
+                p.grad.zero_()
         F.cross_entropy(self.model(x), y).backward()
         if self.kv is not None:
             self.kv.wait()
         with torch.no_grad():
             for p in self.model.parameters():
-                p.add_(p.grad, alpha=-0.01 * self.scale)
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-0.01 * self.scale)
 
     def close(self) -> None:
         if self.kv is not None:

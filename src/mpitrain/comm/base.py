@@ -136,6 +136,16 @@ class Communicator(abc.ABC):
         """Pickled broadcast of a small Python object."""
 
     @abc.abstractmethod
+    def send_object(self, obj: Any, dest: int, tag: int = 0) -> None:
+        """Pickled blocking send of a small Python object to `dest` (control messages only, never a hot
+        path). Matched in order with ``recv_object(source=this rank, tag)`` on `dest`; `tag` must not
+        be one that tensor sends between the same pair use."""
+
+    @abc.abstractmethod
+    def recv_object(self, source: int, tag: int = 0) -> Any:
+        """Receive (blocking) the next object that `source` sent with ``send_object(obj, this rank, tag)``."""
+
+    @abc.abstractmethod
     def abort(self, code: int = 1) -> None:
         """End the whole job (every rank of the world) with exit status `code` (never 0)."""
 
@@ -201,7 +211,7 @@ class _CallbackRequest(Request):
     """Wraps a backend request; runs `finish` exactly once on completion (copy-back, avg division)."""
 
     def __init__(self, wait: Callable[[], Any], test: Callable[[], bool], out: torch.Tensor | None,
-                 finish: Callable[[], None] | None = None, keep: Any = None) -> None:
+                 finish: Callable[[], object] | None = None, keep: Any = None) -> None:
         self._wait, self._test, self._out, self._finish = wait, test, out, finish
         self._keep = keep  # buffers the backend still reads/writes; alive until completion
         self._done = False

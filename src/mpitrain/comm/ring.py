@@ -18,9 +18,11 @@ from dataclasses import dataclass
 
 import torch
 
+from .._utils.deprecation import renamed_options
+from .._utils.flat import spans
+from .._utils.stall import watched
 from .base import CommError, Communicator, Request, split_sizes
 from .codecs import Codec, get_codec
-from .watchdog import watched
 
 __all__ = ["ring_allreduce", "ring_schedule", "RingStep", "DEFAULT_CHUNK_BYTES", "RING_TAG", "chunk_bounds"]
 
@@ -51,28 +53,23 @@ def ring_schedule(size: int, rank: int) -> list[RingStep]:
 
 def chunk_bounds(n: int, size: int, chunk_elems: int) -> list[list[tuple[int, int]]]:
     """Per block, the ``(start, stop)`` element ranges of its chunks; empty blocks have no chunks."""
-    out, start = [], 0
-    for length in split_sizes(n, size):
-        pieces = max(1, -(-length // chunk_elems)) if length else 0
-        bounds, s = [], start
-        for piece in split_sizes(length, pieces) if pieces else []:
-            bounds.append((s, s + piece))
-            s += piece
-        out.append(bounds)
-        start += length
+    out = []
+    for lo, hi in spans(split_sizes(n, size)):
+        pieces = -(-(hi - lo) // chunk_elems)
+        out.append(spans(split_sizes(hi - lo, pieces), start=lo) if pieces else [])
     return out
 
 
-def _wait(req: Request, what: str, warn_s: float) -> None:
-    """Block inside MPI (no Python polling, see :func:`mpitrain.comm.watchdog.watched`), warning on a stall."""
+def _wait(req: Request, what: str, warn_after: float) -> None:
+    """Block inside MPI (no Python polling, see :func:`mpitrain._utils.stall.watched`), warning on a stall."""
     if req.test():
         return
     with watched("ring_allreduce", f"waiting for {what}; is that rank alive and calling the same allreduce?",
-                 warn_s):
+                 warn_after):
         req.wait()
 
 
-def _validate(comm: Communicator, t: torch.Tensor, codec: Codec, op: str, chunk_bytes: int,
+def _validate(t: torch.Tensor, codec: Codec, op: str, chunk_bytes: int,
               error_feedback: torch.Tensor | None) -> None:
     if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.device.type != "cpu":
         raise CommError(f"ring_allreduce: argument 't' must be a floating CPU tensor, got "
@@ -93,7 +90,8 @@ def _validate(comm: Communicator, t: torch.Tensor, codec: Codec, op: str, chunk_
 
 def ring_allreduce(comm: Communicator, t: torch.Tensor, codec: str | Codec | None = None, op: str = "sum",
                    chunk_bytes: int = DEFAULT_CHUNK_BYTES, error_feedback: torch.Tensor | None = None,
-                   stall_warning_s: float = 60.0, stats: dict[str, float] | None = None) -> torch.Tensor:
+                   warn_after: float = 60.0, stats: dict[str, float] | None = None,
+                   stall_warning_s: float | None = None) -> torch.Tensor:
     """Sum (or average) `t` over all ranks of `comm` in place, compressing every hop with `codec`.
 
     Every rank must call it with a tensor of the same shape and dtype and the same codec, op and
@@ -106,12 +104,16 @@ def ring_allreduce(comm: Communicator, t: torch.Tensor, codec: str | Codec | Non
     It is added to `t` before reducing and then overwritten with this rank's compression error
     (every element of `t` is encoded exactly once on each rank), so the error lost in one call is
     sent in the next (EF-SGD). Arguments are checked locally and a CommError raised before any
-    message is sent. A wait longer than `stall_warning_s` warns, naming the peer and block. When
+    message is sent. A wait longer than `warn_after` seconds warns, naming the peer and block
+    (`stall_warning_s` is its former name, deprecated: it warns, for one release). When
     `stats` is a dict, the seconds spent encoding/decoding are added to ``stats["codec_s"]``.
     Uses point-to-point messages with tag :data:`RING_TAG`: run one ring per communicator at a time.
     """
     codec = get_codec(codec)
-    _validate(comm, t, codec, op, chunk_bytes, error_feedback)
+    if stall_warning_s is not None:
+        warn_after = renamed_options({"stall_warning_s": stall_warning_s}, {"stall_warning_s": "warn_after"},
+                                     "ring_allreduce")["warn_after"]
+    _validate(t, codec, op, chunk_bytes, error_feedback)
     flat = t.view(-1)
     if error_feedback is not None:
         flat.add_(error_feedback.view(-1))
@@ -120,7 +122,7 @@ def ring_allreduce(comm: Communicator, t: torch.Tensor, codec: str | Codec | Non
     if comm.size > 1 and flat.numel():
         chunk_elems = max(1, chunk_bytes // t.element_size())
         ring = _Ring(comm, flat, codec, chunk_elems=chunk_elems, error_feedback=error_feedback,
-                     warn_s=stall_warning_s)
+                     warn_after=warn_after)
         ring.run()
         if stats is not None:
             stats["codec_s"] = stats.get("codec_s", 0.0) + ring.codec_s
@@ -133,8 +135,8 @@ class _Ring:
     """State of one ring allreduce on one rank (buffers, requests); used once by ring_allreduce."""
 
     def __init__(self, comm: Communicator, flat: torch.Tensor, codec: Codec, chunk_elems: int,
-                 error_feedback: torch.Tensor | None, warn_s: float) -> None:
-        self.comm, self.flat, self.codec, self.warn_s = comm, flat, codec, warn_s
+                 error_feedback: torch.Tensor | None, warn_after: float) -> None:
+        self.comm, self.flat, self.codec, self.warn_after = comm, flat, codec, warn_after
         self.p, self.r = comm.size, comm.rank
         self.right, self.left = (self.r + 1) % self.p, (self.r - 1) % self.p
         self.ef = None if error_feedback is None or codec.lossless else error_feedback.view(-1)
@@ -158,7 +160,7 @@ class _Ring:
     def _wait(self, req: Request, step: RingStep, lo: int, hi: int) -> None:
         what = (f"rank {self.left} -> rank {self.r}: {step.phase} step {step.step}, block {step.recv} "
                 f"elements [{lo}, {hi}) of {self.flat.numel()}")
-        _wait(req, what, self.warn_s)
+        _wait(req, what, self.warn_after)
 
     def _post_recvs(self, steps: list[RingStep], into_flat: bool) -> list[list[tuple[Request, torch.Tensor]]]:
         out = []

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .._utils.stall import watched
 from ..comm.base import Communicator, Request
-from ..comm.watchdog import watched
 from .distribution import SpatialError, ranges
 from .memory import dense, empty_as
 

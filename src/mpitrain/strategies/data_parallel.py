@@ -35,7 +35,7 @@ from .base import (
 )
 
 if TYPE_CHECKING:
-    from ..kvstore.base import KVStore
+    from ..kvstore import KVStore
 
 __all__ = ["DataParallel", "KVSTORE_TYPES", "COLLECTIVE_TYPES", "make_trainer", "DataTrainer", "DataOptions",
            "broadcast_parameters", "broadcast_optimizer_state", "allreduce_gradients",

@@ -25,6 +25,8 @@ __all__ = ["start", "stop", "discard", "active", "start_from_env", "DEFAULT_MAX_
 #: file to about 12 MB.
 DEFAULT_MAX_EVENTS = 100_000
 
+_GATHER_TAG = 32124  # the events' messages to rank 0 at stop (the clock's ping-pongs use 32123)
+
 #: The environment variable that starts a timeline in ``mpitrain.init()`` for any program.
 ENV = "MPITRAIN_TIMELINE"
 
@@ -127,10 +129,10 @@ def stop() -> str | None:
     rows = local_rows(rec, list(rec.events), session.origin_ns, session.sync.offset_ns)
     mine = {"rows": rows, "offset_us": session.sync.offset_ns / 1e3, "rtt_us": session.sync.rtt_ns / 1e3,
             "dropped": max(0, rec.offered - len(rows))}
-    # The Communicator has no gather: an allgather of the compact rows (bounded by max_events per rank).
-    every = comm.allgather_object(mine)
-    if comm.rank != 0:
+    if comm.rank != 0:  # rank 0 alone holds the whole trace (each rank's share bounded by max_events)
+        comm.send_object(mine, 0, _GATHER_TAG)
         return None
+    every = [mine] + [comm.recv_object(r, _GATHER_TAG) for r in range(1, comm.size)]
     other = {"generator": "mpitrain.timeline", "ranks": comm.size,
              "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(session.started)),
              "max_events_per_rank": rec.events.maxlen,

@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
+from ...comm._wait import StallPolicy, wait_request
 from ...comm.base import Communicator, Request
-from ...comm.watchdog import StallPolicy, wait_watched
 from ...timeline import span
 from .graph import Partition, ValueMeta, mutated_placeholders
 from .schedule import Action
@@ -111,8 +111,8 @@ class Stage:
     def _wait(self, req: Request, what: str) -> None:
         """Wait with a way out (the project's stall watchdog): a sleeping poll, a warning naming what is
         missing after `stall_timeout` s, the end of the job after `stall_abort` s (None: never)."""
-        wait_watched(req, f"{what}, in partition {self.part.index}", self.comm.rank, self.comm.abort,
-                     self.policy)
+        wait_request(req, f"{what}, in partition {self.part.index}", self.policy, f"rank {self.comm.rank}",
+                     self.comm.abort)
 
     def _send(self, t: torch.Tensor, e: Edge, micro: int, backward: bool) -> None:
         t = t.detach()

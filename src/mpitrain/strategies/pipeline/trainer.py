@@ -23,8 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..._utils.stall import DEFAULT_POLICY, watched
 from ...comm.base import Communicator, split_sizes
-from ...comm.watchdog import DEFAULT_POLICY, watched
 from .. import FitError
 from .._batching import batch_size, check_divisible
 from .._grad_allreduce import start_allreduce_gradients
@@ -37,7 +37,7 @@ __all__ = ["make_trainer", "PipelineTrainer", "OPTIONS"]
 
 #: Strategy options (``fit(..., stall_timeout=60)``): seconds before a stage waiting for a message warns
 #: (naming it), seconds after which such a wait ends the job (None: never) -- the defaults of
-#: :data:`mpitrain.comm.watchdog.DEFAULT_POLICY` -- and the profiling passes of ``balance="time"``.
+#: :data:`mpitrain._utils.stall.DEFAULT_POLICY` -- and the profiling passes of ``balance="time"``.
 OPTIONS = {"stall_timeout": DEFAULT_POLICY.warn_after, "stall_abort": DEFAULT_POLICY.abort_after,
            "profile_passes": 5}
 

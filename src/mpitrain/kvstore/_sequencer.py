@@ -16,7 +16,8 @@ import abc
 import threading
 
 from ..comm.base import Communicator
-from .base import Entry, Key, KVStore
+from ._allreduce import AllreduceStore, Entry
+from ._interface import Key
 
 __all__ = ["Sequencer", "SequencedStore"]
 
@@ -58,24 +59,20 @@ class Sequencer:
         self._pos, self._first, self._count, self._repeats = 0, {}, {}, []
         return rest
 
-    @property
-    def order(self) -> list[Key]:
-        return list(self._order)
 
-
-class SequencedStore(KVStore):
+class SequencedStore(AllreduceStore):
     """A KVStore whose operations leave in :class:`Sequencer` order: each type says only what to do
     with a released entry (``_dispatch``, called under the store's lock, in release order)."""
 
-    def __init__(self, comm: Communicator, warn_after: float = 60.0) -> None:
-        super().__init__(comm, warn_after)
+    def __init__(self, comm: Communicator, warn_after: float = 60.0, abort_after: float | None = 600.0) -> None:
+        super().__init__(comm, warn_after, abort_after)
         self._seq = Sequencer()
         self._lock = threading.RLock()
 
     def _registered(self, key: Key) -> None:
         self._seq.add_key(key)
 
-    def _enqueue(self, entry: Entry, priority: int) -> None:
+    def _enqueue(self, entry: Entry) -> None:
         with self._lock:
             self._tracker.start(entry.key)
             self._arriving(entry)

@@ -3,30 +3,32 @@
 from __future__ import annotations
 
 from ..comm.base import Communicator
-from .base import Entry, KVStore, KVStoreError
+from ._allreduce import AllreduceStore, Entry
+from ._interface import KVStoreError
 
 __all__ = ["LocalStore"]
 
 
-class LocalStore(KVStore):
+class LocalStore(AllreduceStore):
     """Single-process store over a size-1 communicator. Operations complete before they return
     (there is nothing to overlap with), which also satisfies the asynchronous contract."""
 
     type = "local"
 
-    def __init__(self, comm: Communicator | None = None, warn_after: float = 60.0) -> None:
+    def __init__(self, comm: Communicator | None = None, warn_after: float = 60.0,
+                 abort_after: float | None = 600.0) -> None:
         if comm is None:
             from mpi4py import MPI
 
-            from ..comm.mpi import MPICommunicator
+            from ..comm._mpi import MPICommunicator
 
             comm = MPICommunicator(MPI.COMM_SELF)
         if comm.size != 1:
             raise KVStoreError(f"the local kvstore runs in one process; got a communicator of size "
                                f"{comm.size} (use funnel, concurrent, depchain or dist_sync_mpi)")
-        super().__init__(comm, warn_after)
+        super().__init__(comm, warn_after, abort_after)
 
-    def _enqueue(self, entry: Entry, priority: int) -> None:
+    def _enqueue(self, entry: Entry) -> None:
         if entry.finish is not None:
             entry.finish()
 

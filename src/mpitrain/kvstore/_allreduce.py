@@ -1,60 +1,35 @@
-"""The KVStore interface (MXNet's API) and the parts every type shares: keys, registry, optimizer.
-
-Semantics common to every type:
-
-* ``init`` is collective over the workers: every worker registers the same keys with the same
-  shape/dtype (checked with one pickled allgather, so a mismatch raises on every worker before any
-  data moves) and rank 0's value becomes the stored value.
-* ``push``/``pushpull``/``pull``/``broadcast`` return after queueing; ``wait(keys)`` returns when every
-  operation issued so far on those keys is complete and their outputs are safe to read. ``pull`` and
-  ``broadcast`` wait for the key themselves, so their output is complete when they return.
-* ``pushpull(key, ins, outs)`` writes the **sum** over workers into `outs` (default `ins`; `outs` may
-  be `ins`, then the sum is computed in place with no copy). Inputs must not be modified, nor outputs
-  read, before ``wait`` covers the key.
-* ``push(key, grad)`` reduces into the stored value: without an optimizer the stored value becomes
-  the sum; with ``set_optimizer`` the optimizer steps the stored value with the summed gradient.
-  ``pull(key, out)`` copies the stored value out. ``pushpull`` is always the plain sum.
-* Every worker must issue the same multiset of operations between two synchronization points
-  (``wait``, ``pull``, ``barrier``, ``broadcast``, ``init``); how each type orders its collectives
-  is stated in its class docstring.
-"""
+"""The allreduce-based implementation shared by local, funnel, concurrent, depchain and dist_sync_mpi:
+queued entries reduced over the workers, a tracker of what is outstanding, a rendezvous, the local
+optimizer and compression. Semantics: see :mod:`mpitrain.kvstore._interface`."""
 
 from __future__ import annotations
 
 import abc
+import dataclasses
 import functools
-import logging
 import threading
-import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..comm.base import Communicator, Request
+from .._utils.stall import StallPolicy, wait_until
+from ..comm.base import Communicator
+from ._interface import (
+    Key,
+    KeyInfo,
+    KVStore,
+    KVStoreError,
+    Registry,
+    Value,
+    make_optimizer_factory,
+    pairs,
+    split_private,
+    stall_policy,
+    tensors,
+)
 
-__all__ = ["KVStore", "KVStoreError", "Key", "KeyInfo", "Entry", "Tracker", "make_optimizer_factory",
-           "poll_request", "rendezvous"]
-
-log = logging.getLogger("mpitrain.kvstore")
-
-Key = int | str
-Value = torch.Tensor | Sequence[torch.Tensor]
-
-
-class KVStoreError(RuntimeError):
-    """Wrong use of a KVStore, or a cross-rank inconsistency (the message names keys and ranks)."""
-
-
-@dataclass
-class KeyInfo:
-    """A registered key: its position in the init order, signature and stored value."""
-
-    index: int
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    store: torch.Tensor
+__all__ = ["AllreduceStore", "Entry", "Tracker", "rendezvous"]
 
 
 class Entry:
@@ -70,12 +45,13 @@ class Entry:
 class Tracker:
     """Counts outstanding entries per key; ``wait`` blocks until the asked keys have none left."""
 
-    def __init__(self, warn_after: float) -> None:
+    def __init__(self, policy: StallPolicy) -> None:
         self._cv = threading.Condition()
         self._open: dict[Key, int] = {}
         self._errors: list[BaseException] = []  # from failed operations: raised once by wait
         self._fatal: BaseException | None = None  # the store is broken: every wait raises it
-        self._warn_after = warn_after
+        # woken by finish(): the sleeps between checks only bound how late a stall warning comes
+        self._policy = dataclasses.replace(policy, max_nap=0.05)
 
     def start(self, key: Key) -> None:
         with self._cv:
@@ -104,104 +80,48 @@ class Tracker:
             return [k for k in (self._open if keys is None else keys) if self._open.get(k, 0)]
 
     def wait(self, keys: Sequence[Key] | None, what: str = "") -> None:
-        """Block until no entry of `keys` (all if None) is open; warn every `warn_after` seconds
-        naming the keys still open. Then raise the first error of a failed operation (once), or the
-        error that broke the store (always)."""
-        start = time.monotonic()
+        """Block until no entry of `keys` (all if None) is open; every `warn_after` seconds one line
+        names the keys still open, after `abort_after` seconds :class:`~mpitrain._utils.stall.StallError`.
+        Then raise the first error of a failed operation (once), or the error that broke the store
+        (always)."""
+        def settled() -> bool:
+            with self._cv:
+                return self._fatal is not None or not self.busy(keys)
+
+        wait_until(settled, lambda: f"keys {self.busy(keys)[:20]}", self._policy, who=f"kvstore{what}",
+                   cv=self._cv)
         with self._cv:
-            while True:
-                if self._fatal is not None:
-                    raise self._fatal
-                pending = [k for k in (self._open if keys is None else keys) if self._open.get(k, 0)]
-                if not pending:
-                    if self._errors:
-                        err, self._errors = self._errors[0], []
-                        raise err
-                    return
-                if not self._cv.wait(self._warn_after):
-                    log.warning("kvstore%s: still waiting after %.0fs for keys %s", what,
-                                time.monotonic() - start, pending[:20])
+            if self._fatal is not None:
+                raise self._fatal
+            if self._errors:
+                err, self._errors = self._errors[0], []
+                raise err
 
 
-def poll_request(req: Request, first: float = 2e-5, most: float = 2e-4, deadline: float | None = None,
-                 spin: float = 0.0) -> bool:
-    """Complete `req` without spinning: test, then sleep with exponential backoff up to `most`
-    seconds (MPI progresses on each test), leaving the cores to computation while peers catch up.
-    ``spin`` seconds of back-to-back tests come first: when the peers are already there (the common
-    case at a synchronization point) the request completes without paying a sleep's timer slack.
-    Returns False if ``time.monotonic()`` passed `deadline` first (the request is still pending)."""
-    if spin > 0:
-        until = time.monotonic() + spin
-        while time.monotonic() < until:
-            if req.test():
-                return True
-    pause = first
-    while not req.test():
-        if deadline is not None and time.monotonic() > deadline:
-            return False
-        time.sleep(pause)
-        pause = min(pause * 2, most)
-    return True
-
-
-def rendezvous(comm: Communicator, what: str = "allreduce", warn_after: float = 60.0) -> None:
+def rendezvous(comm: Communicator, what: str, policy: StallPolicy,
+               abort: Callable[[int], None] | None = None) -> None:
     """Return once every rank of `comm` has called it (which ranks must call: all of `comm`, in the
-    same order as their other collectives on it); polls as :func:`poll_request` does, and warns every
-    `warn_after` seconds, naming `what`, while some rank is missing."""
-    req, start = comm.iallreduce(torch.zeros(1, dtype=torch.int32)), time.monotonic()
-    while not poll_request(req, deadline=time.monotonic() + warn_after, spin=5e-5):
-        log.warning("kvstore: %s has waited %.0fs for the other ranks to join (are they issuing the same "
-                    "keys in the same order?)", what, time.monotonic() - start)
+    same order as their other collectives on it). Polls a 1-element nonblocking allreduce with sleeps
+    (:func:`~mpitrain._utils.stall.wait_until`: 50 us of back-to-back tests, then sleeps backing off to
+    0.2 ms), warning every `policy.warn_after` seconds, naming `what`, while some rank is missing, and
+    calling ``abort(1)`` after `policy.abort_after` seconds."""
+    req = comm.iallreduce(torch.zeros(1, dtype=torch.int32))
+    wait_until(req.test, f"{what} (the other ranks to join: are they issuing the same keys in the same order?)",
+               dataclasses.replace(policy, spin=5e-5, max_nap=2e-4), who=f"kvstore rank {comm.rank}", abort=abort)
 
 
-def make_optimizer_factory(opt: Any) -> Callable[[list[torch.Tensor]], torch.optim.Optimizer]:
-    """An optimizer instance (its class and ``defaults`` are reused) or a callable params -> optimizer."""
-    if isinstance(opt, torch.optim.Optimizer):
-        cls, defaults = type(opt), dict(opt.defaults)
-        return lambda params: cls(params, **defaults)
-    if callable(opt):
-        return opt
-    raise KVStoreError(f"set_optimizer takes a torch.optim.Optimizer or a callable params -> optimizer, "
-                       f"got {type(opt).__name__}")
+class AllreduceStore(KVStore):
+    """The shared implementation: each type says how a queued :class:`Entry` is reduced (``_enqueue``)."""
 
-
-def _check_key(key: Any) -> Key:
-    if isinstance(key, bool) or not isinstance(key, (int, str)):
-        raise KVStoreError(f"keys are ints or strings, got {key!r} ({type(key).__name__})")
-    return key
-
-
-def pairs(key: Key | Sequence[Key], value: Any, what: str) -> list[tuple[Key, Any]]:
-    """[(key, value)] for one key or a list of keys with a same-length list of values."""
-    if isinstance(key, (list, tuple)):
-        if value is None:
-            return [(_check_key(k), None) for k in key]
-        if not isinstance(value, (list, tuple)) or len(value) != len(key):
-            raise KVStoreError(f"{what}: {len(key)} keys need a list of {len(key)} values")
-        return [(_check_key(k), v) for k, v in zip(key, value)]
-    return [(_check_key(key), value)]
-
-
-def tensors(value: Value, what: str) -> list[torch.Tensor]:
-    """A value is one tensor or a list of tensors (one per device: they are summed first)."""
-    ts = list(value) if isinstance(value, (list, tuple)) else [value]
-    if not ts or not all(isinstance(t, torch.Tensor) for t in ts):
-        raise KVStoreError(f"{what}: expected a tensor or a non-empty list of tensors, got {value!r}")
-    return ts
-
-
-class KVStore(abc.ABC):
-    """A key-value store whose push/pull/pushpull sum values over the workers (see module doc)."""
-
-    type: str = "?"
-
-    def __init__(self, comm: Communicator, warn_after: float = 60.0, ctl: Communicator | None = None) -> None:
+    def __init__(self, comm: Communicator, warn_after: float = 60.0, abort_after: float | None = 600.0,
+                 ctl: Communicator | None = None) -> None:
+        self._policy = stall_policy(warn_after, abort_after)
         self._world = comm
         # the workers' main-thread blocking collectives (init, broadcast, barrier)
-        self._ctl = comm.split(0, comm.rank) if ctl is None else ctl
-        self._keys: dict[Key, KeyInfo] = {}
-        self._tracker = Tracker(warn_after)
-        self._warn_after = warn_after
+        self._ctl = split_private(comm) if ctl is None else ctl
+        self._registry = Registry(self._ctl)
+        self._keys = self._registry.keys
+        self._tracker = Tracker(self._policy)
         self._opt_factory: Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None = None
         self._opts: dict[Key, torch.optim.Optimizer] = {}
         self._push_bufs: dict[Key, list[torch.Tensor]] = {}  # idle push buffers per key
@@ -222,37 +142,16 @@ class KVStore(abc.ABC):
     def init(self, key: Key | Sequence[Key], value: Value | Sequence[Value]) -> None:
         """Collective over workers: register keys; rank 0's values become the stored values."""
         self._check_open()
-        items = [(k, tensors(v, f"init({k!r})")[0]) for k, v in pairs(key, value, "init")]
-        for k, _ in items:
-            if k in self._keys:
-                raise KVStoreError(f"init: key {k!r} is already initialized")
-        sigs = [(k, tuple(t.shape), str(t.dtype)) for k, t in items]
-        self._check_same(sigs, "init")
+        items = self._registry.items(key, value)
         self.wait()
-        for k, t in items:
-            store = t.detach().to("cpu", copy=True).contiguous()
-            self._ctl.broadcast(store, 0)
-            self._keys[k] = KeyInfo(len(self._keys), tuple(t.shape), t.dtype, store)
+        for k in self._registry.register(items):
             self._registered(k)
 
     def _registered(self, key: Key) -> None:  # noqa: B027 - optional hook
         """Hook: a key was registered (collectively, in the same order on every worker)."""
 
-    def _check_same(self, sigs: list[Any], what: str) -> None:
-        """One pickled allgather: every worker raises the same error if the signatures differ."""
-        everyone = self._ctl.allgather_object(sigs)
-        if any(s != everyone[0] for s in everyone):
-            lines = "; ".join(f"rank {r}: {s}" for r, s in enumerate(everyone))
-            raise KVStoreError(f"{what}: workers passed different keys/shapes/dtypes: {lines}")
-
     def _info(self, key: Key, t: torch.Tensor | None, what: str) -> KeyInfo:
-        info = self._keys.get(key)
-        if info is None:
-            raise KVStoreError(f"{what}: key {key!r} is not initialized; call kv.init(key, value) first")
-        if t is not None and (tuple(t.shape) != info.shape or t.dtype != info.dtype):
-            raise KVStoreError(f"{what}: key {key!r} was initialized as {info.shape} {info.dtype}, "
-                               f"got {tuple(t.shape)} {t.dtype}")
-        return info
+        return self._registry.info(key, t, what)
 
     # -- data operations -------------------------------------------------------------------------
     def pushpull(self, key: Key | Sequence[Key], ins: Value | Sequence[Value], outs: Any = None,
@@ -267,7 +166,7 @@ class KVStore(abc.ABC):
             dst = tensors(out_pairs[i][1], f"pushpull({k!r}) outs") if out_pairs else src[:1]
             entries.append(self._pushpull_entry(k, src, dst))
         for e in entries:
-            self._enqueue(e, priority)
+            self._enqueue(e)
 
     def _pushpull_entry(self, key: Key, src: list[torch.Tensor], dst: list[torch.Tensor]) -> Entry:
         """The entry reducing in place into the first output, then copying to the others.
@@ -320,7 +219,7 @@ class KVStore(abc.ABC):
             buf.copy_(src[0])
             for s in src[1:]:
                 buf.add_(s)
-            self._enqueue(Entry(k, buf, functools.partial(self._after_push, k, info, buf)), priority)
+            self._enqueue(Entry(k, buf, functools.partial(self._after_push, k, info, buf)))
 
     def _after_push(self, key: Key, info: KeyInfo, summed: torch.Tensor) -> None:
         """Runs where the reduction completed: store the sum or step the optimizer with it."""
@@ -360,20 +259,11 @@ class KVStore(abc.ABC):
         worker. Blocking: completes outstanding operations first, returns with `out` filled."""
         self._check_open()
         self._ctl._check_rank(root_rank, "root_rank")
-        items = pairs(key, value, "broadcast")
-        outs = pairs(key, out, "broadcast outs")
-        new = [(k, v) for k, v in items if k not in self._keys]
-        self._check_same(sorted(str(k) for k, _ in new), "broadcast (keys not yet initialized)")
+        new = self._registry.new_keys(key, value, "broadcast")
         if new:
             self.init([k for k, _ in new], [v for _, v in new])
         self.wait()
-        for (k, v), (_, o) in zip(items, outs):
-            info = self._info(k, tensors(v, "broadcast")[0], "broadcast")
-            if self.rank == root_rank:
-                info.store.copy_(tensors(v, "broadcast")[0])
-            self._ctl.broadcast(info.store, root_rank)
-            for t in tensors(o, f"broadcast({k!r}) out"):
-                t.copy_(info.store)
+        self._registry.broadcast(key, value, out, root_rank)
 
     def barrier(self) -> None:
         """Complete this worker's outstanding operations, then a barrier over the workers."""
@@ -435,7 +325,7 @@ class KVStore(abc.ABC):
             codec = get_codec(name)
         except CommError as e:
             raise KVStoreError(f"set_gradient_compression: {e}") from e
-        self._check_same([str(name)], "set_gradient_compression")
+        self._registry.check_same([str(name)], "set_gradient_compression")
         self.wait()
         self._codec = None if codec.name is None else codec
 
@@ -445,13 +335,14 @@ class KVStore(abc.ABC):
         ``poll=True`` (background threads that may start before the peers are ready) first meets the
         peers in a 1-element nonblocking allreduce completed with sleeping tests, then runs the blocking
         allreduce: waiting for a slower peer never busy-waits on the core it needs to finish its
-        backward pass, and the data moves with MPI's tuned blocking algorithm, which is 1.5-2x faster
-        than a polled nonblocking allreduce of the same buffer (Open MPI's nonblocking collectives only
-        progress inside a test, so sleeping between tests stretches every round of a large reduction).
-        The MPI Communicator reduces a large buffer as consecutive 2 MiB pieces (comm/mpi.py)."""
+        backward pass, and the data moves with MPI's tuned blocking algorithm, faster than a polled
+        nonblocking allreduce of the same buffer (Open MPI's nonblocking collectives only progress
+        inside a test, so sleeping between tests stretches every round of a large reduction; measured,
+        dated: docs/engine-kvstore.md, "Performance", item 1). The MPI Communicator reduces a large
+        buffer as consecutive pieces (comm/_mpi.py)."""
         if self._codec is None or not buf.is_floating_point():
             if poll:
-                rendezvous(comm, f"{self.type} allreduce of key {key!r}", self._warn_after)
+                rendezvous(comm, f"{self.type} allreduce of key {key!r}", self._policy, self._world.abort)
             comm.allreduce(buf)
         else:
             from ..comm.ring import ring_allreduce
@@ -477,18 +368,9 @@ class KVStore(abc.ABC):
         if self._closed:
             raise KVStoreError(f"this {self.type} kvstore is closed")
 
-    def __enter__(self) -> KVStore:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __repr__(self) -> str:
-        return f"<KVStore type={self.type} rank={self.rank} num_workers={self.num_workers}>"
-
     # -- what a type implements ------------------------------------------------------------------
     @abc.abstractmethod
-    def _enqueue(self, entry: Entry, priority: int) -> None:
+    def _enqueue(self, entry: Entry) -> None:
         """Start summing ``entry.buf`` over workers; call ``entry.finish`` after; track completion."""
 
     def _flush(self) -> None:  # noqa: B027 - optional hook

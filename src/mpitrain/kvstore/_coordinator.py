@@ -8,8 +8,8 @@ use, or a new shape/dtype) is announced with its signature in one pickled allgat
 (accept into the cache, or a mismatch error naming the key, the signatures and the ranks) is a pure
 function of the gathered announcements, so every rank computes the coordinator's (rank 0's) answer
 itself and all of them raise the same error. In steady state a step costs one tiny int allreduce per
-cycle and no pickling. Rank 0 reports stalls (a key ready on some ranks only) after `stall_timeout`
-seconds and ends the job after `stall_abort` seconds with the same message.
+cycle and no pickling. Rank 0 reports stalls (a key ready on some ranks only) after `warn_after`
+seconds and ends the job after `abort_after` seconds with the same message.
 
 Pacing: a rank posts its next cycle at once while it has work queued (the cycle then waits, polled
 with sleeps, for the ranks that have none yet, so their push completes it); a rank with nothing
@@ -21,17 +21,19 @@ and the data allreduces are MPI's blocking ones: every rank has just agreed to r
 from __future__ import annotations
 
 import atexit
-import sys
+import dataclasses
 import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable
 
 import torch
 
+from .._utils.flat import copy_from_flat, flatten
+from .._utils.stall import Backoff, say, wait_until
 from ..comm.base import Communicator, Request
-from .base import Entry, Key, KVStore, KVStoreError, log, poll_request
+from ._allreduce import AllreduceStore, Entry
+from ._interface import Key, KVStoreError, log, split_private
 
 __all__ = ["CoordinatorStore"]
 
@@ -40,7 +42,7 @@ Sig = tuple[tuple[int, ...], str]
 _GRACE = 2e-4  # after a local push, how long the comm thread lets the caller reach wait and run the cycle
 
 
-class CoordinatorStore(KVStore):
+class CoordinatorStore(AllreduceStore):
     """Ordering: every rank reduces exactly the keys the shared cycle matrix says are ready on all
     ranks, in cache-slot order, on one comm thread; so the order is identical by construction and
     ranks may push keys in any order. ``pushpull`` needs no ``init`` (the first use negotiates).
@@ -49,15 +51,14 @@ class CoordinatorStore(KVStore):
 
     type = "dist_sync_mpi"
 
-    def __init__(self, comm: Communicator, stall_timeout: float = 60.0, stall_abort: float = 300.0,
-                 fusion_bytes: int = 1 << 20, warn_after: float = 60.0) -> None:
-        if not 0 < stall_timeout <= stall_abort:
-            raise KVStoreError(f"need 0 < stall_timeout <= stall_abort, got {stall_timeout}, {stall_abort}")
+    def __init__(self, comm: Communicator, warn_after: float = 60.0, abort_after: float | None = 300.0,
+                 fusion_bytes: int = 1 << 20) -> None:
         if fusion_bytes < 0:
             raise KVStoreError(f"fusion_bytes must be >= 0, got {fusion_bytes}")
-        super().__init__(comm, warn_after)
-        self._data = comm.split(0, comm.rank)
-        self._stall_timeout, self._stall_abort = stall_timeout, stall_abort
+        super().__init__(comm, warn_after, abort_after)
+        self._data = split_private(comm)
+        # the negotiation cycle's wait: 50 us of back-to-back tests, then sleeps backing off to 0.25 ms
+        self._cycle_policy = dataclasses.replace(self._policy, spin=5e-5, max_nap=2.5e-4)
         self._fusion_bytes = fusion_bytes
         self._fusion: dict[torch.dtype, torch.Tensor] = {}  # reusable fusion buffer per dtype
         self._cv = threading.Condition()
@@ -74,15 +75,14 @@ class CoordinatorStore(KVStore):
         self._draining = 0  # callers running cycles in wait (the comm thread pauses meanwhile)
         self._thread = threading.Thread(target=self._loop, name="kvstore-coordinator", daemon=True)
         self._thread.start()
-        ref = weakref.ref(self)
-        atexit.register(lambda: (s := ref()) is not None and s.close())
+        atexit.register(_close_at_exit, weakref.ref(self))
 
     def _check_tensor(self, key: Key, t: torch.Tensor, what: str) -> None:
         if t.device.type != "cpu" or not t.is_contiguous():
             raise KVStoreError(f"{what}({key!r}): tensors must be contiguous CPU tensors")
         self._check_codec(key, t, what)
 
-    def _enqueue(self, entry: Entry, priority: int) -> None:
+    def _enqueue(self, entry: Entry) -> None:
         with self._cv:
             if not self._thread.is_alive():
                 raise KVStoreError("the dist_sync_mpi comm thread has stopped (an earlier error)")
@@ -93,8 +93,8 @@ class CoordinatorStore(KVStore):
 
     # -- the comm thread -------------------------------------------------------------------------
     def _loop(self) -> None:
-        pause, woken = _Backoff(), lambda: self._arrivals != self._seen
-        idle_wait = min(0.05, self._stall_timeout / 4)
+        pause, woken = _backoff(), lambda: self._arrivals != self._seen
+        idle_wait = min(0.05, self._policy.warn_after / 4)
         while True:
             if self._draining:  # a caller blocked in wait runs the cycles: stay out of its way
                 with self._cv:
@@ -138,7 +138,7 @@ class CoordinatorStore(KVStore):
     def _drain(self, keys: list[Key] | None) -> None:
         """The waiting caller runs the cycles itself until its keys are done, instead of sleeping while
         the comm thread wakes up for them (two thread wake-ups per step saved)."""
-        pause = _Backoff()
+        pause = _backoff()
         with self._cv:
             self._draining += 1
         try:
@@ -180,21 +180,11 @@ class CoordinatorStore(KVStore):
 
     def _poll_cycle(self, req: Request) -> None:
         """Complete the cycle's allreduce, sleeping between tests. A peer whose comm thread does not
-        join (its process is blocked or gone) gets a warning after stall_timeout and ends the job
-        after stall_abort: this wait, too, has a way out."""
-        start = time.monotonic()
-        check, warned = start + self._stall_timeout, False
-        while not poll_request(req, most=2.5e-4, deadline=check, spin=5e-5):
-            waited = time.monotonic() - start
-            msg = (f"dist_sync_mpi rank {self._data.rank}: the negotiation cycle has waited {waited:.0f}s; "
-                   f"a rank's comm thread is not responding (its process is blocked or gone)")
-            if waited >= self._stall_abort:
-                print(f"[mpitrain] {msg}; ending the job", file=sys.stderr, flush=True)
-                self._world.abort(1)
-            if not warned:
-                log.warning(msg)
-                warned = True
-            check = time.monotonic() + 1.0
+        join (its process is blocked or gone) gets a warning every warn_after seconds and ends the job
+        after abort_after: this wait, too, has a way out."""
+        wait_until(req.test, "the negotiation cycle: a rank's comm thread is not responding (its process "
+                   "is blocked or gone)", self._cycle_policy, who=f"dist_sync_mpi rank {self._data.rank}",
+                   abort=self._world.abort)
 
     def _local_state(self) -> tuple[list[int], list[tuple[Key, Sig]]]:
         """This rank's row (flags + readiness bits) and announcements of uncached heads."""
@@ -280,11 +270,9 @@ class CoordinatorStore(KVStore):
         if buf is None or buf.numel() < total:
             size = max(total, self._fusion_bytes // _itemsize(dtype))
             buf = self._fusion[dtype] = torch.empty(size, dtype=dtype)
-        flat = buf[:total]
-        torch.cat([e.buf.reshape(-1) for e in group], out=flat)
+        flat = flatten([e.buf for e in group], out=buf)
         self._reduce(self._data, flat)
-        for e, part in zip(group, flat.split(sizes)):
-            e.buf.view(-1).copy_(part)
+        copy_from_flat(flat, [e.buf for e in group])
 
     def _fail_all(self, error: KVStoreError) -> None:
         """A global error (every rank computed it): fail every pending entry, stop the thread."""
@@ -297,7 +285,7 @@ class CoordinatorStore(KVStore):
 
     # -- stall watchdog --------------------------------------------------------------------------
     def _watch_stalls(self, table: torch.Tensor, waiting: dict[Key, list[int]]) -> None:
-        """Track keys ready on some ranks only; rank 0 warns after stall_timeout, aborts after stall_abort."""
+        """Track keys ready on some ranks only; rank 0 warns after warn_after, aborts after abort_after."""
         size = self._data.size
         partial: dict[Key, list[int]] = {}
         counts = table[:, _FLAGS:].sum(0)
@@ -317,22 +305,22 @@ class CoordinatorStore(KVStore):
             self._report(partial, now)
 
     def _report(self, partial: dict[Key, list[int]], now: float) -> None:
-        late = {k: partial[k] for k, t in self._since.items() if now - t >= self._stall_timeout}
+        late = {k: partial[k] for k, t in self._since.items() if now - t >= self._policy.warn_after}
         if not late:
             return
         waited = max(now - self._since[k] for k in late)
         text = "; ".join(f"key {k!r} missing on ranks {r}" for k, r in sorted(late.items(), key=str)[:20])
-        if waited >= self._stall_abort:
-            msg = (f"dist_sync_mpi stall: {text} for {waited:.0f}s (> stall_abort={self._stall_abort}s); "
-                   f"ending the job")
+        abort_after = self._policy.abort_after
+        if abort_after is not None and waited >= abort_after:
+            msg = f"dist_sync_mpi stall: {text} for {waited:.0f}s (> abort_after={abort_after}s); ending the job"
             log.error(msg)
-            print(f"[mpitrain] {msg}", file=sys.stderr, flush=True)
+            say(f"[mpitrain] {msg}")
             self._world.abort(1)
         fresh = [k for k in late if k not in self._reported]
         if fresh:
             self._reported.update(fresh)
-            log.warning("dist_sync_mpi stall: %s for %.0fs (other ranks ready; will end the job after %.0fs)",
-                        text, waited, self._stall_abort)
+            log.warning("dist_sync_mpi stall: %s for %.0fs (other ranks ready; will end the job after %ss)",
+                        text, waited, abort_after)
 
     # -- lifecycle -------------------------------------------------------------------------------
     def _shutdown(self) -> None:
@@ -341,7 +329,7 @@ class CoordinatorStore(KVStore):
             self._arrivals += 1
             self._cv.notify()
         while self._thread.is_alive():
-            self._thread.join(self._warn_after)
+            self._thread.join(self._policy.warn_after)
             if self._thread.is_alive():
                 log.warning("dist_sync_mpi close on rank %d: waiting for the other ranks to close", self.rank)
         self._data.free()
@@ -374,17 +362,14 @@ def _mismatch(key: Key, by_rank: dict[int, Sig], size: int) -> KVStoreError:
     return KVStoreError(f"dist_sync_mpi: key {key!r} was pushed with different shapes/dtypes: {lines}{tail}")
 
 
-class _Backoff:
+def _backoff() -> Backoff:
     """Pause between cycles that matched nothing while every rank has work queued (ranks pushing in
     different orders): 50 us doubling to 1 ms. A local push wakes the thread at once."""
+    return Backoff(5e-5, 1e-3)
 
-    def __init__(self) -> None:
-        self._pause = 5e-5
 
-    def reset(self) -> None:
-        self._pause = 5e-5
-
-    def sleep(self, cv: threading.Condition, woken: Callable[[], bool]) -> None:
-        with cv:
-            cv.wait_for(woken, self._pause)
-        self._pause = min(self._pause * 2, 1e-3)
+def _close_at_exit(ref: weakref.ReferenceType[CoordinatorStore]) -> None:
+    """Close a store the program forgot to close (its comm thread is in collectives with the peers)."""
+    store = ref()
+    if store is not None:
+        store.close()

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from mpi4py import MPI
 
+from .._utils.flat import offsets
 from .base import CommError, Communicator, Request, _CallbackRequest, _DoneRequest, split_sizes
 
 __all__ = ["MPICommunicator"]
@@ -24,10 +25,10 @@ _MPI_TYPES = {
 }
 _HALF_NATIVE = MPI.FLOAT16_T != MPI.DATATYPE_NULL
 
-#: Allreduces of more than SPLIT_ABOVE bytes run as consecutive allreduces of SEGMENT_BYTES pieces.
-#: Measured on the 2-core VM (Open MPI 5.0.11, shared memory, float32): 64 MiB took 34 ms whole and 8 ms
-#: as 2 MiB pieces at 2 ranks (100 vs 21 ms at 3); 16 MiB 3.6 vs 2.6 ms; 4 MiB a wash or slightly worse
-#: (docs/comm.md). Constants, not options: every rank must cut a tensor alike (each piece is a collective).
+#: Allreduces of more than SPLIT_ABOVE bytes run as consecutive allreduces of SEGMENT_BYTES pieces:
+#: Open MPI's shared-memory allreduce of one large buffer is several times slower than of its pieces
+#: (measurements, dated: docs/comm.md, "Large allreduces are cut into pieces"). Constants, not
+#: options: every rank must cut a tensor alike (each piece is a collective).
 SEGMENT_BYTES = 2 << 20
 SPLIT_ABOVE = 8 << 20
 
@@ -45,7 +46,7 @@ def _pieces(t: torch.Tensor) -> list[torch.Tensor]:
     return list(t.view(-1).split(max(1, SEGMENT_BYTES // t.element_size())))
 
 
-def _staged(t: torch.Tensor, op: str) -> bool:
+def _staged(t: torch.Tensor) -> bool:
     """Whether a reduction of `t` must go through a float32 copy (MPI cannot add these words)."""
     return t.dtype == torch.bfloat16 or (t.dtype == torch.float16 and not _HALF_NATIVE)
 
@@ -76,7 +77,10 @@ class MPICommunicator(Communicator):
 
     # -- collectives ---------------------------------------------------------------------------
     def allreduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        return self.iallreduce(t, op).wait() if _staged(t, op) else self._allreduce_inplace(t, op)
+        if not _staged(t):
+            return self._allreduce_inplace(t, op)
+        self.iallreduce(t, op).wait()  # through a float32 copy, copied back into t
+        return t
 
     def _allreduce_inplace(self, t: torch.Tensor, op: str) -> torch.Tensor:
         self._check(t, "t", op)
@@ -108,7 +112,7 @@ class MPICommunicator(Communicator):
             raise CommError("argument 't' of reduce_scatter must have at least one dimension")
         rows = split_sizes(t.shape[0], self._size)
         row = t[0].numel() if t.shape[0] else 0
-        staged = _staged(t, op)
+        staged = _staged(t)
         src = t.float() if staged else t
         out = torch.empty((rows[self._rank], *t.shape[1:]), dtype=src.dtype)
         if t.numel():
@@ -126,7 +130,7 @@ class MPICommunicator(Communicator):
         row = send[0].numel() if send.shape[0] else int(torch.Size(send.shape[1:]).numel())
         out = torch.empty((sum(rc), *send.shape[1:]), dtype=send.dtype)
         s_el, r_el = [c * row for c in sc], [c * row for c in rc]
-        s_disp, r_disp = _displacements(s_el), _displacements(r_el)
+        s_disp, r_disp = offsets(s_el)[:-1], offsets(r_el)[:-1]
         sbuf, rbuf = _buf(send), _buf(out)
         self._comm.Alltoallv([sbuf[0], (s_el, s_disp), sbuf[1]], [rbuf[0], (r_el, r_disp), rbuf[1]])
         return out
@@ -161,7 +165,7 @@ class MPICommunicator(Communicator):
         self._check(t, "t", op)
         if not t.numel() or self._size == 1:
             return _DoneRequest(t.div_(self._size) if op == "avg" else t)
-        staged = _staged(t, op)
+        staged = _staged(t)
         work = t.float() if staged else t
         reqs = [self._comm.Iallreduce(MPI.IN_PLACE, _buf(p), op=_MPI_OPS[op]) for p in _pieces(work)]
 
@@ -198,7 +202,7 @@ class MPICommunicator(Communicator):
     def split(self, color: int | None, key: int = 0) -> MPICommunicator | None:
         self._check_open()
         sub = self._comm.Split(MPI.UNDEFINED if color is None else int(color), int(key))
-        return None if sub == MPI.COMM_NULL else MPICommunicator(sub)
+        return None if sub == MPI.COMM_NULL else MPICommunicator(cast(MPI.Intracomm, sub))
 
     def allgather_object(self, obj: Any) -> list[Any]:
         self._check_open()
@@ -209,6 +213,16 @@ class MPICommunicator(Communicator):
         self._check_rank(root, "root")
         return self._comm.bcast(obj, root=root)
 
+    def send_object(self, obj: Any, dest: int, tag: int = 0) -> None:
+        self._check_open()
+        self._check_rank(dest, "dest")
+        self._comm.send(obj, dest=dest, tag=tag)
+
+    def recv_object(self, source: int, tag: int = 0) -> Any:
+        self._check_open()
+        self._check_rank(source, "source")
+        return self._comm.recv(source=source, tag=tag)
+
     def abort(self, code: int = 1) -> None:
         MPI.COMM_WORLD.Abort(code or 1)
 
@@ -217,10 +231,3 @@ class MPICommunicator(Communicator):
             self._comm.Free()
         self._closed = True
 
-
-def _displacements(counts: Sequence[int]) -> list[int]:
-    out, acc = [], 0
-    for c in counts:
-        out.append(acc)
-        acc += c
-    return out

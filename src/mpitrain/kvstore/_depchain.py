@@ -8,8 +8,9 @@ import torch
 
 from ..comm.base import Communicator
 from ..engine import Engine, Var
-from .base import Entry, Key, _copy_to
-from .sequencer import SequencedStore
+from ._allreduce import Entry, _copy_to
+from ._interface import Key, split_private
+from ._sequencer import SequencedStore
 
 __all__ = ["DepChainStore"]
 
@@ -29,16 +30,17 @@ class DepChainStore(SequencedStore):
     type = "depchain"
     poll = True
 
-    def __init__(self, comm: Communicator, warn_after: float = 60.0, copy_inputs: bool = True) -> None:
-        super().__init__(comm, warn_after)
+    def __init__(self, comm: Communicator, warn_after: float = 60.0, abort_after: float | None = 600.0,
+                 copy_inputs: bool = True) -> None:
+        super().__init__(comm, warn_after, abort_after)
         self._copy_inputs = copy_inputs
-        self._data = comm.split(0, comm.rank)
+        self._data = split_private(comm)
         self._engine = Engine({"comm": 1}, warn_after=warn_after)
         self._dummy = Var("depchain-order")
         self._vars: dict = {}
         self._free: dict = {}  # key -> idle communication buffers
 
-    def _registered(self, key) -> None:
+    def _registered(self, key: Key) -> None:
         super()._registered(key)
         self._vars[key] = Var(f"key{key!r}")
         info = self._keys[key]
@@ -71,7 +73,8 @@ class DepChainStore(SequencedStore):
             self._engine.wait(var, help="comm")
 
     def _dispatch(self, e: Entry) -> None:
-        self._engine.push(functools.partial(self._pull, e, e.aux), mutates=[self._vars[e.key], self._dummy],
+        buf = e.buf if e.aux is None else e.aux  # _arriving set aux; e.buf is its own default
+        self._engine.push(functools.partial(self._pull, e, buf), mutates=[self._vars[e.key], self._dummy],
                           pool="comm", name=f"allreduce({e.key!r})")
 
     def _pull(self, e: Entry, buf: torch.Tensor) -> None:

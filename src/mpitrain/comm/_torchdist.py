@@ -76,10 +76,12 @@ class TorchCommunicator(Communicator):
 
     # -- collectives ---------------------------------------------------------------------------
     def allreduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        return self.iallreduce(t, op).wait()
+        self.iallreduce(t, op).wait()
+        return t  # reduced in place
 
     def broadcast(self, t: torch.Tensor, root: int = 0) -> torch.Tensor:
-        return self.ibroadcast(t, root).wait()
+        self.ibroadcast(t, root).wait()
+        return t
 
     def allgather(self, t: torch.Tensor) -> torch.Tensor:
         self._c(t, "t")
@@ -124,7 +126,8 @@ class TorchCommunicator(Communicator):
         self.isend(t, dest, tag).wait()
 
     def recv(self, t: torch.Tensor, source: int, tag: int = 0) -> torch.Tensor:
-        return self.irecv(t, source, tag).wait()
+        self.irecv(t, source, tag).wait()
+        return t
 
     def sendrecv(self, send: torch.Tensor, dest: int, recv: torch.Tensor, source: int,
                  sendtag: int = 0, recvtag: int = 0) -> torch.Tensor:
@@ -133,7 +136,8 @@ class TorchCommunicator(Communicator):
         r = self.irecv(recv, source, recvtag)
         s = self.isend(send, dest, sendtag)
         s.wait()
-        return r.wait()
+        r.wait()
+        return recv
 
     # -- nonblocking ---------------------------------------------------------------------------
     def iallreduce(self, t: torch.Tensor, op: str = "sum") -> Request:
@@ -195,6 +199,26 @@ class TorchCommunicator(Communicator):
         box = [obj]
         dist.broadcast_object_list(box, src=self._g(root), group=self._group)
         return box[0]
+
+    def send_object(self, obj: Any, dest: int, tag: int = 0) -> None:
+        """torch's ``send_object_list``. Its two messages (size, then bytes) travel on tag 0, which
+        torch's object path cannot change: any other `tag` raises CommError before sending."""
+        self._check_object_p2p(dest, "dest", tag)
+        dist.send_object_list([obj], dst=self._g(dest), group=self._group)
+
+    def recv_object(self, source: int, tag: int = 0) -> Any:
+        """torch's ``recv_object_list`` (tag 0 only, see :meth:`send_object`)."""
+        self._check_object_p2p(source, "source", tag)
+        box: list[Any] = [None]
+        dist.recv_object_list(box, src=self._g(source), group=self._group)
+        return box[0]
+
+    def _check_object_p2p(self, peer: int, name: str, tag: int) -> None:
+        self._check_open()
+        self._check_rank(peer, name)
+        if tag != 0:
+            raise CommError(f"the torch backend sends objects on tag 0 only (torch.distributed's "
+                            f"send_object_list has no tag), got tag={tag}; use the MPI backend for tagged objects")
 
     def abort(self, code: int = 1) -> None:
         try:

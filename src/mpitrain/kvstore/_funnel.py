@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from ..comm.base import Communicator
-from .base import Entry
-from .sequencer import SequencedStore
+from ._allreduce import Entry
+from ._interface import split_private
+from ._sequencer import SequencedStore
 
 __all__ = ["FunnelStore"]
 
@@ -16,9 +17,9 @@ class FunnelStore(SequencedStore):
 
     type = "funnel"
 
-    def __init__(self, comm: Communicator, warn_after: float = 60.0) -> None:
-        super().__init__(comm, warn_after)
-        self._data = comm.split(0, comm.rank)
+    def __init__(self, comm: Communicator, warn_after: float = 60.0, abort_after: float | None = 600.0) -> None:
+        super().__init__(comm, warn_after, abort_after)
+        self._data = split_private(comm)
 
     def _dispatch(self, e: Entry) -> None:
         err = None

@@ -7,8 +7,9 @@ import threading
 
 from ..comm.base import Communicator
 from ..engine import Engine, Var
-from .base import Entry, KVStoreError, log
-from .sequencer import SequencedStore
+from ._allreduce import Entry
+from ._interface import KVStoreError, log, split_private
+from ._sequencer import SequencedStore
 
 __all__ = ["ConcurrentStore"]
 
@@ -23,12 +24,12 @@ class ConcurrentStore(SequencedStore):
     type = "concurrent"
 
     def __init__(self, comm: Communicator, num_comms: int = 2, outstanding: int | None = None,
-                 warn_after: float = 60.0) -> None:
+                 warn_after: float = 60.0, abort_after: float | None = 600.0) -> None:
         if num_comms < 1 or (outstanding is not None and outstanding < 1):
             raise KVStoreError(f"concurrent needs num_comms >= 1 and outstanding >= 1, got {num_comms}, "
                                f"{outstanding}")
-        super().__init__(comm, warn_after)
-        self._comms = [comm.split(0, comm.rank) for _ in range(num_comms)]
+        super().__init__(comm, warn_after, abort_after)
+        self._comms = [split_private(comm) for _ in range(num_comms)]
         self._vars = [Var(f"concurrent-comm{c}") for c in range(num_comms)]
         self._engine = Engine({"comm": num_comms}, warn_after=warn_after)
         self._outstanding = outstanding or num_comms
@@ -36,10 +37,11 @@ class ConcurrentStore(SequencedStore):
 
     def _dispatch(self, e: Entry) -> None:
         c = self._keys[e.key].index % len(self._comms)
-        while not self._slots.acquire(timeout=self._warn_after):
+        # a blocking acquire (a completing allreduce releases it), woken every warn_after to warn
+        while not self._slots.acquire(timeout=self._policy.warn_after):
             log.warning("concurrent kvstore: key %r has waited %.0fs for one of the %d outstanding "
                         "allreduces to finish (are the other ranks issuing the same keys?)",
-                        e.key, self._warn_after, self._outstanding)
+                        e.key, self._policy.warn_after, self._outstanding)
         self._engine.push(functools.partial(self._run, c, e), mutates=[self._vars[c]], pool="comm",
                           name=f"allreduce({e.key!r})")
 

@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-import pickle
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ..comm.base import DTYPES, Communicator, Request
-from .base import log
-from .server import _CLOSE, _DATA, _HDR, _INIT, _LOAD, _PULL, _PUSH, _REPLY, _SAVE, _SETOPT, _pack
+from .._utils.stall import Backoff
+from ..comm.base import Communicator, Request
+from . import _protocol as proto
+from ._interface import log
+from ._protocol import Header
 
 __all__ = ["ServerLoop"]
 
@@ -40,24 +41,26 @@ class ServerLoop:
         self._shards: dict[int, _Shard] = {}
         self._factory: Any = None
         self._open = set(range(nworkers))
-        self._hdr = {w: torch.zeros(5, dtype=torch.int64) for w in self._open}
-        self._req = {w: comm.irecv(self._hdr[w], w, _HDR) for w in self._open}
+        self._hdr = {w: Header.empty() for w in self._open}
+        self._req = {w: comm.irecv(self._hdr[w], w, proto.HDR) for w in self._open}
 
     def run(self) -> None:
-        pause, idle_since = 2e-5, time.monotonic()
+        """Idle is legitimate (the workers compute between rounds): it warns every `warn_after` seconds
+        and never aborts; the workers' own waits end the job if a server is gone."""
+        nap, idle_since = Backoff(), time.monotonic()
         while self._open:
             progressed = False
             for w in sorted(self._open):
                 if self._req[w].test():
-                    self._handle(w, [int(x) for x in self._hdr[w]])
+                    self._handle(w, Header.unpack(self._hdr[w]))
                     if w in self._open:
-                        self._req[w] = self._comm.irecv(self._hdr[w], w, _HDR)
+                        self._req[w] = self._comm.irecv(self._hdr[w], w, proto.HDR)
                     progressed = True
             if progressed:
-                pause, idle_since = 2e-5, time.monotonic()
+                nap.reset()
+                idle_since = time.monotonic()
             else:
-                time.sleep(pause)
-                pause = min(pause * 2, 1e-3)
+                nap.sleep()
                 if time.monotonic() - idle_since > self._warn_after:
                     idle_since = time.monotonic()
                     log.warning("dist_sync server rank %d: idle for %.0fs, workers %s still open",
@@ -65,32 +68,34 @@ class ServerLoop:
         for sh in self._shards.values():
             Request.wait_all(sh.replies)
 
-    def _handle(self, w: int, hdr: list[int]) -> None:
-        op, idx, count, code, extra = hdr
-        if op == _PUSH:
-            self._push(w, self._shards[idx], count, DTYPES[code])
-        elif op == _PULL:
-            sh = self._shards[idx]
+    def _handle(self, w: int, hdr: Header) -> None:
+        if hdr.op == proto.PUSH:
+            assert hdr.dtype is not None
+            self._push(w, self._shards[hdr.index], hdr.count, hdr.dtype)
+        elif hdr.op == proto.PULL:
+            sh = self._shards[hdr.index]
             sh.pulls.append((w, sh.pushes[w]))
             self._serve_pulls(sh)
-        elif op == _INIT:
-            store = self._comm.recv(torch.empty(count, dtype=DTYPES[code]), w, _DATA)
-            self._shards[idx] = _Shard(store, torch.empty_like(store), [0] * self._nworkers)
-            self._comm.send(torch.ones(1, dtype=torch.int64), w, _REPLY)
-        elif op == _CLOSE:
+        elif hdr.op == proto.INIT:
+            store = self._comm.recv(torch.empty(hdr.count, dtype=hdr.dtype), w, proto.DATA)
+            self._shards[hdr.index] = _Shard(store, torch.empty_like(store), [0] * self._nworkers)
+            self._comm.send(torch.ones(1, dtype=torch.int64), w, proto.REPLY)
+        elif hdr.op == proto.CLOSE:
             self._open.discard(w)
+        elif hdr.op in proto.CONTROL:
+            request = self._comm.recv_object(w, proto.OBJ)
+            self._comm.send_object(self._control(hdr.op, request), w, proto.OBJ)
         else:
-            blob = self._comm.recv(torch.empty(count, dtype=torch.int32), w, _DATA).numpy().tobytes()[:extra]
-            self._reply_blob(w, self._control(op, blob))
+            raise RuntimeError(f"dist_sync server: unknown op {hdr.op} from worker {w}")
 
     def _push(self, w: int, sh: _Shard, count: int, dtype: torch.dtype) -> None:
         sh.pushes[w] += 1
         rnd = sh.pushes[w]
         if rnd == sh.version + 1 and sh.received == 0:
-            self._comm.recv(sh.merge, w, _DATA)  # first value of the round lands in place
+            self._comm.recv(sh.merge, w, proto.DATA)  # first value of the round lands in place
             sh.received = 1
         else:
-            value = self._comm.recv(torch.empty(count, dtype=dtype), w, _DATA)
+            value = self._comm.recv(torch.empty(count, dtype=dtype), w, proto.DATA)
             if rnd == sh.version + 1:
                 sh.merge.add_(value)
                 sh.received += 1
@@ -123,15 +128,16 @@ class ServerLoop:
         ready = [w for w, need in sh.pulls if need <= sh.version]
         sh.pulls = [(w, need) for w, need in sh.pulls if need > sh.version]
         for w in ready:
-            sh.replies.append(self._comm.isend(sh.store, w, _REPLY))
+            sh.replies.append(self._comm.isend(sh.store, w, proto.REPLY))
 
     def _wait_replies(self, sh: _Shard) -> None:
         Request.wait_all(sh.replies)
         sh.replies.clear()
 
-    def _control(self, op: int, blob: bytes) -> bytes:
-        if op == _SETOPT:
-            spec = pickle.loads(blob)
+    def _control(self, op: int, request: Any) -> Any:
+        """A control op's reply object (SETOPT and LOAD: None; SAVE: the shards' optimizer states)."""
+        if op == proto.SETOPT:
+            spec = request
             if isinstance(spec, tuple):
                 cls, defaults = spec
                 self._factory = lambda params: cls(params, **defaults)
@@ -139,19 +145,14 @@ class ServerLoop:
                 self._factory = spec
             for sh in self._shards.values():
                 sh.opt = None
-            return b""
-        if op == _SAVE:
-            return pickle.dumps({i: sh.opt.state_dict() for i, sh in self._shards.items()
-                                 if sh.opt is not None})
-        if op == _LOAD:
-            for i, state in pickle.loads(blob).items():
+            return None
+        if op == proto.SAVE:
+            return {i: sh.opt.state_dict() for i, sh in self._shards.items() if sh.opt is not None}
+        if op == proto.LOAD:
+            for i, state in request.items():
                 sh = self._shards[i]
                 if sh.opt is None:
                     sh.opt = self._factory([sh.store])
                 sh.opt.load_state_dict(state)
-            return b""
-        raise RuntimeError(f"dist_sync server: unknown op {op}")
-
-    def _reply_blob(self, w: int, blob: bytes) -> None:
-        self._comm.send(torch.tensor([len(blob)], dtype=torch.int64), w, _REPLY)
-        self._comm.send(_pack(blob), w, _REPLY)
+            return None
+        raise RuntimeError(f"dist_sync server: unknown control op {op}")

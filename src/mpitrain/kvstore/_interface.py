@@ -1,0 +1,254 @@
+"""The KVStore interface (MXNet's API) that every type offers, and the helpers every type shares:
+argument checks, the key registry, the optimizer factory, the stall policy.
+
+Semantics common to every type:
+
+* ``init`` is collective over the workers: every worker registers the same keys with the same
+  shape/dtype (checked with one pickled allgather, so a mismatch raises on every worker before any
+  data moves) and rank 0's value becomes the stored value.
+* ``push``/``pushpull``/``pull``/``broadcast`` return after queueing; ``wait(keys)`` returns when every
+  operation issued so far on those keys is complete and their outputs are safe to read. ``pull`` and
+  ``broadcast`` wait for the key themselves, so their output is complete when they return.
+* ``pushpull(key, ins, outs)`` writes the **sum** over workers into `outs` (default `ins`; `outs` may
+  be `ins`, then the sum is computed in place with no copy). Inputs must not be modified, nor outputs
+  read, before ``wait`` covers the key.
+* ``push(key, grad)`` reduces into the stored value: without an optimizer the stored value becomes
+  the sum; with ``set_optimizer`` the optimizer steps the stored value with the summed gradient.
+  ``pull(key, out)`` copies the stored value out. ``pushpull`` is always the plain sum.
+* Every worker must issue the same multiset of operations between two synchronization points
+  (``wait``, ``pull``, ``barrier``, ``broadcast``, ``init``); how each type orders its collectives
+  is stated in its class docstring.
+* ``priority=`` parameters are accepted for MXNet compatibility and unused: each type's ordering
+  rule decides when an operation runs.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .._utils.stall import StallPolicy
+from ..comm.base import Communicator
+
+__all__ = ["KVStore", "KVStoreError", "Key", "Value", "KeyInfo", "Registry", "make_optimizer_factory",
+           "check_key", "pairs", "tensors", "stall_policy", "split_private", "log"]
+
+log = logging.getLogger("mpitrain.kvstore")
+
+Key = int | str
+Value = torch.Tensor | Sequence[torch.Tensor]
+
+
+class KVStoreError(RuntimeError):
+    """Wrong use of a KVStore, or a cross-rank inconsistency (the message names keys and ranks)."""
+
+
+def split_private(comm: Communicator, color: int = 0) -> Communicator:
+    """Collective over `comm`: a new communicator of the ranks that pass the same `color` (same order),
+    so a store's traffic never mixes with the caller's or with its own other channels."""
+    sub = comm.split(color, comm.rank)
+    if sub is None:  # only color=None joins no group
+        raise KVStoreError(f"kvstore: splitting a private communicator with color {color} failed")
+    return sub
+
+
+def stall_policy(warn_after: float, abort_after: float | None) -> StallPolicy:
+    """The store's limits on a wait (the `warn_after`/`abort_after` options of every type), checked."""
+    try:
+        return StallPolicy(warn_after, abort_after)
+    except ValueError as e:
+        raise KVStoreError(f"kvstore: {e}") from e
+
+
+def make_optimizer_factory(opt: Any) -> Callable[[list[torch.Tensor]], torch.optim.Optimizer]:
+    """An optimizer instance (its class and ``defaults`` are reused) or a callable params -> optimizer."""
+    if isinstance(opt, torch.optim.Optimizer):
+        cls, defaults = type(opt), dict(opt.defaults)
+        return lambda params: cls(params, **defaults)
+    if callable(opt):
+        return opt  # type: ignore[no-any-return]
+    raise KVStoreError(f"set_optimizer takes a torch.optim.Optimizer or a callable params -> optimizer, "
+                       f"got {type(opt).__name__}")
+
+
+def check_key(key: Any) -> Key:
+    """`key` itself if it is an int or a string (not a bool), else KVStoreError."""
+    if isinstance(key, bool) or not isinstance(key, (int, str)):
+        raise KVStoreError(f"keys are ints or strings, got {key!r} ({type(key).__name__})")
+    return key
+
+
+def pairs(key: Key | Sequence[Key], value: Any, what: str) -> list[tuple[Key, Any]]:
+    """[(key, value)] for one key or a list of keys with a same-length list of values."""
+    if isinstance(key, (list, tuple)):
+        if value is None:
+            return [(check_key(k), None) for k in key]
+        if not isinstance(value, (list, tuple)) or len(value) != len(key):
+            raise KVStoreError(f"{what}: {len(key)} keys need a list of {len(key)} values")
+        return [(check_key(k), v) for k, v in zip(key, value)]
+    return [(check_key(key), value)]
+
+
+def tensors(value: Value, what: str) -> list[torch.Tensor]:
+    """A value is one tensor or a list of tensors (one per device: they are summed first)."""
+    ts: list[Any] = list(value) if isinstance(value, (list, tuple)) else [value]
+    if not ts or not all(isinstance(t, torch.Tensor) for t in ts):
+        raise KVStoreError(f"{what}: expected a tensor or a non-empty list of tensors, got {value!r}")
+    return ts
+
+
+@dataclass
+class KeyInfo:
+    """A registered key: its position in the init order, signature and stored value."""
+
+    index: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    store: torch.Tensor
+
+
+class Registry:
+    """The workers' registered keys and the collectives that keep them alike, over `ctl` (the workers'
+    main-thread communicator; every method that says *collective* is called by all of its ranks in
+    the same order)."""
+
+    def __init__(self, ctl: Communicator) -> None:
+        self.ctl = ctl
+        self.keys: dict[Key, KeyInfo] = {}
+
+    def check_same(self, sigs: list[Any], what: str) -> None:
+        """Collective, one pickled allgather: every worker raises the same error if `sigs` differ."""
+        everyone = self.ctl.allgather_object(sigs)
+        if any(s != everyone[0] for s in everyone):
+            lines = "; ".join(f"rank {r}: {s}" for r, s in enumerate(everyone))
+            raise KVStoreError(f"{what}: workers passed different keys/shapes/dtypes: {lines}")
+
+    def items(self, key: Key | Sequence[Key], value: Any) -> list[tuple[Key, torch.Tensor]]:
+        """The (key, first tensor) pairs of an ``init``, checked locally (not yet registered)."""
+        items = [(k, tensors(v, f"init({k!r})")[0]) for k, v in pairs(key, value, "init")]
+        for k, _ in items:
+            if k in self.keys:
+                raise KVStoreError(f"init: key {k!r} is already initialized")
+        return items
+
+    def register(self, items: list[tuple[Key, torch.Tensor]]) -> list[Key]:
+        """Collective: check the signatures alike, then store rank 0's values (a broadcast per key, in
+        order). Returns the keys, registered in the same order on every worker."""
+        self.check_same([(k, tuple(t.shape), str(t.dtype)) for k, t in items], "init")
+        for k, t in items:
+            store = t.detach().to("cpu", copy=True).contiguous()
+            self.ctl.broadcast(store, 0)
+            self.keys[k] = KeyInfo(len(self.keys), tuple(t.shape), t.dtype, store)
+        return [k for k, _ in items]
+
+    def info(self, key: Key, t: torch.Tensor | None, what: str) -> KeyInfo:
+        """The registered key; KVStoreError if it is not, or if `t`'s shape/dtype differ from its own."""
+        info = self.keys.get(key)
+        if info is None:
+            raise KVStoreError(f"{what}: key {key!r} is not initialized; call kv.init(key, value) first")
+        if t is not None and (tuple(t.shape) != info.shape or t.dtype != info.dtype):
+            raise KVStoreError(f"{what}: key {key!r} was initialized as {info.shape} {info.dtype}, "
+                               f"got {tuple(t.shape)} {t.dtype}")
+        return info
+
+    def new_keys(self, key: Key | Sequence[Key], value: Any, what: str) -> list[tuple[Key, Any]]:
+        """Collective: the (key, value) pairs of `key` not yet registered, checked alike on every worker."""
+        new = [(k, v) for k, v in pairs(key, value, what) if k not in self.keys]
+        self.check_same(sorted(str(k) for k, _ in new), f"{what} (keys not yet initialized)")
+        return new
+
+    def broadcast(self, key: Key | Sequence[Key], value: Any, out: Any, root_rank: int) -> None:
+        """Collective: root's `value` becomes each key's stored value and is copied into `out` on every
+        worker (the keys must be registered; a broadcast per key, in order)."""
+        outs = pairs(key, out, "broadcast outs")
+        for (k, v), (_, o) in zip(pairs(key, value, "broadcast"), outs):
+            src = tensors(v, "broadcast")[0]
+            info = self.info(k, src, "broadcast")
+            if self.ctl.rank == root_rank:
+                info.store.copy_(src)
+            self.ctl.broadcast(info.store, root_rank)
+            for t in tensors(o, f"broadcast({k!r}) out"):
+                t.copy_(info.store)
+
+
+class KVStore(abc.ABC):
+    """A key-value store whose push/pull/pushpull sum values over the workers (see module doc).
+
+    The interface every type offers (``isinstance(kv, mpitrain.kvstore.KVStore)`` holds for each)."""
+
+    type: str = "?"
+
+    @property
+    @abc.abstractmethod
+    def rank(self) -> int:
+        """This worker's rank among the workers."""
+
+    @property
+    @abc.abstractmethod
+    def num_workers(self) -> int:
+        """How many workers push and pull."""
+
+    @abc.abstractmethod
+    def init(self, key: Key | Sequence[Key], value: Value | Sequence[Value]) -> None:
+        """Collective over workers: register keys; rank 0's values become the stored values."""
+
+    @abc.abstractmethod
+    def push(self, key: Key | Sequence[Key], value: Value | Sequence[Value], priority: int = 0) -> None:
+        """Queue: stored value = sum over workers (or, with an optimizer, one step with that sum)."""
+
+    @abc.abstractmethod
+    def pull(self, key: Key | Sequence[Key], out: Any = None, priority: int = 0,
+             ignore_sparse: bool = True) -> None:
+        """Copy the stored value into `out` once earlier pushes of the key are done; returns complete."""
+
+    @abc.abstractmethod
+    def pushpull(self, key: Key | Sequence[Key], ins: Value | Sequence[Value], outs: Any = None,
+                 priority: int = 0) -> None:
+        """Queue ``outs = sum over workers of ins`` (default outs: ins)."""
+
+    @abc.abstractmethod
+    def broadcast(self, key: Key | Sequence[Key], value: Value | Sequence[Value], out: Any,
+                  root_rank: int = 0, priority: int = 0) -> None:
+        """Collective: initialize `key` (if new) with root's `value` and copy it into `out` everywhere."""
+
+    @abc.abstractmethod
+    def wait(self, keys: Key | Sequence[Key] | None = None) -> None:
+        """Return once every operation issued so far on `keys` (all keys if None) is complete."""
+
+    @abc.abstractmethod
+    def barrier(self) -> None:
+        """Complete this worker's outstanding operations, then a barrier over the workers."""
+
+    @abc.abstractmethod
+    def set_optimizer(self, optimizer: Any) -> None:
+        """Later ``push`` steps the stored value with the summed gradient."""
+
+    @abc.abstractmethod
+    def save_optimizer_states(self, fname: str, dump_optimizer: bool = False) -> None:
+        """Collective over workers: write the optimizer states to `fname`."""
+
+    @abc.abstractmethod
+    def load_optimizer_states(self, fname: str) -> None:
+        """Read optimizer states written by ``save_optimizer_states``."""
+
+    @abc.abstractmethod
+    def set_gradient_compression(self, compression_params: dict[str, Any]) -> None:
+        """Compress later reductions with codec ``compression_params["type"]`` (where supported)."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Collective: complete everything and release threads and communicators (idempotent)."""
+
+    def __enter__(self) -> KVStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<KVStore type={self.type} rank={self.rank} num_workers={self.num_workers}>"
