@@ -143,3 +143,25 @@ def test_pipe_sgd_trace_has_the_communication_thread_row_with_one_allreduce_per_
             if len(reduces) != 3:
                 verdict.append(f"rank {rank}: {len(reduces)} allreduce spans on the comm thread's row, want 3")
     assert_all_ranks(comm, not verdict, "; ".join(verdict[:5]))
+
+
+@pytest.mark.mpi
+def test_data_parallel_trace_nests_and_shows_the_kvstore_threads_allreduces(comm):
+    path = os.path.join(shared_dir(comm), "data.json")
+    torch.manual_seed(0)
+    fit(MLP(), batches((12,), 4 * comm.size, 2), nn.CrossEntropyLoss(), sgd, strategy="data", progress=False,
+        timeline=path)
+    verdict: list[str] = []
+    if comm.rank == 0:
+        with open(path) as f:
+            doc = json.load(f)
+        verdict += problems(doc)
+        names = row_names(doc)
+        off_main = [e for e in x_events(doc) if "allreduce" in e["name"]
+                    and names[(e["pid"], e["tid"])] not in ("compute", "comm", "waits")]
+        if {e["pid"] for e in off_main} != set(range(comm.size)):
+            verdict.append(f"allreduces off the main thread only on ranks {sorted({e['pid'] for e in off_main})}")
+        steps = [e for e in x_events(doc) if e["name"] == "optimizer step"]
+        if len(steps) != 2 * comm.size:
+            verdict.append(f"{len(steps)} optimizer steps, want {2 * comm.size}")
+    assert_all_ranks(comm, not verdict, "; ".join(verdict[:5]))
