@@ -2,7 +2,8 @@
 
 One function per kind of plot; :func:`plot_runs` picks by benchmark name:
 
-* pipeline: img/s vs ranks (one run per ``-n``) with the ideal and the machine's ceiling, and the
+* pipeline: img/s vs ranks (one run per ``-n``) with the ideal and the machine's ceiling (from the
+  run's own "T_seq all": the sequential step on every rank at once, in the same job), and the
   pipeline efficiency vs M against the ideal M / (M + P - 1);
 * allreduce: bus bandwidth vs message size per contender, with the machine's memory bandwidth;
 * pipesgd: seconds to the target accuracy per configuration;
@@ -68,27 +69,38 @@ def _stamp(ax: Any, runs: Sequence[Run]) -> None:
 def _pipeline(ax_scale: Any, ax_eff: Any, runs: Sequence[Run], machines: dict[int, Run]) -> None:
     by_ranks = _latest_per_ranks(runs)
     series: dict[str, list[tuple[int, float]]] = {}
+    seq: list[float] = []  # one rank alone, measured in every run: the 1-rank point of every curve
     ceiling: list[tuple[int, float]] = []
     for n, run in by_ranks.items():
         rows = find_table(run, "batch", "sequential", "model")
         if not rows:
             continue
         row = rows[-1]  # the largest batch
-        for name in ("sequential", "model", "data", "hybrid"):
+        if _number(row.get("sequential")) is not None:
+            seq.append(float(row["sequential"]))
+        for name in ("model", "data", "hybrid"):
             v = _number(row.get(name))
             if v is not None:
                 series.setdefault(name, []).append((n, v))
-        c = _ceiling(machines, n, "conv-block")
-        if c is not None and _number(row["sequential"]) is not None:
-            ceiling.append((n, float(row["sequential"]) * c))
-    for name, pts in series.items():
-        ax_scale.plot(*zip(*pts), marker="o", label=name)
-    if "sequential" in series:
-        n0, v0 = series["sequential"][0]
-        xs = [n for n, _ in series["sequential"]]
-        ax_scale.plot(xs, [v0 * n for n in xs], ":", color="grey", label="ideal (sequential x ranks)")
-    if ceiling:
-        ax_scale.plot(*zip(*ceiling), "--", color="black", label="machine ceiling (bench machine, conv-block)")
+        eff = find_table(run, "schedule", "T_seq all")
+        if eff:  # the same job ran the sequential step on every rank at once: n x that is the ceiling
+            row1 = min(eff, key=lambda r: r["M"])
+            ceiling.append((n, n * row1["batch"] / (row1["T_seq all ms"] / 1e3)))
+        else:
+            c = _ceiling(machines, n, "conv-block")
+            if c is not None and seq:
+                ceiling.append((n, seq[-1] * c))
+    if seq:
+        one = sorted(seq)[len(seq) // 2]
+        ranks = [1, *by_ranks]
+        ax_scale.plot([1], [one], "o", color="black", label="sequential (1 rank)")
+        ax_scale.plot(ranks, [one * n for n in ranks], ":", color="grey", label="ideal (sequential x ranks)")
+        for name, pts in series.items():
+            ax_scale.plot([1, *(n for n, _ in pts)], [one, *(v for _, v in pts)], marker="o", label=name)
+        if ceiling:
+            ax_scale.plot([1, *(n for n, _ in ceiling)], [one, *(v for _, v in ceiling)], "--", color="black",
+                          label="machine ceiling (ranks x the sequential step run on every rank at once)")
+        ax_scale.set_xticks(ranks)
     ax_scale.set(xlabel="ranks", ylabel="img/s (largest batch)", title="throughput vs ranks")
     ax_scale.legend(fontsize=7)
     last = list(by_ranks.values())[-1]
