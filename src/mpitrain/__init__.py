@@ -18,6 +18,7 @@ __version__ = "0.1.0"
 # attribute None exports the module itself as a namespace (mpitrain.kvstore.create, ...).
 _LAZY: dict[str, tuple[str, str | None]] = {
     "DataParallel": ("mpitrain.strategies.data_parallel", "DataParallel"),
+    "Pipeline": ("mpitrain.strategies.pipeline", "Pipeline"),
     "broadcast_parameters": ("mpitrain.strategies.data_parallel", "broadcast_parameters"),
     "broadcast_optimizer_state": ("mpitrain.strategies.data_parallel", "broadcast_optimizer_state"),
     "engine": ("mpitrain.engine", None),

@@ -1,4 +1,5 @@
-"""Sequential vs model vs data vs hybrid img/s on a deep residual CNN, and pipeline efficiency.
+"""Sequential vs model vs data vs hybrid img/s on a deep residual CNN, pipeline efficiency, and
+tokens/s of a GPT-2 (model 1F1B vs interleaved vs data vs hybrid).
 
 ``mpitrain bench pipeline -n 2`` (or -n 4). Table 1 has HyPar-Flow's Fig. 7/8 shape: images per
 second of one training step at several batch sizes for one process (rank 0 alone, the others asleep),
@@ -16,11 +17,13 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
+from ..comm.base import Communicator
 from ..fit import FitSpec, make_trainer
 from ..runtime import init
 from .common import (
@@ -62,10 +65,11 @@ class ResidualCNN(nn.Module):
         self.head = nn.Linear(width, classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.blocks(torch.relu(self.stem(x))).mean(dim=(2, 3)))
+        out: torch.Tensor = self.head(self.blocks(torch.relu(self.stem(x))).mean(dim=(2, 3)))
+        return out
 
 
-def _sgd(params) -> torch.optim.Optimizer:
+def _sgd(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.01, momentum=0.9)
 
 
@@ -92,21 +96,21 @@ def _sequential_step(args: argparse.Namespace, n: int, micro: int) -> Callable[[
     return step
 
 
-def _sequential(comm, args: argparse.Namespace, n: int, micro: int) -> Timer:
+def _sequential(comm: Communicator, args: argparse.Namespace, n: int, micro: int) -> Timer:
     """A timer: rank 0 alone trains the whole model (M micro-batches accumulated) while the other ranks
     sleep (:func:`~mpitrain.bench.common.alone_timer`); the median over `args.steps` steps."""
     step = _sequential_step(args, n, micro) if comm.rank == 0 else None
     return alone_timer(comm, step, args.steps)
 
 
-def _sequential_everywhere(comm, args: argparse.Namespace, n: int, micro: int) -> Timer:
+def _sequential_everywhere(comm: Communicator, args: argparse.Namespace, n: int, micro: int) -> Timer:
     """A timer: every rank trains the whole model at the same time, no messages (slowest rank): one
     process's step when P of them share this machine's cores and memory as the pipeline's ranks do."""
     return step_timer(comm, _sequential_step(args, n, micro), args.steps)
 
 
-def _parallel(comm, args: argparse.Namespace, n: int, strategy: str, partitions: int = 1, micro: int = 1,
-              schedule: str = "1f1b") -> tuple[Timer, object]:
+def _parallel(comm: Communicator, args: argparse.Namespace, n: int, strategy: str, partitions: int = 1,
+              micro: int = 1, schedule: str = "1f1b") -> tuple[Timer, Any]:
     """A timer of `strategy`'s training step, and its trainer."""
     torch.manual_seed(0)
     spec = FitSpec(strategy=strategy, partitions=partitions, micro_batches=micro, schedule=schedule)
@@ -115,7 +119,7 @@ def _parallel(comm, args: argparse.Namespace, n: int, strategy: str, partitions:
     return step_timer(comm, lambda: trainer.train_step(x, y), args.steps), trainer
 
 
-def throughput_table(comm, args: argparse.Namespace) -> None:
+def throughput_table(comm: Communicator, args: argparse.Namespace) -> None:
     size = comm.size
     rows = []
     for n in args.batch_sizes:
@@ -135,7 +139,7 @@ def throughput_table(comm, args: argparse.Namespace) -> None:
         print_table(["batch", "M", "sequential", "model", "data", "hybrid", "model/seq", "data/seq"], rows)
 
 
-def efficiency_table(comm, args: argparse.Namespace) -> None:
+def efficiency_table(comm: Communicator, args: argparse.Namespace) -> None:
     P, rows = comm.size, []
     bound = min(1.0, (os.cpu_count() or 1) / P)  # P ranks on fewer cores cannot beat cores/P
     n = args.efficiency_batch
@@ -164,6 +168,92 @@ def efficiency_table(comm, args: argparse.Namespace) -> None:
                      "efficiency", "q25-q75", "ideal", "of core ideal", "of machine ideal"], rows)
 
 
+def _transformers() -> Any:
+    """transformers, imported without torchvision when torchvision's C++ ops do not load with this
+    torch (transformers then skips its image utilities)."""
+    import importlib
+    import sys
+
+    try:
+        import torchvision  # noqa: F401
+    except Exception:
+        for name in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
+            del sys.modules[name]
+        sys.modules["torchvision"] = None  # type: ignore[assignment]
+    return importlib.import_module("transformers")
+
+
+def _gpt2(args: argparse.Namespace) -> nn.Module:
+    tf = _transformers()
+    config = tf.GPT2Config(n_layer=args.gpt_layers, n_embd=args.gpt_width, n_head=max(1, args.gpt_width // 64),
+                           vocab_size=args.gpt_vocab, n_positions=args.gpt_seq, resid_pdrop=0.0, embd_pdrop=0.0,
+                           attn_pdrop=0.0, attn_implementation="eager", use_cache=False, bos_token_id=0,
+                           eos_token_id=0)
+    torch.manual_seed(0)
+    model: nn.Module = tf.GPT2LMHeadModel(config)
+    return model
+
+
+def _lm_loss(out: Any, labels: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of a ModelOutput's logits."""
+    return nn.functional.cross_entropy(out.logits.reshape(-1, out.logits.shape[-1]), labels.reshape(-1))
+
+
+def transformer_table(comm: Communicator, args: argparse.Namespace) -> None:
+    """tokens/s of a GPT-2 (tied embeddings, captured by torch.export) for one process alone, P
+    processes alone at once ("seq all", the machine's ceiling), data, model (1F1B and interleaved),
+    and hybrid; efficiencies against the machine's ceiling."""
+    size, n, micro = comm.size, args.gpt_batch, args.gpt_micro
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, args.gpt_vocab, (n, args.gpt_seq), generator=g)
+    labels = torch.randint(0, args.gpt_vocab, (n, args.gpt_seq), generator=g)
+    inputs = ids  # input_ids, positionally: the data strategy slices tensors and tuples only
+
+    def sequential_step() -> Callable[[], None]:
+        model = _gpt2(args)
+        opt = _sgd(model.parameters())
+
+        def step() -> None:
+            opt.zero_grad()
+            for i, l in zip(ids.chunk(micro), labels.chunk(micro)):
+                (_lm_loss(model(input_ids=i), l) / micro).backward()
+            opt.step()
+        return step
+
+    def parallel(strategy: str, partitions: int, schedule: str = "1f1b") -> Timer:
+        spec = FitSpec(strategy=strategy, partitions=partitions, micro_batches=micro if strategy != "data" else 1,
+                       schedule=schedule, balance="time")
+        trainer = make_trainer(_gpt2(args), _lm_loss, _sgd, comm, spec)
+        return step_timer(comm, lambda: trainer.train_step(inputs, labels), args.steps)
+
+    timers = {"seq": alone_timer(comm, sequential_step() if comm.rank == 0 else None, args.steps),
+              "seq all": step_timer(comm, sequential_step(), args.steps),
+              "data": parallel("data", 1), "model 1f1b": parallel("model", size),
+              "model interleaved": parallel("model", size, "interleaved-1f1b")}
+    if size >= 4 and size % 2 == 0:
+        timers["hybrid 1f1b"] = parallel("hybrid", 2)
+    t = paired_rounds(timers, args.rounds)
+    tokens = n * args.gpt_seq
+    rows = []
+    stages = {"model 1f1b": size, "model interleaved": size, "hybrid 1f1b": 2}
+    for name in [k for k in timers if k not in ("seq", "seq all")]:
+        # the machine's ceiling: P whole-model processes at once give P x (tokens / T_seq all)
+        of_machine = paired_ratio(t["seq all"], t[name]) / size
+        P = stages.get(name, 1)  # the bubble: M / (M + (P - 1) / v), v = 2 for the interleaved schedule
+        ideal = micro / (micro + (P - 1) / (2 if "interleaved" in name else 1))
+        rows.append([name, tokens / median(t[name]), paired_ratio(t["seq"], t[name]), of_machine,
+                     quartiles([a / (size * b) for a, b in zip(t["seq all"], t[name])]), ideal,
+                     of_machine / ideal])
+    if comm.rank == 0:
+        print(f"\n## tokens/s per training step, GPT-2 ({args.gpt_layers} layers x {args.gpt_width}, vocab "
+              f"{args.gpt_vocab}, tied embeddings; batch {n} x {args.gpt_seq} tokens, M={micro}); sequential "
+              f"{tokens / median(t['seq']):.0f} tokens/s alone, {tokens / median(t['seq all']):.0f} with every "
+              f"rank running it at once;\n## 'of machine' = (T_seq all / T) / P: the share of what {size} "
+              f"concurrent processes get from this machine")
+        print_table(["contender", "tokens/s", "speed-up vs seq", "of machine", "q25-q75", "bubble ideal",
+                     "of machine ideal"], rows)
+
+
 def _ints(text: str) -> list[int]:
     return [int(v) for v in text.split(",") if v]
 
@@ -182,6 +272,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--image", type=int, default=16)
     p.add_argument("--steps", type=int, default=1, help="timed steps per contender per round (median)")
     p.add_argument("--rounds", type=int, default=10, help="interleaved rounds (ratios taken per round)")
+    p.add_argument("--tables", default="throughput,efficiency,transformer",
+                   help="comma-separated subset of throughput,efficiency,transformer")
+    p.add_argument("--gpt-layers", type=int, default=4)
+    p.add_argument("--gpt-width", type=int, default=128)
+    p.add_argument("--gpt-vocab", type=int, default=2000)
+    p.add_argument("--gpt-seq", type=int, default=64)
+    p.add_argument("--gpt-batch", type=int, default=16)
+    p.add_argument("--gpt-micro", type=int, default=4, help="M for the transformer table (a multiple of P)")
     add_outputs(p)
     args = p.parse_args(list(argv or []))
     comm = init()
@@ -192,8 +290,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{comm.size} ranks on {cores} cores"
         print(f"# {note}; OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '?')}; "
               f"torch threads per rank: {torch.get_num_threads()}", flush=True)
-    throughput_table(comm, args)
-    efficiency_table(comm, args)
+    tables = set(args.tables.split(","))
+    if "throughput" in tables:
+        throughput_table(comm, args)
+    if "efficiency" in tables:
+        efficiency_table(comm, args)
+    if "transformer" in tables:
+        transformer_table(comm, args)
     save_outputs(args, "pipeline", comm.size, comm.rank)
     return 0
 

@@ -7,11 +7,12 @@ import time
 
 import pytest
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 
-from mpitrain.strategies.pipeline.graph import TraceFailure, cut_points, measure, profile, split, trace
-from mpitrain.strategies.pipeline.partition import balanced_bounds, explicit_bounds
-from mpitrain.strategies.pipeline.stage import make_edges
+from mpitrain.strategies.pipeline._graph import TraceFailure, cut_points, measure, profile, split, trace
+from mpitrain.strategies.pipeline._partition import balanced_bounds, explicit_bounds
+from mpitrain.strategies.pipeline._stage import make_edges
 
 from .models import MODELS
 
@@ -45,15 +46,16 @@ class _Net(nn.Module):
         return self.fc2(slow_backward(nn.functional.dropout(self.bn(self.fc1(x)), 0.5)))
 
 
-def run_partitions(parts, x):
-    """Run the partitions one after another in one process, passing values by name."""
+def run_partitions(traced, parts, flat):
+    """Run the partitions one after another in one process, passing values by name; the model's output
+    rebuilt in its own structure."""
     values: dict[str, torch.Tensor] = {}
     out = None
     for p in parts:
-        out = p.module(*[x for _ in p.data_inputs], *[values[v] for v in p.recv_inputs])
+        out = p.module(*[flat[i] for i in p.data_inputs], *[values[v] for v in p.recv_inputs])
         if p.outputs:
             values.update(zip(p.outputs, out))
-    return out
+    return pytree.tree_unflatten(out, traced.out_spec)
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
@@ -65,12 +67,12 @@ def test_partitions_run_in_sequence_give_the_model_output_and_grads(name, P):
     x = torch.randn(6, *shape)
     traced = trace(model)
     meta = profile(traced, [x])
-    parts = split(traced, balanced_bounds([1.0] * len(traced.nodes), cut_points(traced, meta), P))
+    parts = split(traced, balanced_bounds([1.0] * len(traced.nodes), cut_points(traced, meta), P), meta)
     expected = model(x)
     expected.sum().backward()
     want = [q.grad.clone() for q in model.parameters()]
     model.zero_grad()
-    got = run_partitions(parts, x)
+    got = run_partitions(traced, parts, [x])
     got.sum().backward()
     assert torch.equal(got, expected)
     for g, w in zip([q.grad for q in model.parameters()], want):
@@ -85,20 +87,34 @@ def test_skip_model_has_an_edge_over_a_whole_partition_read_by_two_partitions():
     names = [n.name for n in traced.nodes]
     bounds = [0, names.index("l2") + 1, names.index("l3") + 1, names.index("add") + 1, len(names)]
     assert all(b in cuts for b in bounds[1:-1])
-    edges = make_edges(split(traced, bounds), meta)
+    edges = make_edges(split(traced, bounds, meta), meta)
     a_edges = [(e.src, e.dst) for e in edges if e.value == "tanh"]
     assert a_edges == [(0, 2), (0, 3)]
     kinds = {e.value: e.grad for e in edges}
     assert kinds["argmax"] is False and kinds["float_1"] is False and kinds["tanh"] is True
 
 
-def test_cut_points_never_let_a_shape_cross_a_boundary():
-    cls, shape = MODELS["skip"]
-    traced = trace(cls())
-    meta = profile(traced, [torch.randn(4, *shape)])
+class _ShapeOfActivation(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.l2, self.l3 = nn.Linear(4, 6), nn.Linear(6, 6), nn.Linear(6, 2)
+
+    def forward(self, x):
+        h = torch.tanh(self.l1(x))
+        n = h.size(0)
+        return self.l3(torch.relu(self.l2(h))).view(n, -1) + x.size(1)
+
+
+def test_a_shape_of_an_activation_never_crosses_a_boundary_and_an_input_shape_is_recomputed():
+    traced = trace(_ShapeOfActivation())
+    x = torch.randn(4, 4)
+    meta = profile(traced, [x])
     names = [n.name for n in traced.nodes]
-    size_at = names.index("size")
-    assert not any(size_at < c <= names.index("view") for c in cut_points(traced, meta))
+    cuts = cut_points(traced, meta)
+    assert not any(names.index("size") < c <= names.index("view") for c in cuts)
+    parts = split(traced, [0, cuts[-1], len(names)], meta)  # size_1 = x.size(1) is read after the cut
+    assert all("size_1" not in p.recv_inputs for p in parts)
+    assert torch.equal(run_partitions(traced, parts, [x]), traced.gm(x))
 
 
 def test_balanced_bounds_minimise_the_costliest_partition_like_brute_force():
@@ -155,3 +171,55 @@ def test_measure_leaves_buffers_gradients_modes_and_rng_untouched():
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())  # BN statistics too
     assert torch.equal(model.fc1.weight.grad, torch.ones_like(model.fc1.weight)) and model.fc2.weight.grad is None
     assert not any(m.training for m in traced.gm.modules())
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert", "llama"])
+def test_exported_transformer_partitions_in_sequence_give_its_output_and_grads_exactly(name):
+    """fx cannot trace these; torch.export can, and partitions of its graph change no bit."""
+    from mpitrain.strategies.pipeline._graph import capture, model_args, param_counts, tied_groups
+
+    from .tiny_transformers import build, lm_batches, lm_loss
+
+    model = build(name)
+    (inputs, labels), = lm_batches(4, 1)
+    traced = capture(model, inputs)
+    flat = model_args(traced, inputs)
+    meta = profile(traced, flat)
+    parts = split(traced, balanced_bounds(param_counts(traced), cut_points(traced, meta), 3), meta)
+    got = run_partitions(traced, parts, flat)
+    lm_loss(got, labels).backward()
+    got_grads = [q.grad.clone() for q in model.parameters()]
+    model.zero_grad()
+    want = model(**inputs)
+    lm_loss(want, labels).backward()
+    assert traced.how == "export" and type(got) is type(want)
+    assert torch.equal(got.logits, want.logits)
+    assert all(torch.equal(a, q.grad) for a, q in zip(got_grads, model.parameters()))
+    tied = [holders for holders, _ in tied_groups(parts)]
+    assert tied == ([] if name == "llama" else [(0, 2)])  # embedding and LM head: first and last partition
+
+
+class _ModeDependent(nn.Module):
+    """Dropout and BatchNorm behind a shape branch fx cannot trace: captured by torch.export."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l, self.drop, self.bn = nn.Linear(4, 4), nn.Dropout(0.5), nn.BatchNorm1d(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > 1:
+            x = x * 2
+        return self.bn(self.drop(self.l(x)))
+
+
+def test_an_exported_graph_follows_eval_mode_for_dropout_and_batch_norm():
+    from mpitrain.strategies.pipeline._graph import capture, set_training
+
+    torch.manual_seed(0)
+    model = _ModeDependent()
+    x = torch.randn(6, 4)
+    traced = capture(model, x)
+    assert traced.how == "export"
+    set_training(traced.gm, False)
+    with torch.no_grad():
+        assert torch.equal(traced.gm(x)[0], model.eval()(x))

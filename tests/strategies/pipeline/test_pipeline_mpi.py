@@ -96,7 +96,9 @@ def test_training_loss_is_the_one_process_mean_on_every_rank(comm):
     ({"strategy": "model", "schedule": "zigzag"}, "unknown schedule"),
     ({"strategy": "model", "micro_batches": 4}, "cannot be split equally"),
     ({"strategy": "model", "balance": [1]}, "balance must be"),
-    ({"strategy": "model", "stall_timout": 3}, "unknown option"),
+    ({"strategy": "model", "stall_timout": 3}, "does not take option"),
+    ({"strategy": "model", "checkpoint": "sometimes"}, "checkpoint"),
+    ({"strategy": "model", "schedule": "interleaved-1f1b", "micro_batches": 5}, "multiple"),
 ])
 def test_bad_arguments_are_refused_on_every_rank_before_any_message(comm, kwargs, match):
     cls, shape = MODELS["mlp"]
@@ -107,7 +109,7 @@ def test_bad_arguments_are_refused_on_every_rank_before_any_message(comm, kwargs
 
 @pytest.mark.mpi
 def test_more_partitions_than_graph_nodes_is_refused(comm):
-    with pytest.raises(ValueError, match="exceeds the 1 nodes"):
+    with pytest.raises(ValueError, match="exceed the 1 nodes"):
         fit(nn.Sequential(nn.Linear(3, 2)), [(torch.ones(4, 3), torch.zeros(4, dtype=torch.long))],
             nn.CrossEntropyLoss(), sgd, strategy="model", partitions=comm.size, progress=False)
 
@@ -115,7 +117,7 @@ def test_more_partitions_than_graph_nodes_is_refused(comm):
 def skip_balance(size: int) -> list[int]:
     """Node counts putting `tanh` (a) in partition 0 and its readers in the last two partitions (from
     3 ranks on; on 4 ranks a also jumps over partition 1)."""
-    from mpitrain.strategies.pipeline.graph import trace
+    from mpitrain.strategies.pipeline._graph import trace
 
     names = [n.name for n in trace(MODELS["skip"][0]()).nodes]
     after = {2: ["relu"], 3: ["relu", "mul"], 4: ["relu", "tanh_1", "add"]}[size]

@@ -25,7 +25,7 @@ SCRIPT = textwrap.dedent("""
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
     data = [(torch.randn(4, 4), torch.randint(0, 3, (4,))) for _ in range(3)]
     fit(model, data, loss_fn, lambda p: torch.optim.SGD(p, lr=0.1), strategy="model", partitions=2,
-        micro_batches=2, progress=False, balance="params", stall_timeout=0.5, stall_abort=3.0)
+        micro_batches=2, progress=False, balance="params", warn_after=0.5, abort_after=3.0)
 """)
 
 

@@ -1,5 +1,11 @@
-"""Model (pipeline) and hybrid parallelism of an unmodified model, HyPar-Flow style."""
+"""Model (pipeline) and hybrid parallelism of an unmodified model, HyPar-Flow style.
 
-from .trainer import make_trainer
+Public surface: :class:`Pipeline` (the user's own loop), ``make_trainer`` (what ``fit(strategy=
+"model"|"hybrid")`` runs), the schedules as data (:mod:`.schedule`) and :class:`TraceFailure`."""
 
-__all__ = ["make_trainer"]
+from ._graph import TraceFailure
+from ._pipe import CHECKPOINTS, Pipeline
+from ._trainer import make_trainer
+from .schedule import SCHEDULES
+
+__all__ = ["Pipeline", "make_trainer", "TraceFailure", "SCHEDULES", "CHECKPOINTS"]

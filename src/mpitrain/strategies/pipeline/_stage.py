@@ -20,18 +20,19 @@ Message protocol, the same for every model, P, R and schedule:
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from ...comm._wait import StallPolicy, wait_request
 from ...comm.base import Communicator, Request
 from ...timeline import span
-from .graph import Partition, ValueMeta, mutated_placeholders
+from ._graph import Partition, ValueMeta, mutated_placeholders
 from .schedule import Action
 
-__all__ = ["Edge", "make_edges", "Stage"]
+__all__ = ["Edge", "make_edges", "Stage", "run"]
 
 _MAX_TAG = 32767  # the MPI standard's guaranteed minimum for MPI_TAG_UB
 
@@ -50,7 +51,7 @@ class Edge:
 def make_edges(parts: list[Partition], meta: dict[str, ValueMeta | None]) -> list[Edge]:
     """All boundary edges in one global order: by consumer, then the consumer's argument order."""
     producer = {v: p.index for p in parts for v in p.outputs}
-    out = []
+    out: list[Edge] = []
     for p in parts:
         for v in p.recv_inputs:
             m = meta[v]
@@ -60,22 +61,25 @@ def make_edges(parts: list[Partition], meta: dict[str, ValueMeta | None]) -> lis
 
 
 class Stage:
-    """One partition on one rank of a pipeline communicator (`ranks[k]`: the rank running partition k).
+    """One partition on one rank of a pipeline communicator (`ranks[k]`: the rank running partition k;
+    with virtual stages a rank runs several partitions, each its own Stage).
 
-    ``run`` executes a schedule's actions for one mini-batch; every stage of the pipeline must call it
-    with the same actions kind (train or eval) and micro-batch count."""
+    :func:`run` executes a schedule's actions for one mini-batch; every stage of the pipeline must call
+    it with the same actions kind (train or eval) and micro-batch count. `recompute(micro)` says
+    whether the forward of a training micro-batch keeps only its inputs and recomputes its
+    activations during backward (``torch.utils.checkpoint``, non-reentrant: RNG state replayed)."""
 
     def __init__(self, part: Partition, edges: list[Edge], comm: Communicator, ranks: list[int],
-                 micro_window: int, stall_timeout: float, stall_abort: float | None = None) -> None:
-        self.part, self.comm, self.ranks = part, comm, ranks
+                 micro_window: int, policy: StallPolicy, recompute: Callable[[int], bool] = lambda m: False) -> None:
+        self.part, self.comm, self.ranks, self.recompute = part, comm, ranks, recompute
         self.last = part.index == len(ranks) - 1
         self.in_edges = [e for e in edges if e.dst == part.index]
         self.out_edges = [e for e in edges if e.src == part.index]
         self.grad_out = [e for e in self.out_edges if e.grad]
         self.window = max(1, min(micro_window, _MAX_TAG // max(2 * len(edges), 1)))
-        # A micro-batch stage step is ~1 ms: poll at most every 0.2 ms so the watchdog costs little latency.
-        self.policy = StallPolicy(warn_after=stall_timeout, abort_after=stall_abort, max_nap=2e-4)
-        self._posted: dict[Action, list[tuple[Request, torch.Tensor]]] = {}
+        # A micro-batch stage step can be ~1 ms: poll at most every 0.2 ms so waiting adds little latency.
+        self.policy = replace(policy, max_nap=min(policy.max_nap, 2e-4), first_nap=min(policy.first_nap, 2e-5))
+        self._posted: dict[tuple[str, int], list[tuple[Request, torch.Tensor]]] = {}
         self._sends: list[tuple[Request, str]] = []
         self._saved: dict[int, tuple[list[torch.Tensor], Any]] = {}
         mutated = mutated_placeholders(part.module)
@@ -86,21 +90,22 @@ class Stage:
 
     # -- receives -----------------------------------------------------------------------------
     def _post(self, a: Action, metas: list[dict[str, ValueMeta | None]]) -> None:
-        if a in self._posted:
+        if (a.kind, a.micro) in self._posted:
             return
         edges = self.in_edges if a.kind == "F" else self.grad_out
         peer = (lambda e: e.src) if a.kind == "F" else (lambda e: e.dst)
         reqs = []
         for e in edges:
             m = metas[a.micro][e.value]
+            assert m is not None  # edges carry tensors only (cut_points)
             buf = torch.empty(m.shape, dtype=m.dtype)
             reqs.append((self.comm.irecv(buf, self.ranks[peer(e)], self.tag(e, a.micro, a.kind == "B")), buf))
-        self._posted[a] = reqs
+        self._posted[(a.kind, a.micro)] = reqs
 
     def _take(self, a: Action) -> list[torch.Tensor]:
         edges = self.in_edges if a.kind == "F" else self.grad_out
         out = []
-        for e, (req, buf) in zip(edges, self._posted.pop(a)):
+        for e, (req, buf) in zip(edges, self._posted.pop((a.kind, a.micro))):
             what = "activation" if a.kind == "F" else "partial error"
             src = e.src if a.kind == "F" else e.dst
             self._wait(req, f"{what} {e.value!r} of micro-batch {a.micro} from partition {src} "
@@ -109,10 +114,10 @@ class Stage:
         return out
 
     def _wait(self, req: Request, what: str) -> None:
-        """Wait with a way out (the project's stall watchdog): a sleeping poll, a warning naming what is
-        missing after `stall_timeout` s, the end of the job after `stall_abort` s (None: never)."""
-        wait_request(req, f"{what}, in partition {self.part.index}", self.policy, f"rank {self.comm.rank}",
-                     self.comm.abort)
+        """Wait with a way out: a sleeping poll, a line naming what is missing every
+        `policy.warn_after` s, the end of the job after `policy.abort_after` s (None: never)."""
+        wait_request(req, lambda: f"{what}, in partition {self.part.index}", self.policy,
+                     f"rank {self.comm.rank}", self.comm.abort)
 
     def _send(self, t: torch.Tensor, e: Edge, micro: int, backward: bool) -> None:
         t = t.detach()
@@ -127,7 +132,11 @@ class Stage:
         received = self._take(Action("F", micro))
         leaves = [t.requires_grad_() if (train and e.grad) else t for e, t in zip(self.in_edges, received)]
         args = [t.clone() if c and t.requires_grad else t for t, c in zip(leaves, self._clone)]
-        out = self.part.module(*[inputs[i] for i in self.part.data_inputs], *args)
+        call = [inputs[i] for i in self.part.data_inputs] + args
+        if train and self.recompute(micro):
+            out = checkpoint(self.part.module, *call, use_reentrant=False)
+        else:
+            out = self.part.module(*call)
         if not self.last:
             index = {v: i for i, v in enumerate(self.part.outputs)}
             for e in self.out_edges:
@@ -139,7 +148,10 @@ class Stage:
     def backward(self, micro: int, loss: torch.Tensor | None) -> None:
         """Backward of micro-batch `micro`: from `loss` (last partition) or the summed received errors."""
         leaves, out = self._saved.pop(micro)
+        tensors: list[torch.Tensor]
+        grads: list[torch.Tensor] | None
         if self.last:
+            assert loss is not None, "the last partition back-propagates the loss"
             tensors, grads = [loss], None
         else:
             summed: dict[str, torch.Tensor] = {}
@@ -155,28 +167,33 @@ class Stage:
                 g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
                 self._send(g, e, micro, backward=True)
 
-    def run(self, actions: list[Action], inputs: list[list[Any]], metas: list[dict[str, ValueMeta | None]],
-            last_fn: Callable[[int, Any], torch.Tensor | None], train: bool) -> None:
-        """Run `actions` in order. On the last partition ``last_fn(micro, output)`` is called after each
-        forward and, when training, returns the (scaled) loss to back-propagate."""
-        losses: dict[int, torch.Tensor] = {}
-        for i, a in enumerate(actions):
-            self._post(a, metas)
-            if i + 1 < len(actions):
-                self._post(actions[i + 1], metas)
-            with span(str(a), stage=self.part.index, micro=a.micro):  # timeline: F3 / B3 of this stage
-                if a.kind == "F":
-                    with torch.set_grad_enabled(train):
-                        out = self.forward(a.micro, inputs[a.micro], train)
-                    if self.last:
-                        loss = last_fn(a.micro, out)
-                        if train:
-                            losses[a.micro] = loss
-                else:
-                    self.backward(a.micro, losses.pop(a.micro, None))
-
     def finish_sends(self) -> None:
         """Complete every send of the step (their buffers may be freed or reused afterwards)."""
         for req, what in self._sends:
             self._wait(req, what)
         self._sends.clear()
+
+
+def run(stages: list[Stage], actions: list[Action], inputs: list[list[Any]],
+        metas: list[dict[str, ValueMeta | None]], last_fn: Callable[[int, Any], torch.Tensor | None],
+        train: bool) -> None:
+    """Run `actions` in order, each on ``stages[action.chunk]`` (this rank's partitions). Receives are
+    posted one action ahead. On the model's last partition ``last_fn(micro, flat_outputs)`` is called
+    after each forward and, when training, returns the (scaled) loss to back-propagate."""
+    losses: dict[int, torch.Tensor] = {}
+    for i, a in enumerate(actions):
+        stages[a.chunk]._post(a, metas)
+        if i + 1 < len(actions):
+            nxt = actions[i + 1]
+            stages[nxt.chunk]._post(nxt, metas)
+        stage = stages[a.chunk]
+        with span(str(a), stage=stage.part.index, micro=a.micro):  # the timeline's F3 / B3 of this stage
+            if a.kind == "F":
+                with torch.set_grad_enabled(train):
+                    out = stage.forward(a.micro, inputs[a.micro], train)
+                if stage.last:
+                    loss = last_fn(a.micro, out)
+                    if train and loss is not None:
+                        losses[a.micro] = loss
+            else:
+                stage.backward(a.micro, losses.pop(a.micro, None) if stage.last else None)

@@ -57,7 +57,7 @@ def explicit_bounds(sizes: Sequence[int], n: int, cuts: Sequence[int]) -> list[i
     return [int(b) for b in bounds]
 
 
-def bounds_from_balance(balance: object, parts: int, costs: Sequence[float],
+def bounds_from_balance(balance: str | Sequence[int], parts: int, costs: Sequence[float],
                         cuts: Sequence[int]) -> list[int]:
     """``balance`` is "time"/"params" (then `costs` are the measured seconds/parameter counts) or a list."""
     if isinstance(balance, str):

@@ -1,0 +1,479 @@
+"""Model generator (HyPar-Flow §5.1): capture an unmodified model as a graph, measure it, cut it.
+
+Capture: ``torch.fx.symbolic_trace`` where it traces (module-level graph, readable node names);
+otherwise ``torch.export.export(..., strict=False)`` with a dynamic batch dimension, whose
+``ExportedProgram.module()`` is an ATen-level graph (Hugging Face transformers, models with control
+flow on shapes). Both give one ``fx.GraphModule`` whose placeholders are the *flat* model inputs
+(the leaves of ``(args, kwargs)``) and whose output is the flat list of output leaves; `out_spec`
+rebuilds the model's own output pytree (a tensor, a tuple, a ``ModelOutput``).
+
+A captured model is a list of *compute nodes* in the graph's (topological) order. Partition k owns
+the contiguous slice ``nodes[bounds[k]:bounds[k+1]]`` and becomes its own ``fx.GraphModule`` whose
+placeholders are (1) the model inputs it reads and (2) the values it receives from earlier
+partitions, and whose outputs are the values later partitions read. *Local* nodes -- parameter and
+buffer reads (``get_attr``) and non-tensor values computed from the inputs alone (``x.size(0)``) --
+never cross a boundary: every partition that reads one computes its own copy. A parameter read by
+several partitions is therefore held by each of them (a tied weight: see :func:`tied_groups`). The
+partition modules share parameter and buffer tensors with the user's model, so training a partition
+trains the user's model in place.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import fx, nn
+
+__all__ = ["TraceFailure", "ValueMeta", "Traced", "Partition", "capture", "trace", "export", "model_args",
+           "call_args", "profile", "measure", "param_counts", "cut_points", "split", "mutated_placeholders",
+           "local_nodes", "tied_groups", "set_training"]
+
+
+class TraceFailure(ValueError):
+    """The model could not be captured as a graph; the message names what stopped it and what to do."""
+
+
+@dataclass(frozen=True)
+class ValueMeta:
+    """What one graph value looks like for a given micro-batch: enough to allocate a receive buffer."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+
+
+@dataclass
+class Traced:
+    """A captured model: `nodes` are the compute nodes (no placeholders/output) in execution order.
+
+    `how` is "fx" or "export". `outputs` are the flat output leaves (nodes or constants) and `out_spec`
+    their pytree structure. `in_spec` (export only) is the pytree structure of ``(args, kwargs)`` the
+    graph was captured with; fx graphs take positional inputs (or a dict by argument name)."""
+
+    gm: fx.GraphModule
+    placeholders: list[fx.Node]
+    nodes: list[fx.Node]
+    output: fx.Node
+    outputs: list[Any]
+    out_spec: pytree.TreeSpec
+    in_spec: pytree.TreeSpec | None = None
+    how: str = "fx"
+
+
+@dataclass
+class Partition:
+    """One contiguous slice of the graph as a runnable module.
+
+    `data_inputs` are indices into the model's flat inputs (read locally: every rank has the batch);
+    `recv_inputs` and `outputs` are value names, in the module's argument/return order. The last
+    partition returns the model's flat output leaves (a list)."""
+
+    index: int
+    module: fx.GraphModule
+    data_inputs: list[int]
+    recv_inputs: list[str]
+    outputs: list[str]
+
+
+def call_args(inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """How a batch's inputs call the model: a dict is keyword arguments, a tuple/list positional
+    arguments, anything else the one positional argument."""
+    if isinstance(inputs, dict):
+        return (), dict(inputs)
+    if isinstance(inputs, (tuple, list)):
+        return tuple(inputs), {}
+    return (inputs,), {}
+
+
+def capture(model: nn.Module, sample: Any) -> Traced:
+    """fx if it traces `model`, else torch.export on `sample` (a batch's inputs, as :func:`call_args`
+    reads them). Raises :class:`TraceFailure` naming both failures."""
+    try:
+        return trace(model)
+    except TraceFailure as fx_error:
+        try:
+            return export(model, sample)
+        except TraceFailure as e:
+            raise TraceFailure(f"{e}\n(torch.fx failed first: {fx_error.__cause__!r})") from e
+
+
+def trace(model: nn.Module) -> Traced:
+    """Symbolically trace `model` (unmodified). Raises :class:`TraceFailure` naming what stopped fx."""
+    try:
+        gm = fx.symbolic_trace(model)
+    except Exception as e:  # TraceError, TypeError, NotImplementedError...: depends on the construct
+        raise TraceFailure(
+            f"cannot split {type(model).__name__} into partitions: torch.fx could not trace it "
+            f"({type(e).__name__}: {e}). Usual causes: Python control flow on tensor values "
+            f"(`if x.sum() > 0`), "
+            f"data-dependent shapes, or calls fx cannot see through; move them into a leaf module or use "
+            f"strategy='data'.") from e
+    nodes = list(gm.graph.nodes)
+    output = next(n for n in nodes if n.op == "output")
+    flat, spec = pytree.tree_flatten(output.args[0])
+    return _traced(model, gm, flat, spec, None, "fx")
+
+
+def export(model: nn.Module, sample: Any) -> Traced:
+    """Capture `model` with ``torch.export.export(strict=False)`` on `sample`, the batch dimension of
+    every tensor input dynamic (``Dim.AUTO``: it stays static where the model forces it)."""
+    from torch.export import Dim
+
+    args, kwargs = call_args(sample)
+    batch_dim = lambda t: {0: Dim.AUTO} if isinstance(t, torch.Tensor) and t.dim() > 0 else None  # noqa: E731
+    try:  # torch.export wants the specs keyed by the forward's parameter names
+        bound = inspect.signature(model.forward).bind(*args, **kwargs).arguments
+        dynamic: dict[str, Any] | None = {k: pytree.tree_map(batch_dim, v) for k, v in bound.items()}
+    except (TypeError, ValueError):
+        dynamic = None  # no signature to bind: shapes as in the sample
+    try:
+        ep = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=dynamic)
+    except Exception as e:
+        hint = ("set config.use_cache=False (a cache object is not a tensor pytree)"
+                if "not a known type" in str(e) or "pytree" in str(e) else
+                "make the forward traceable by torch.export or use strategy='data'")
+        raise TraceFailure(f"cannot split {type(model).__name__} into partitions: torch.export could not "
+                           f"capture it ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+                           f"{hint}") from e
+    unlifted = ep.module()
+    assert isinstance(unlifted, fx.GraphModule)
+    graph = unlifted.graph
+    for n in list(graph.nodes):  # the input-shape guard module checks what our slicing guarantees
+        if n.op == "call_module" and n.target == "_guards_fn":
+            graph.erase_node(n)
+    graph.eliminate_dead_code()
+    # A plain GraphModule over the same graph and tensors: flat inputs and outputs (no pytree codegen),
+    # and train()/eval() allowed (the ATen graph itself keeps the mode it was captured in).
+    graph._codegen = fx.graph.CodeGen()
+    gm = fx.GraphModule(unlifted, graph)
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    return _traced(model, gm, list(output.args[0]), ep.call_spec.out_spec, ep.call_spec.in_spec, "export")
+
+
+def _traced(model: nn.Module, gm: fx.GraphModule, outputs: list[Any], out_spec: pytree.TreeSpec,
+            in_spec: pytree.TreeSpec | None, how: str) -> Traced:
+    nodes = list(gm.graph.nodes)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    output = next(n for n in nodes if n.op == "output")
+    compute = [n for n in nodes if n.op not in ("placeholder", "output")]
+    if not compute:
+        raise TraceFailure(f"{type(model).__name__} traced to an empty graph: nothing to partition")
+    return Traced(gm, placeholders, compute, output, outputs, out_spec, in_spec, how)
+
+
+def local_nodes(traced: Traced, meta: dict[str, ValueMeta | None]) -> set[str]:
+    """Nodes every partition computes for itself instead of receiving them: parameter/buffer reads,
+    and non-tensor values (shapes) computed by functions of the model inputs and local nodes only."""
+    ph = {n.name for n in traced.placeholders}
+    local: set[str] = set()
+    for n in traced.nodes:
+        if n.op == "get_attr" or (n.op in ("call_function", "call_method") and meta.get(n.name) is None
+                                  and all(a.name in ph or a.name in local for a in n.all_input_nodes)):
+            local.add(n.name)
+    return local
+
+
+def model_args(traced: Traced, inputs: Any) -> list[Any]:
+    """The value of every placeholder for a batch's `inputs` (see :func:`call_args`): fx graphs take
+    positional inputs (or keywords by argument name) and the forward's defaults; exported graphs take
+    the leaves of ``(args, kwargs)`` in the structure they were captured with."""
+    args, kwargs = call_args(inputs)
+    if traced.in_spec is not None:
+        want = traced.in_spec.child(1).context if traced.in_spec.num_children == 2 else []
+        if kwargs and set(kwargs) == set(want):
+            kwargs = {k: kwargs[k] for k in want}  # the captured key order
+        flat, spec = pytree.tree_flatten((args, kwargs))
+        if spec != traced.in_spec:
+            raise ValueError(f"the batch's inputs have structure {spec} but the model was captured with "
+                             f"{traced.in_spec}; give every batch the same inputs (tensor, tuple or dict)")
+        return flat
+    names = [str(ph.target) for ph in traced.placeholders]
+    unknown = set(kwargs) - set(names)
+    if unknown:
+        raise ValueError(f"the data gives keyword input(s) {sorted(unknown)} that the model's forward does "
+                         f"not take; it takes {names}")
+    out = list(args)
+    for ph in traced.placeholders[len(out):]:
+        if str(ph.target) in kwargs:
+            out.append(kwargs[str(ph.target)])
+        elif ph.args:
+            out.append(ph.args[0])
+        else:
+            raise ValueError(f"the model's forward takes argument {ph.target!r} but the data gives only "
+                             f"{len(args) + len(kwargs)} input(s); yield (inputs, targets) batches whose "
+                             f"inputs are a tuple or a dict of the forward's arguments")
+    if len(args) > len(traced.placeholders):
+        raise ValueError(f"the data gives {len(args)} inputs but the model's forward takes "
+                         f"{len(traced.placeholders)}")
+    return out
+
+
+class _Recorder(fx.Interpreter):
+    """Runs the graph node by node, recording each node's output meta, forward seconds and (with
+    `stamp`) a hook on each differentiable output that notes when backward reaches it."""
+
+    def __init__(self, gm: fx.GraphModule, stamp: bool = False) -> None:
+        super().__init__(gm)
+        self.meta: dict[str, ValueMeta | None] = {}
+        self.seconds: dict[str, float] = {}
+        self.stamps: list[tuple[float, str]] = []
+        self._stamp = stamp
+
+    def run_node(self, n: fx.Node) -> Any:
+        t0 = time.perf_counter()
+        out = super().run_node(n)
+        self.seconds[n.name] = time.perf_counter() - t0
+        is_tensor = isinstance(out, torch.Tensor)
+        self.meta[n.name] = ValueMeta(tuple(out.shape), out.dtype, out.requires_grad) if is_tensor else None
+        if self._stamp and is_tensor and out.requires_grad:
+            out.register_hook(lambda g, name=n.name: self.stamps.append((time.perf_counter(), name)))
+        return out
+
+
+def profile(traced: Traced, inputs: Sequence[Any], grad: bool = True) -> dict[str, ValueMeta | None]:
+    """`inputs`: the flat placeholder values (:func:`model_args`).
+
+    Per-value meta (None: not a tensor) of one forward on `inputs` in eval mode, so BatchNorm
+    statistics and the RNG are not touched; with `grad` the metas tell which values carry gradients."""
+    with _undisturbed(traced.gm, train=False), torch.set_grad_enabled(grad):
+        rec = _Recorder(traced.gm)
+        rec.run(*inputs)
+    return rec.meta
+
+
+def measure(traced: Traced, inputs: Sequence[Any], passes: int = 3) -> list[float]:
+    """Seconds of forward plus backward per compute node (the fastest of `passes` training-mode passes
+    on `inputs`), for balancing partitions by time. The model's buffers, gradients and RNG state are
+    restored afterwards, so measuring changes nothing a step would see. A model that cannot run a
+    training pass on `inputs` (BatchNorm1d on one sample) is measured by eval-mode forwards instead.
+
+    A node's backward time runs from backward reaching its output until it reaches the next value
+    (hooks on every differentiable output): exact on a chain, an apportioning on branches; balancing
+    only uses sums over the contiguous node ranges that partitions are."""
+    try:
+        fwd, bwd = _timed_passes(traced, inputs, passes, train=True)
+    except RuntimeError:
+        fwd, bwd = _timed_passes(traced, inputs, passes, train=False)
+    return [fwd.get(n.name, 0.0) + bwd.get(n.name, 0.0) for n in traced.nodes]
+
+
+def _timed_passes(traced: Traced, inputs: Sequence[Any], passes: int,
+                  train: bool) -> tuple[dict[str, float], dict[str, float]]:
+    """Fastest forward and (when `train`) backward seconds per node over `passes` passes."""
+    fwd: dict[str, float] = {}
+    bwd: dict[str, float] = {}
+    with _undisturbed(traced.gm, train=train), torch.set_grad_enabled(train):
+        for _ in range(max(passes, 1)):
+            rec = _Recorder(traced.gm, stamp=train)
+            out = rec.run(*inputs)
+            fwd = {k: min(v, fwd.get(k, v)) for k, v in rec.seconds.items()}
+            if isinstance(out, torch.Tensor) and out.requires_grad:
+                out.backward(torch.ones_like(out))
+                events = [*sorted(rec.stamps), (time.perf_counter(), "")]
+                spent: dict[str, float] = {}
+                for (t, name), (t_next, _) in zip(events, events[1:]):
+                    spent[name] = spent.get(name, 0.0) + t_next - t
+                bwd = {k: min(v, bwd.get(k, v)) for k, v in spent.items()}
+    return fwd, bwd
+
+
+@contextmanager
+def _undisturbed(gm: nn.Module, train: bool) -> Iterator[None]:
+    """Run `gm` in train/eval mode and put back its modes, buffers, parameter gradients and RNG state."""
+    modes = {m: m.training for m in gm.modules()}
+    buffers = [(b, b.detach().clone()) for b in gm.buffers()]
+    grads = [(p, p.grad) for p in gm.parameters()]
+    for p, _ in grads:
+        p.grad = None  # backward would accumulate into the saved tensors in place
+    gm.train(train)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            yield
+    finally:
+        for m, training in modes.items():
+            m.train(training)
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+        for p, g in grads:
+            p.grad = g
+
+
+def param_counts(traced: Traced) -> list[float]:
+    """Parameter elements per compute node: a call_module's parameters, and each get_attr tensor counted
+    at its first reader (exported graphs read every weight at the top)."""
+    index = {n.name: i for i, n in enumerate(traced.nodes)}
+    out = [0.0] * len(traced.nodes)
+    for i, n in enumerate(traced.nodes):
+        if n.op == "call_module":
+            out[i] += float(sum(p.numel() for p in traced.gm.get_submodule(str(n.target)).parameters()))
+        elif n.op == "get_attr":
+            attr = _get_attr(traced.gm, str(n.target))
+            users = [index[u.name] for u in n.users if u.name in index]
+            out[min(users, default=i)] += float(attr.numel()) if isinstance(attr, torch.Tensor) else 0.0
+    return out
+
+
+def _get_attr(gm: nn.Module, target: str) -> Any:
+    obj: Any = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _last_use(traced: Traced, local: set[str]) -> dict[str, int]:
+    """For each non-local value: index of the last compute node reading it, directly or through local
+    nodes (len(nodes) when the output reads it)."""
+    index = {n.name: i for i, n in enumerate(traced.nodes)}
+    last: dict[str, int] = {}
+    for n in reversed([*traced.nodes, traced.output]):
+        at = last.get(n.name, -1) if n.name in local else index.get(n.name, len(traced.nodes))
+        for a in n.all_input_nodes:
+            last[a.name] = max(last.get(a.name, -1), at)
+    return {k: v for k, v in last.items() if k not in local}
+
+
+def cut_points(traced: Traced, meta: dict[str, ValueMeta | None]) -> list[int]:
+    """Positions c (1 <= c < len(nodes)) where the graph may be cut: every non-local value defined
+    before c and read at or after c is a tensor (a shape such as ``h.size(0)`` of an activation never
+    crosses a boundary)."""
+    local = local_nodes(traced, meta)
+    last = _last_use(traced, local)
+    live: set[str] = set()
+    out = []
+    for c, n in enumerate(traced.nodes[:-1], start=1):
+        if n.name not in local:
+            live.add(n.name)
+        live = {v for v in live if last.get(v, -1) >= c}
+        if all(meta.get(v) is not None for v in live):
+            out.append(c)
+    return out
+
+
+def split(traced: Traced, bounds: Sequence[int], meta: dict[str, ValueMeta | None]) -> list[Partition]:
+    """Cut the graph at `bounds` (``[0, c1, ..., len(nodes)]``) into runnable partition modules; each
+    gets copies of the local nodes (parameter reads, input shapes) it needs."""
+    local = local_nodes(traced, meta)
+    index = {n.name: i for i, n in enumerate(traced.nodes)}
+    ph_index = {n.name: i for i, n in enumerate(traced.placeholders)}
+    last = _last_use(traced, local)
+    parts = []
+    for k in range(len(bounds) - 1):
+        lo, hi = bounds[k], bounds[k + 1]
+        final = k == len(bounds) - 2
+        mine = [n for n in traced.nodes[lo:hi] if n.name not in local] + ([traced.output] if final else [])
+        needed: set[str] = set()
+        stack = [a for n in mine for a in n.all_input_nodes]
+        while stack:  # the local nodes this partition reads, directly or through other local nodes
+            a = stack.pop()
+            if a.name in local and a.name not in needed:
+                needed.add(a.name)
+                stack.extend(a.all_input_nodes)
+        own = sorted([n for n in traced.nodes if n.name in needed] + mine[:len(mine) - final],
+                     key=lambda n: index[n.name]) + mine[len(mine) - final:]
+        reads: dict[str, fx.Node] = {}
+        for n in own:
+            for a in n.all_input_nodes:
+                if a.name in ph_index or (a.name not in local and index[a.name] < lo):
+                    reads.setdefault(a.name, a)
+        data = sorted((v for v in reads if v in ph_index), key=ph_index.__getitem__)
+        recv = sorted((v for v in reads if v not in ph_index), key=index.__getitem__)
+        outs = [] if final else [n.name for n in traced.nodes[lo:hi]
+                                 if n.name not in local and last.get(n.name, -1) >= hi]
+        parts.append(Partition(k, _build(traced, own, [*data, *recv], outs, final),
+                               [ph_index[v] for v in data], recv, outs))
+    return parts
+
+
+def _build(traced: Traced, own: list[fx.Node], inputs: list[str], outputs: list[str],
+           last: bool) -> fx.GraphModule:
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    by_name = {n.name: n for n in [*traced.placeholders, *traced.nodes]}
+    for name in inputs:
+        env[by_name[name]] = g.placeholder(name)
+    for n in own:
+        if n.op != "output":
+            env[n] = g.node_copy(n, lambda a: env[a])
+    if last:  # the flat output leaves; Traced.out_spec rebuilds the model's output structure
+        g.output([env[v] if isinstance(v, fx.Node) else v for v in traced.outputs])
+    else:
+        g.output(tuple(env[by_name[v]] for v in outputs))
+    return fx.GraphModule(traced.gm, g)
+
+
+#: ATen ops of an exported graph whose behaviour depends on the mode, and the index of their `train` flag
+_MODE_ARGS = {"aten::dropout": 2, "aten::feature_dropout": 2, "aten::alpha_dropout": 2,
+              "aten::feature_alpha_dropout": 2, "aten::batch_norm": 5}
+
+
+def set_training(gm: fx.GraphModule, train: bool) -> None:
+    """Switch the mode flag of the dropout and batch-norm ops of an exported (ATen) graph, which
+    ``module.train()``/``eval()`` cannot reach (export bakes the mode into the op's arguments).
+    Python branches on ``self.training`` stay as they were when the model was captured."""
+    changed = False
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
+            i = _MODE_ARGS.get(n.target._schema.name)
+            if i is not None and len(n.args) > i and n.args[i] is not train:
+                n.update_arg(i, train)
+                changed = True
+    if changed:
+        gm.recompile()
+
+
+def tied_groups(parts: list[Partition]) -> list[tuple[tuple[int, ...], list[nn.Parameter]]]:
+    """Parameters held by more than one partition, grouped by the partitions holding them: a list of
+    (partition indices, parameters in the first holder's order), in one order every rank computes."""
+    holders: dict[int, list[int]] = {}
+    first: dict[int, nn.Parameter] = {}
+    for p in parts:
+        for q in p.module.parameters():
+            holders.setdefault(id(q), []).append(p.index)
+            first.setdefault(id(q), q)
+    groups: dict[tuple[int, ...], list[nn.Parameter]] = {}
+    for key, ks in holders.items():
+        if len(ks) > 1:
+            groups.setdefault(tuple(ks), []).append(first[key])
+    return sorted(groups.items())
+
+
+def mutated_placeholders(gm: fx.GraphModule) -> set[str]:
+    """Placeholders that some node modifies in place (``relu(inplace=True)``, ``x += y``, ``x.add_``).
+
+    A received activation is a leaf of the partition's autograd graph, which torch forbids mutating;
+    these inputs are cloned first so the partition runs the same in-place code as the whole model."""
+    out = set()
+    for n in gm.graph.nodes:
+        if n.op != "placeholder":
+            continue
+        for u in n.users:
+            if u.args and u.args[0] is n and _in_place(gm, u):
+                out.add(n.name)
+    return out
+
+
+def _in_place(gm: fx.GraphModule, n: fx.Node) -> bool:
+    if n.op == "call_module":
+        return bool(getattr(gm.get_submodule(str(n.target)), "inplace", False))
+    if n.op == "call_method":
+        return str(n.target).endswith("_") and not str(n.target).endswith("__")
+    if n.op == "call_function":
+        if isinstance(n.target, torch._ops.OpOverload):  # an ATen op (exported graph): ask its schema
+            args = n.target._schema.arguments
+            return bool(args and args[0].alias_info is not None and args[0].alias_info.is_write)
+        name = getattr(n.target, "__name__", "")
+        return bool(n.kwargs.get("inplace")) or name.startswith("i") and name in _INPLACE_OPERATORS or (
+            name.endswith("_") and not name.endswith("__"))
+    return False
+
+
+_INPLACE_OPERATORS = {"iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "iand", "ior", "ixor",
+                      "ilshift", "irshift", "imatmul"}

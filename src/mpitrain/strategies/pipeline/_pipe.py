@@ -1,0 +1,460 @@
+"""`Pipeline`: R replicas of a pipeline of P partitions of an unmodified model, for the user's own loop.
+
+World rank ``r * P + p`` runs pipeline rank p of replica r (a replica's partitions are consecutive
+ranks, so a pipeline fills a node and replicas span nodes, as in HyPar-Flow §6.5). Sub-communicators:
+``pipe`` (the P ranks of one replica: activations and partial errors), ``group`` (the R ranks holding
+pipeline rank p: the gradient average) and one per set of pipeline ranks sharing a tied parameter
+(the sum of its copies' gradients). Replica r takes slice r of R of each global batch and splits it
+into M micro-batches; the last partition back-propagates ``loss(micro) / M``, so after :meth:`step`
+the gradients equal one process's gradients of the mean loss over the whole batch.
+
+With ``schedule="interleaved-1f1b"`` the model is cut into ``P * virtual_stages`` partitions and
+pipeline rank p runs partitions p, p + P, ... (Megatron-LM's virtual stages).
+
+Set-up happens on the first batch (or at construction given `example`), because capture, shapes and
+per-node times need a sample: every rank captures the same graph (:func:`._graph.capture`), measures
+it on one micro-batch, and one ``allgather_object`` checks that all ranks agree on the arguments and
+averages the measured times so that every rank computes the same partition. Everything wrong is
+refused before that allgather, on every rank (each has the same information).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+from ..._utils.stall import DEFAULT_POLICY, StallPolicy, watched
+from ...comm.base import Communicator, split_sizes
+from .._batching import check_divisible
+from .._grad_allreduce import allreduce_gradients, start_allreduce_gradients
+from ..base import FitError
+from ._graph import (
+    Partition,
+    Traced,
+    TraceFailure,
+    ValueMeta,
+    capture,
+    cut_points,
+    measure,
+    model_args,
+    param_counts,
+    profile,
+    set_training,
+    split,
+    tied_groups,
+)
+from ._graph import _get_attr as get_attr
+from ._materialize import InitFn, is_meta, materialize
+from ._partition import bounds_from_balance
+from ._stage import Stage, make_edges, run
+from .schedule import SCHEDULES, Action, schedule
+
+__all__ = ["Pipeline", "CHECKPOINTS"]
+
+#: Activation recomputation policies (torchgpipe's): recompute the forward of every training
+#: micro-batch during its backward, of all but the last one, or of none.
+CHECKPOINTS = ("never", "except_last", "always")
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+def _rows(args: list[Any], start: int, stop: int) -> list[Any]:
+    return [a[start:stop] if isinstance(a, torch.Tensor) and a.dim() > 0 else a for a in args]
+
+
+def _slice(tree: Any, start: int, stop: int) -> Any:
+    """Rows start:stop of every tensor of a pytree (targets may be a tensor, tuple or dict)."""
+    return pytree.tree_map(lambda t: t[start:stop] if isinstance(t, torch.Tensor) and t.dim() > 0 else t, tree)
+
+
+def _batch(flat: list[Any]) -> int:
+    for a in flat:
+        if isinstance(a, torch.Tensor) and a.dim() > 0:
+            return int(a.shape[0])
+    raise FitError("the inputs hold no tensor with a batch dimension to split into micro-batches")
+
+
+class Pipeline:
+    """A model split into `partitions` stages (times `replicas` copies) over `comm` (default: the world).
+
+    Every rank of `comm` constructs it with the same arguments and calls :meth:`step` / :meth:`eval`
+    with the same global batch. ``partitions * replicas`` must equal ``comm.size`` (either may be
+    left out). `balance`: "time" (measured forward+backward per graph node), "params", or a list of
+    node counts per partition. `checkpoint`: one of :data:`CHECKPOINTS`. `example`: a batch's inputs,
+    to set up at construction, so that :meth:`parameters` is known before the first step.
+
+    A model on the meta device is captured, measured and split on meta; each rank then allocates and
+    initialises only the modules its partitions use (:func:`._materialize.materialize`, seeded by
+    `seed` and each module's name, with `init_fn(module)` or the module's ``reset_parameters()``)."""
+
+    def __init__(self, model: nn.Module, partitions: int | None = None, replicas: int | None = None,
+                 micro_batches: int = 1, schedule: str = "1f1b", comm: Communicator | None = None,
+                 checkpoint: str = "never", *, balance: Any = "time", virtual_stages: int = 2,
+                 stall: StallPolicy = DEFAULT_POLICY, profile_passes: int = 5, example: Any = None,
+                 seed: int = 0, init_fn: InitFn | None = None) -> None:
+        if comm is None:
+            from ...runtime import init
+
+            comm = init()
+        self.model, self.comm = model, comm
+        self.P, self.R = _layout(partitions, replicas, comm.size)
+        self.M, self.schedule, self.checkpoint, self.balance = micro_batches, schedule, checkpoint, balance
+        self.stall, self.profile_passes, self.seed, self.init_fn = stall, profile_passes, seed, init_fn
+        _check_options(self.P, micro_batches, schedule, checkpoint, balance, virtual_stages)
+        self.on_meta = is_meta(model)
+        if self.on_meta and balance == "time":
+            raise FitError("a model on the meta device cannot be timed before it is split (its weights do "
+                           "not exist yet): pass balance='params' or a list of node counts")
+        self.V = virtual_stages if schedule == "interleaved-1f1b" else 1
+        self.replica, self.p = divmod(comm.rank, self.P)
+        self.pipe = _split(comm, self.replica, self.p)
+        self.group = _split(comm, self.p, self.replica)
+        self.traced: Traced | None = None
+        self.stages: list[Stage] = []
+        self._metas: dict[int, dict[str, ValueMeta | None]] = {}
+        if example is not None:
+            flat = self._flat(example)
+            self._setup(example, flat, max(1, _batch(flat) // (self.R * self.M)))
+
+    # -- public ---------------------------------------------------------------------------------
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """This rank's trainable parameters (each once), for its optimizer. Needs the set-up: pass
+        `example` to the constructor, or call it after the first :meth:`step`."""
+        if not self.stages:
+            raise FitError("Pipeline.parameters() is known once the model is split, which needs a sample "
+                           "batch: pass example=inputs to Pipeline(...) or call it after the first step()")
+        return iter(self._params)
+
+    @property
+    def partitions(self) -> list[nn.Module]:
+        """This rank's partition modules (one, or `virtual_stages` with interleaved-1f1b)."""
+        return [s.part.module for s in self.stages]
+
+    def step(self, inputs: Any, targets: Any, loss_fn: LossFn) -> float:
+        """Forward and backward of one global batch (the optimizer step is the caller's). Returns the
+        mean loss over the batch, on every rank. Afterwards each parameter's ``.grad`` holds, added to
+        what it held before, the gradient of that mean loss: averaged over replicas and summed over a
+        tied parameter's copies, so every copy gets the same update. `loss_fn(outputs, targets)`
+        receives the model's outputs as the model returns them (a tensor, tuple, ModelOutput)."""
+        flat = self._flat(inputs)
+        B = _batch(flat)
+        check_divisible(B, self.R * self.M, f"replicas x micro-batches (R={self.R}, M={self.M})")
+        n = B // (self.R * self.M)
+        if not self.stages:
+            self._setup(inputs, flat, n)
+        traced = self._traced()
+        meta = self._meta(flat, n)
+        off = self.replica * n * self.M
+        micro_args = [_rows(flat, off + m * n, off + (m + 1) * n) for m in range(self.M)]
+        micro_tgt = [_slice(targets, off + m * n, off + (m + 1) * n) for m in range(self.M)]
+        before = [q.grad for q in self._params]
+        for q in self._params:
+            q.grad = None  # reductions below must see this step's contribution only
+        self._mode(train=True)
+        total = [0.0]
+
+        def last_fn(m: int, out: list[Any]) -> torch.Tensor:
+            loss = loss_fn(pytree.tree_unflatten(out, traced.out_spec), micro_tgt[m])
+            total[0] += float(loss.detach())
+            return loss / self.M
+
+        actions = schedule(self.schedule, self.P, self.M, self.p, self.V)
+        run(self.stages, actions, micro_args, [meta] * self.M, last_fn, train=True)
+        # this rank's backward is done: its replicas' average overlaps the other ranks' compute
+        handle = start_allreduce_gradients(self._params, self.group, op="avg") if self.R > 1 else None
+        self._finish_sends()
+        if handle is not None:
+            handle.wait()
+        for sub, params in self._tied:
+            allreduce_gradients(params, sub, op="sum")
+        for q, g in zip(self._params, before):
+            if g is not None and q.grad is not None:
+                q.grad.add_(g)
+        mine = total[0] / self.M / self.R if self._holds_last else 0.0
+        with self._watched("the end-of-step loss allreduce"):
+            return float(self.comm.allreduce(torch.tensor([mine], dtype=torch.float64))[0])
+
+    def eval(self, inputs: Any) -> Any:
+        """Forward only, in eval mode, on any batch size (uneven slices by `split_sizes`); returns the
+        model's outputs for the whole batch on every rank, in the model's own structure. Every tensor
+        output must have the batch as dim 0."""
+        flat = self._flat(inputs)
+        B = _batch(flat)
+        per_replica = split_sizes(B, self.R)
+        if not self.stages:
+            self._setup(inputs, flat, max(1, per_replica[0] // self.M))
+        traced = self._traced()
+        off = sum(per_replica[:self.replica])
+        sizes = [s for s in split_sizes(per_replica[self.replica], self.M) if s > 0]
+        starts = [off + sum(sizes[:m]) for m in range(len(sizes))]
+        metas = [self._meta(flat, s) for s in sizes]
+        leaves = self._output_leaves(flat, B)
+
+        def last_fn(m: int, out: list[Any]) -> None:
+            for r, o in zip(leaves, out):
+                if isinstance(r, torch.Tensor):
+                    r[starts[m]:starts[m] + sizes[m]].copy_(o)
+
+        self._sync_buffers()
+        self._mode(train=False)
+        try:
+            micro_args = [_rows(flat, a, a + s) for a, s in zip(starts, sizes)]
+            # (micro, partition) order is a topological order of the forwards: no rank waits forever
+            forwards = [Action("F", m, c) for m in range(len(sizes)) for c in range(self.V)]
+            run(self.stages, forwards, micro_args, metas, last_fn, train=False)
+            self._finish_sends()
+        finally:
+            self._mode(train=True)
+        with self._watched("the broadcast of the evaluation outputs"):
+            for r, size in enumerate(per_replica):  # each replica's last partition shares its slice
+                begin = sum(per_replica[:r])
+                for t in leaves:
+                    if isinstance(t, torch.Tensor):
+                        self.comm.broadcast(t[begin:begin + size], root=r * self.P + self.P - 1)
+        return pytree.tree_unflatten(leaves, traced.out_spec)
+
+    def trained_model(self) -> nn.Module:
+        """The user's model instance, every tensor broadcast from the first partition holding it
+        (replica 0's copy, so BatchNorm statistics are replica 0's, as with DDP's broadcast_buffers).
+        Every rank must call it."""
+        if not self.stages or self.on_meta:  # meta: this rank's partition is real, the rest stays meta
+            return self.model
+        owner: dict[int, int] = {}
+        for k, part in enumerate(self._parts):
+            for t in [*part.module.parameters(), *part.module.buffers()]:
+                owner.setdefault(id(t), k % self.P)
+        with torch.no_grad():
+            for t in self.model.state_dict(keep_vars=True).values():
+                if id(t) in owner:
+                    buf = t.data if t.is_contiguous() else t.data.contiguous()
+                    self.comm.broadcast(buf, root=owner[id(t)])
+                    if buf is not t.data:
+                        t.data.copy_(buf)
+        return self.model
+
+    # -- set-up ---------------------------------------------------------------------------------
+    def _flat(self, inputs: Any) -> list[Any]:
+        if self.traced is None:
+            self._capture(inputs)
+        try:
+            return model_args(self._traced(), inputs)
+        except ValueError as e:
+            raise FitError(str(e)) from e
+
+    def _capture(self, inputs: Any) -> None:
+        """Capture once, on a sample of a few rows (two at least: a batch dimension of one would be
+        taken for a constant by torch.export)."""
+        flat = pytree.tree_leaves(inputs)
+        rows = min(_batch(flat), max(2, _batch(flat) // (self.R * self.M)))
+        sample = _slice(inputs, 0, rows)
+        try:
+            self.traced = capture(self.model, sample)
+        except TraceFailure as e:
+            raise FitError(str(e)) from e
+
+    def _traced(self) -> Traced:
+        assert self.traced is not None
+        return self.traced
+
+    def _setup(self, inputs: Any, flat: list[Any], micro: int) -> None:
+        """Measure, agree, cut, and build this rank's stages (every rank, same verdicts)."""
+        traced = self._traced()
+        parts_n = self.P * self.V
+        if parts_n > len(traced.nodes):
+            raise FitError(f"{parts_n} partitions exceed the {len(traced.nodes)} nodes of the captured graph "
+                           f"of {type(self.model).__name__}; use fewer partitions")
+        sample = _rows(flat, 0, micro)
+        # shapes of a meta model come from a meta copy of its graph (no storage), before and after
+        # this rank materialises its own partition
+        self._shapes = dataclasses.replace(traced, gm=copy.deepcopy(traced.gm)) if self.on_meta else traced
+        meta = self._metas[micro] = self._profile(sample, grad=True)
+        cuts = cut_points(traced, meta)
+        if isinstance(self.balance, str) and len(cuts) + 1 < parts_n:
+            raise FitError(f"the graph can only be cut at {len(cuts)} places (where every crossing value "
+                           f"is a tensor); use partitions x virtual stages <= {len(cuts) + 1}")
+        timed = self.balance == "time"
+        costs = self._agree(measure(traced, sample, self.profile_passes) if timed else None, sample)
+        try:
+            bounds = bounds_from_balance(self.balance, parts_n, costs or param_counts(traced), cuts)
+        except ValueError as e:
+            raise FitError(str(e)) from e
+        self.bounds = bounds
+        parts = split(traced, bounds, meta)
+        mine = [parts[c * self.P + self.p] for c in range(self.V)]
+        if self.on_meta:
+            self._materialize(mine)
+            parts = split(traced, bounds, meta)  # partition modules holding the new tensors
+            mine = [parts[c * self.P + self.p] for c in range(self.V)]
+        if self.checkpoint != "never":
+            _refuse_recompute_with_batchnorm(mine)
+        edges = make_edges(parts, meta)
+        ranks = [k % self.P for k in range(parts_n)]
+        last = self.M - 1
+        recompute = (lambda m: True) if self.checkpoint == "always" else (
+            (lambda m: m != last) if self.checkpoint == "except_last" else (lambda m: False))
+        self._parts = parts
+        self.stages = [Stage(part, edges, self.pipe, ranks, max(self.M, 1), self.stall, recompute)
+                       for part in mine]
+        self._holds_last = self.stages[-1].last
+        unique = {id(q): q for s in self.stages for q in s.part.module.parameters() if q.requires_grad}
+        self._params = list(unique.values())  # a dict keeps the first-seen order, the same on replicas
+        self._tied = self._tied_comms(parts)
+        if self.R > 1:  # replicas start from replica 0's weights (Horovod's broadcast_parameters)
+            with torch.no_grad():
+                for s in self.stages:
+                    for t in s.part.module.state_dict().values():
+                        self.group.broadcast(t, root=0)
+
+    def _materialize(self, mine: list[Partition]) -> None:
+        """Allocate and initialise the modules this rank's partitions read, then point the captured
+        graph's parameter reads at the new tensors."""
+        keep = {id(t) for part in mine for t in [*part.module.parameters(), *part.module.buffers()]}
+        try:
+            materialize(self.model, keep, self.seed, self.init_fn)
+        except ValueError as e:
+            raise FitError(str(e)) from e
+        gm = self._traced().gm
+        for n in gm.graph.nodes:
+            if n.op == "get_attr":
+                try:
+                    value = get_attr(self.model, str(n.target))
+                except AttributeError:
+                    continue  # a constant of the captured graph, not one of the model's tensors
+                owner, _, attr = str(n.target).rpartition(".")
+                setattr(gm.get_submodule(owner) if owner else gm, attr, value)
+
+    def _tied_comms(self, parts: list[Partition]) -> list[tuple[Communicator, list[nn.Parameter]]]:
+        """One sub-communicator of the pipeline per set of ranks holding copies of tied parameters
+        (a collective over `pipe`: every rank splits for every group, in the same order)."""
+        out = []
+        for holders, params in tied_groups(parts):
+            ranks = sorted({k % self.P for k in holders})
+            if len(ranks) < 2:
+                continue  # copies on one rank are one tensor: its gradient is already the sum
+            sub = self.pipe.split(0 if self.p in ranks else None, self.p)
+            if sub is not None:
+                out.append((sub, params))
+        return out
+
+    def _agree(self, costs: list[float] | None, sample: list[Any]) -> list[float] | None:
+        """The one setup message: check every rank got the same arguments and data shapes, and average
+        the measured node times so that every rank computes the same partition."""
+        traced = self._traced()
+        key = (self.P, self.R, self.M, self.V, self.schedule, self.checkpoint, repr(self.balance),
+               [n.name for n in traced.nodes], [tuple(a.shape) for a in sample if hasattr(a, "shape")])
+        seen = self.comm.allgather_object((key, costs))
+        bad = [r for r, (k, _) in enumerate(seen) if k != key]
+        if bad:
+            raise FitError(f"ranks {bad} set up the pipeline with a different model, data or arguments "
+                           f"than rank 0")
+        if costs is None:
+            return None
+        return [sum(c[i] for _, c in seen) / len(seen) for i in range(len(costs))]
+
+    def _meta(self, flat: list[Any], n: int) -> dict[str, ValueMeta | None]:
+        if n not in self._metas:
+            self._metas[n] = self._profile(_rows(flat, 0, n), grad=False)
+        return self._metas[n]
+
+    def _profile(self, sample: list[Any], grad: bool) -> dict[str, ValueMeta | None]:
+        """Value metas of one forward on `sample`; for a meta model on meta copies of the inputs."""
+        if self.on_meta:
+            sample = [a.to("meta") if isinstance(a, torch.Tensor) else a for a in sample]
+        return profile(self._shapes, sample, grad=grad)
+
+    def _output_leaves(self, flat: list[Any], B: int) -> list[Any]:
+        """Buffers for the batch's output leaves (constants stay constants)."""
+        traced = self._traced()
+        meta = self._meta(flat, 1)
+        out: list[Any] = []
+        for v in traced.outputs:
+            m = meta.get(v.name) if isinstance(v, torch.fx.Node) else None
+            if m is None:
+                out.append(v)
+            elif not m.shape or m.shape[0] != 1:
+                raise FitError(f"Pipeline.eval needs every tensor output to have the batch as dim 0; output "
+                               f"{v.name!r} has shape {m.shape} for one sample")
+            else:
+                out.append(torch.empty((B, *m.shape[1:]), dtype=m.dtype))
+        return out
+
+    def _mode(self, train: bool) -> None:
+        """Train or eval mode for this rank's partitions: submodules (fx) and ATen mode flags (export)."""
+        for s in self.stages:
+            s.part.module.train(train)
+            if self._traced().how == "export":
+                set_training(s.part.module, train)
+
+    def _finish_sends(self) -> None:
+        for s in self.stages:
+            s.finish_sends()
+
+    def _watched(self, what: str) -> Any:
+        """A blocking collective over all ranks, with a warning naming it if it outlives warn_after."""
+        return watched("pipeline collective", f"rank {self.comm.rank} waits in {what} over all "
+                       f"{self.comm.size} ranks", self.stall.warn_after)
+
+    def _sync_buffers(self) -> None:
+        """Give every replica replica 0's buffers (BatchNorm statistics), as DDP's broadcast_buffers
+        does, so evaluation does not depend on which replica computed which slice."""
+        if self.R > 1:
+            with torch.no_grad():
+                for s in self.stages:
+                    for b in s.part.module.buffers():
+                        self.group.broadcast(b, root=0)
+
+
+def _split(comm: Communicator, color: int, key: int) -> Communicator:
+    sub = comm.split(color, key)
+    assert sub is not None
+    return sub
+
+
+def _layout(partitions: int | None, replicas: int | None, size: int) -> tuple[int, int]:
+    """(P, R) with P * R == size, or a FitError saying what to change."""
+    for name, v in (("partitions", partitions), ("replicas", replicas)):
+        if v is not None and (not isinstance(v, int) or v < 1):
+            raise FitError(f"{name} must be a positive int, got {v!r}")
+    if partitions is None:
+        partitions = size // (replicas or 1)
+    replicas = size // partitions if replicas is None else replicas
+    if replicas < 1 or partitions * replicas != size:
+        raise FitError(f"partitions x replicas must equal the {size} ranks; got partitions={partitions}, "
+                       f"replicas={replicas}: choose partitions dividing {size}")
+    return partitions, replicas
+
+
+def _check_options(P: int, M: int, schedule: str, checkpoint: str, balance: Any, virtual: int) -> None:
+    if schedule not in SCHEDULES:
+        raise FitError(f"unknown schedule {schedule!r}; choose one of {sorted(SCHEDULES)}")
+    if not isinstance(M, int) or M < 1:
+        raise FitError(f"micro_batches must be a positive int, got {M!r}")
+    if checkpoint not in CHECKPOINTS:
+        raise FitError(f"checkpoint must be one of {CHECKPOINTS}, got {checkpoint!r}")
+    if schedule == "interleaved-1f1b" and (not isinstance(virtual, int) or virtual < 1 or M % P):
+        raise FitError(f"schedule 'interleaved-1f1b' needs virtual_stages >= 1 and micro_batches a multiple "
+                       f"of partitions ({P}); got virtual_stages={virtual!r}, micro_batches={M}")
+    parts = P * (virtual if schedule == "interleaved-1f1b" else 1)
+    if not (balance in ("time", "params") or (isinstance(balance, (list, tuple)) and len(balance) == parts)):
+        raise FitError(f"balance must be 'time', 'params' or a list of {parts} node counts, got {balance!r}")
+
+
+def _refuse_recompute_with_batchnorm(parts: list[Partition]) -> None:
+    """Recomputing a training forward would update BatchNorm running statistics twice."""
+    for part in parts:
+        for name, mod in part.module.named_modules():
+            if isinstance(mod, nn.modules.batchnorm._BatchNorm) and mod.track_running_stats:
+                raise FitError(f"checkpoint={'except_last'!r}/'always' recomputes forwards, which would update "
+                               f"the running statistics of BatchNorm {name!r} (partition {part.index}) twice; "
+                               f"use checkpoint='never'")
+        for n in part.module.graph.nodes:
+            if n.op == "call_function" and "batch_norm" in str(n.target):
+                raise FitError(f"checkpoint recomputes forwards, which would update the running statistics "
+                               f"of batch norm node {n.name!r} (partition {part.index}) twice; use "
+                               f"checkpoint='never'")

@@ -1,0 +1,69 @@
+"""A model on the meta device: each rank allocates only its partition; weights do not depend on P."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from mpitrain.fit import fit
+from mpitrain.perf.memory import step_memory
+from mpitrain.strategies.pipeline._materialize import materialize
+from tests.helpers import assert_all_ranks
+
+from .models import batches, reference_train
+
+WIDTH, DEPTH, STEPS = 128, 8, 2
+#: peak growth per rank during fit, as a fraction of one process's parameters + gradients (issue #13)
+TARGET = {2: 0.6, 3: 0.5, 4: 0.35}
+
+
+class Deep(nn.Module):
+    """DEPTH equal linear layers: the parameters dominate a step's memory at a small batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(*[nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(DEPTH)])
+        self.head = nn.Linear(WIDTH, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.layers(x))
+
+
+def on_meta() -> nn.Module:
+    with torch.device("meta"):
+        return Deep().double()
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.1)
+
+
+@pytest.mark.mpi
+def test_meta_model_trains_like_one_process_at_every_P_holding_only_its_partition(comm):
+    reference = on_meta()
+    materialize(reference)  # one process, the same seeded initialisation
+    full = 2 * sum(q.numel() * q.element_size() for q in reference.parameters())  # params + grads
+    data = [(x.double(), y) for x, y in batches((WIDTH,), 8, STEPS, seed=7)]
+    for P, R in [(comm.size, 1)] + ([(2, 2)] if comm.size == 4 else []):
+        want = reference_train(reference, data, sgd, R * 2)
+        result, meta_model = {}, on_meta()
+
+        def train(P=P, meta_model=meta_model, result=result):
+            result["fit"] = fit(meta_model, data, nn.CrossEntropyLoss(), sgd, strategy="hybrid", partitions=P,
+                                micro_batches=2, progress=False, balance="params")
+
+        grown = step_memory(train)
+        got = result["fit"].model
+        real = {name for name, q in got.named_parameters() if not q.is_meta}
+        assert_all_ranks(comm, 0 < len(real) < len(dict(got.named_parameters())),
+                         f"rank {comm.rank} materialised {sorted(real)}")
+        # ranks hold different numbers of real parameters: one verdict per rank, one collective
+        errors = {name: (a.detach() - b.detach()).abs().max().item()
+                  for (name, a), b in zip(got.named_parameters(), want.parameters()) if name in real}
+        assert_all_ranks(comm, max(errors.values()) <= 1e-12, f"P={P}: rank {comm.rank} errors {errors}")
+        ratio = grown / full
+        # with replicas the gradient average fuses one more copy of the partition's gradients
+        target = TARGET[P] + (0.5 / P if R > 1 else 0.0)
+        assert_all_ranks(comm, ratio <= target, f"P={P}, R={R}: rank {comm.rank} grew {grown} B = {ratio:.2f}x "
+                                                   f"one process's params+grads ({full} B)")

@@ -1,0 +1,135 @@
+"""Hugging Face transformers (captured with torch.export) against one process: fit and the loop API."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import mpitrain
+from mpitrain.fit import fit
+from mpitrain.perf.memory import step_memory
+from tests.helpers import assert_all_ranks, assert_close_all_ranks
+
+from .tiny_transformers import build, lm_batches, lm_loss
+
+STEPS, ROWS = 2, 2  # steps per run; rows per micro-batch
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def micro_slices(inputs: dict, labels: torch.Tensor, slices: int):
+    n = len(labels) // slices
+    for i in range(slices):
+        yield {k: v[i * n:(i + 1) * n] for k, v in inputs.items()}, labels[i * n:(i + 1) * n]
+
+
+def reference_train(model, data, optimizer, slices: int):
+    """One process: each global batch as `slices` equal micro-batches, gradients of the mean loss."""
+    model = copy.deepcopy(model)
+    opt = optimizer(model.parameters())
+    for inputs, labels in data:
+        opt.zero_grad()
+        for x, y in micro_slices(inputs, labels, slices):
+            (lm_loss(model(**x), y) / slices).backward()
+        opt.step()
+    return model
+
+
+def compare(comm, got, want, what: str) -> None:
+    for (name, a), b in zip(got.named_parameters(), want.parameters()):
+        assert_close_all_ranks(comm, a.detach(), b.detach(), atol=1e-10, what=f"{what}: parameter {name}")
+
+
+def layouts(size: int) -> list[tuple[int, int]]:
+    """(P, R): the whole pipeline, and 2 x 2 on four ranks."""
+    return [(size, 1)] + ([(2, size // 2)] if size == 4 else [])
+
+
+# GPT-2 (embedding tied to the LM head: the tie spans the first and last partition) under every
+# schedule; BERT-MLM (its decoder tied to the word embedding) and Llama (untied) under one each.
+CASES = [("gpt2", "gpipe"), ("gpt2", "1f1b"), ("gpt2", "interleaved-1f1b"), ("bert", "1f1b"),
+         ("llama", "interleaved-1f1b")]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("name, schedule", CASES)
+def test_transformer_parameters_after_2_steps_equal_one_process(comm, name, schedule):
+    model = build(name)
+    for P, R in layouts(comm.size):
+        M = P  # a multiple of P, as interleaved-1f1b needs
+        data = lm_batches(R * M * ROWS, STEPS, seed=P + R)
+        want = reference_train(model, data, sgd, R * M)
+        result = fit(model, data, lm_loss, sgd, strategy="model" if R == 1 else "hybrid", partitions=P,
+                     micro_batches=M, schedule=schedule, progress=False, balance="params")
+        compare(comm, result.model, want, f"{name} {schedule} P={P} R={R}")
+        model = build(name)  # fit trained `model` in place on the ranks that hold its parameters
+
+
+@pytest.mark.mpi
+def test_tied_copies_get_the_summed_gradient_and_stay_identical(comm):
+    """GPT-2's wte/lm_head weight lives on the first and the last rank; after each step both hold the
+    one-process gradient (the sum of the two uses), so the copies stay equal after AdamW steps."""
+    model = build("gpt2")
+    want = copy.deepcopy(model)
+    pipe = mpitrain.Pipeline(model, partitions=comm.size, micro_batches=2, comm=comm, balance="params",
+                             example=lm_batches(4, 1)[0][0])
+    tied = model.lm_head.weight
+    holders = comm.allgather_object(any(q is tied for q in pipe.parameters()))
+    assert_all_ranks(comm, holders[0] and holders[-1], f"tied weight holders {holders}")
+    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(want.parameters(), lr=1e-2)
+    for inputs, labels in lm_batches(4, STEPS, seed=1):
+        opt.zero_grad()
+        pipe.step(inputs, labels, lm_loss)
+        ref_opt.zero_grad()
+        for x, y in micro_slices(inputs, labels, 2):
+            (lm_loss(want(**x), y) / 2).backward()
+        if holders[comm.rank]:
+            assert_close_all_ranks(comm, tied.grad, want.lm_head.weight.grad, atol=1e-10, what="tied grad")
+        else:
+            assert_all_ranks(comm, True)
+        opt.step()
+        ref_opt.step()
+    compare(comm, pipe.trained_model(), want, "AdamW loop")
+
+
+@pytest.mark.mpi
+def test_loop_api_eval_outputs_and_recomputation_equal_one_process(comm):
+    """The user's own loop with checkpoint='always' trains exactly like one process; eval returns the
+    model's ModelOutput for an uneven batch on every rank; recomputation holds fewer activations."""
+    model = build("llama")
+    want = copy.deepcopy(model)
+    M = 4
+    data = lm_batches(M * 8, STEPS, seed=2)  # GPipe keeps all M micro-batches' activations
+    peaks = {}
+    for policy in ("never", "always"):
+        pipe = mpitrain.Pipeline(copy.deepcopy(model), partitions=comm.size, micro_batches=M, schedule="gpipe",
+                                 comm=comm, checkpoint=policy, balance="params", example=data[0][0])
+        peaks[policy] = step_memory(lambda pipe=pipe: pipe.step(*data[0], lm_loss))
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    for inputs, labels in data:
+        opt.zero_grad()
+        pipe.step(inputs, labels, lm_loss)
+        opt.step()
+    ref_opt = torch.optim.SGD(want.parameters(), lr=0.1)
+    for inputs, labels in data:
+        ref_opt.zero_grad()
+        for x, y in micro_slices(inputs, labels, M):
+            (lm_loss(want(**x), y) / M).backward()
+        ref_opt.step()
+    compare(comm, pipe.trained_model(), want, "checkpoint='always'")
+    # every rank saves; all ranks together keep at most 3/4 (a rank holding little more than the
+    # embedding saves less than one holding whole layers)
+    total = {k: sum(comm.allgather_object(v)) for k, v in peaks.items()}
+    assert_all_ranks(comm, peaks["always"] < peaks["never"] and total["always"] < 0.75 * total["never"],
+                     f"step memory with recomputation {peaks}, all ranks {total}")
+    x = {k: v[:5] for k, v in lm_batches(5, 1, seed=3)[0][0].items()}
+    out = pipe.eval(x)
+    with torch.no_grad():
+        ref = want.eval()(**x)
+    assert_all_ranks(comm, type(out) is type(ref), f"eval returned {type(out).__name__}")
+    assert_close_all_ranks(comm, out.logits, ref.logits, atol=1e-10, what="eval logits")
