@@ -8,7 +8,8 @@ import warnings
 import torch
 
 import mpitrain
-from mpitrain.spatial.halo import plan_halo, start_exchange, wait_all, window_of
+from mpitrain.spatial._exchange import start_exchange, wait_all
+from mpitrain.spatial.halo import plan_halo, window_of
 
 comm = mpitrain.init()
 plan = plan_halo((8, 4), (2, 1), window_of(3, 1, 1, 1), comm.rank)

@@ -56,7 +56,8 @@ def test_fit_spatial_steps_equal_one_process(comm, which):
 
 
 @pytest.mark.parametrize("options", [{"grid": (3, 5)}, {"grid": (1, 1), "samples": 1}, {"bn_stats": "bogus"},
-                                     {"grid": (1, 1), "colour": 1}], ids=str)
+                                     {"grid": (1, 1), "colour": 1}, {"grid": (2, 0)}, {"overlap": "yes"},
+                                     {"nonspatial": "gather"}], ids=str)
 def test_bad_spatial_options_are_refused_on_every_rank_before_any_message(comm, options):
     from mpitrain.fit import FitSpec
 
@@ -78,3 +79,12 @@ def test_distribution_with_the_wrong_number_of_ranks_is_refused_on_every_rank(co
     except SpatialError as e:
         msg = str(e)
     assert_all_ranks(comm, "ranks" in msg, msg)
+
+
+def test_fit_stall_policy_bounds_the_halo_waits(comm):
+    from mpitrain._utils.stall import StallPolicy
+    from mpitrain.fit import FitSpec
+
+    spec = FitSpec(strategy="spatial", options={"grid": (comm.size, 1)}, stall=StallPolicy(7.0, None))
+    trainer = make_trainer(nn.Conv2d(1, 1, 3, 1, 1), nn.MSELoss(), sgd, comm, spec)
+    assert_all_ranks(comm, trainer.dist.sends.warn_after == 7.0, f"warn_after {trainer.dist.sends.warn_after}")

@@ -165,3 +165,26 @@ def test_data_parallel_trace_nests_and_shows_the_kvstore_threads_allreduces(comm
         if len(steps) != 2 * comm.size:
             verdict.append(f"{len(steps)} optimizer steps, want {2 * comm.size}")
     assert_all_ranks(comm, not verdict, "; ".join(verdict[:5]))
+
+
+@pytest.mark.mpi
+def test_spatial_trace_shows_halo_exchanges_with_their_waits_nested(comm):
+    from mpitrain.spatial.mesh import mesh_batch, mesh_model
+
+    path = os.path.join(shared_dir(comm), "spatial.json")
+    torch.manual_seed(0)
+    model = mesh_model(in_channels=3, widths=(4, 6), convs_per_block=1)
+    data = [mesh_batch(2, 16, in_channels=3, blocks=2, seed=s) for s in range(2)]
+    fit(model, data, nn.CrossEntropyLoss(), sgd, strategy="spatial", grid=(comm.size, 1), samples=1,
+        progress=False, timeline=path)
+    verdict: list[str] = []
+    if comm.rank == 0:
+        with open(path) as f:
+            doc = json.load(f)
+        verdict += problems(doc)
+        for rank in range(comm.size):
+            names = {e["name"] for e in x_events(doc) if e["pid"] == rank}
+            missing = {"halo exchange start", "halo exchange finish", "isend", "irecv"} - names
+            if missing:
+                verdict.append(f"rank {rank} lacks {sorted(missing)}")
+    assert_all_ranks(comm, not verdict, "; ".join(verdict[:5]))

@@ -1,6 +1,12 @@
-"""Mesh-model strong scaling (Table I shape): time per training step and step memory per rank, spatial
+"""Spatial strong scaling (Table I shape): time per training step and step memory per rank, spatial
 vs one process. ``mpitrain bench spatial -n 2`` (and ``-n 4``); ``--baseline`` (implied on one rank)
 times plain torch on rank 0 alone, the others asleep, in every memory format of ``--formats``.
+
+``--model``: ``mesh`` (the paper's mesh-tangling model, default), ``resnet50`` (torchvision's, 10
+classes, the paper's other network), ``unet`` (:class:`~mpitrain.spatial.models.UNet`, per-pixel
+classes), ``cosmoflow`` (:func:`~mpitrain.spatial.models.cosmoflow`, ``--size`` cubes, a 3-D grid
+``--grids 2x1x1``, MSE regression of 4 parameters). ``vs ceiling`` is the spatial row's speed as a
+fraction of its ``--ceiling`` row's.
 
 Memory formats: oneDNN convolutions run several times faster channels-last on CPU, so the strongest
 single process is the channels-last one; every row names its format and is compared with the torch
@@ -25,16 +31,19 @@ from __future__ import annotations
 
 import argparse
 import copy
+import math
 from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 
+from ..comm.base import Communicator
 from ..perf.memory import step_memory
 from ..perf.spatial import conv_shapes, predict, time_local_conv
 from ..spatial.conv import SpatialConv2d
 from ..spatial.distribution import Distribution
 from ..spatial.mesh import WIDTHS, mesh_batch, mesh_model
+from ..spatial.models import UNet, cosmoflow, torchvision_module
 from ..spatial.trainer import SpatialTrainer
 from .common import (
     add_outputs,
@@ -54,12 +63,14 @@ from .common import (
 
 __all__ = ["main"]
 
-_FORMATS = {"nchw": torch.contiguous_format, "cl": torch.channels_last}
+_FORMATS = ("nchw", "cl")
 Timer = Callable[[], float]
 
 
 def _parse(argv: Sequence[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="mpitrain bench spatial", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="mesh", choices=("mesh", "resnet50", "unet", "cosmoflow"),
+                   help="network to train")
     p.add_argument("--size", type=int, default=1024, help="input side (paper: 1024 or 2048)")
     p.add_argument("--batch", type=int, default=1, help="global mini-batch N")
     p.add_argument("--steps", type=int, default=1, help="timed steps per contender per round (median)")
@@ -76,25 +87,31 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     return p.parse_args(list(argv))
 
 
-def _grids(size: int, batch: int, spec: str) -> list[tuple[int, int, int]]:
-    """(ph, pw, samples) configurations for `size` ranks."""
+def _grids(size: int, batch: int, spec: str) -> list[tuple[tuple[int, ...], int]]:
+    """(grid, samples) configurations for `size` ranks (``2x1``, ``1x2x2``, ...; auto: 2-D splits)."""
     if spec != "auto":
         out = []
         for g in spec.split(","):
-            ph, pw = (int(v) for v in g.lower().split("x"))
-            out.append((ph, pw, size // (ph * pw)))
+            grid = tuple(int(v) for v in g.lower().split("x"))
+            out.append((grid, size // math.prod(grid)))
         return out
     per = [p for p in (1, 2, 4, 8) if size % p == 0 and size // p <= batch]
-    out = []
+    auto: list[tuple[tuple[int, ...], int]] = []
     for p in per:
-        out += [(p, 1, size // p)] + ([(1, p, size // p)] if p == 2 else [])
-        out += [(2, 2, size // 4)] if p == 4 else []
-    return out
+        auto += [((p, 1), size // p)] + ([((1, p), size // p)] if p == 2 else [])
+        auto += [((2, 2), size // 4)] if p == 4 else []
+    return auto
 
 
-def _torch_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[[], float]:
+def _fmt(fmt: str, dims: int) -> torch.memory_format:
+    """The memory format `fmt` for tensors of `dims` dimensions (channels-last has a 3-D form)."""
+    if fmt == "cl":
+        return torch.channels_last if dims == 4 else torch.channels_last_3d
+    return torch.contiguous_format
+
+
+def _torch_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: nn.Module) -> Callable[[], float]:
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    loss_fn = nn.CrossEntropyLoss()
 
     def step() -> float:
         opt.zero_grad(set_to_none=True)
@@ -106,7 +123,7 @@ def _torch_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[
     return step
 
 
-def _link(comm) -> tuple[float, float]:
+def _link(comm: Communicator) -> tuple[float, float]:
     """(alpha, beta) of a halo-sized exchange between neighbours: sendrecv times at 8 B and 4 MiB."""
     if comm.size == 1:
         return 0.0, 0.0
@@ -114,7 +131,10 @@ def _link(comm) -> tuple[float, float]:
     times = []
     for n in (2, 1 << 20):
         buf, out = torch.zeros(n), torch.empty(n)
-        ts = time_call(lambda b=buf, o=out: comm.sendrecv(b, peer, o, peer), 5, warmup=1, sync=comm.barrier)
+        def exchange(b: torch.Tensor = buf, o: torch.Tensor = out) -> object:
+            return comm.sendrecv(b, peer, o, peer)
+
+        ts = time_call(exchange, 5, warmup=1, sync=comm.barrier)
         times.append(min(ts))
     alpha = times[0]
     return alpha, max(0.0, (times[1] - alpha) / (4 << 20))
@@ -131,27 +151,29 @@ def _predicted(model: nn.Module, shape: tuple[int, ...], grid: tuple[int, int], 
 class _Row:
     """One contender: its label, a timer (median step seconds), and what is measured once."""
 
-    def __init__(self, label: str, fmt: str, grid: tuple[int, int], samples: int, timer: Timer,
+    def __init__(self, label: str, fmt: str, grid: tuple[int, ...], samples: int, timer: Timer,
                  memory: Callable[[], float], wait: Callable[[], float], model_s: float) -> None:
         self.label, self.fmt, self.grid, self.samples = label, fmt, grid, samples
         self.timer, self.memory, self.wait, self.model_s = timer, memory, wait, model_s
 
 
-def _torch_row(args, comm, model: nn.Module, x: torch.Tensor, y: torch.Tensor, fmt: str) -> _Row:
-    step = _torch_step(model, x, y) if comm.rank == 0 else None
+def _torch_row(args: argparse.Namespace, comm: Communicator, model: nn.Module,
+               x: torch.Tensor, y: torch.Tensor, fmt: str) -> _Row:
+    step = _torch_step(model, x, y, args.loss_fn)  # only rank 0 runs it
 
     def memory() -> float:
         return on_rank0_alone(comm, lambda: step_memory(step) / 2**20)
 
-    model_s = _predicted(model, tuple(x.shape), (1, 1), 1, (0.0, 0.0), False)
+    model_s = _predicted(model, tuple(x.shape), (1, 1), 1, (0.0, 0.0), False) if args.model == "mesh" else 0.0
     return _Row(f"torch, 1 process ({fmt})", fmt, (1, 1), 1, alone_timer(comm, step, args.steps), memory,
                 lambda: 0.0, model_s)
 
 
-def _spatial_row(args, comm, model: nn.Module, x: torch.Tensor, y: torch.Tensor, fmt: str,
-                 grid: tuple[int, int], samples: int, overlap: bool) -> _Row:
+def _spatial_row(args: argparse.Namespace, comm: Communicator, model: nn.Module,
+                 x: torch.Tensor, y: torch.Tensor, fmt: str,
+                 grid: tuple[int, ...], samples: int, overlap: bool) -> _Row:
     dist = Distribution(comm, grid, samples)
-    trainer = SpatialTrainer(copy.deepcopy(model), nn.CrossEntropyLoss(),
+    trainer = SpatialTrainer(copy.deepcopy(model), args.loss_fn,
                              lambda p: torch.optim.SGD(p, lr=1e-3), dist, overlap=overlap)
     convs = [m for m in trainer.parallel.modules() if isinstance(m, SpatialConv2d)]
 
@@ -164,42 +186,79 @@ def _spatial_row(args, comm, model: nn.Module, x: torch.Tensor, y: torch.Tensor,
         step()
         return sum(m.stats.wait_s for m in convs)
 
-    model_s = rank_max(comm, _predicted(model, tuple(x.shape), grid, samples, args.link, overlap))
-    label = f"spatial {grid[0]}x{grid[1]} ({fmt})" + ("" if overlap else " no-overlap")
+    mesh = args.model == "mesh" and len(grid) == 2
+    predicted = _predicted(model, tuple(x.shape), (grid[0], grid[1]), samples, args.link, overlap) if mesh else 0.0
+    model_s = rank_max(comm, predicted)
+    label = f"spatial {'x'.join(map(str, grid))} ({fmt})" + ("" if overlap else " no-overlap")
     return _Row(label, fmt, grid, samples, step_timer(comm, step, args.steps),
                 lambda: rank_max(comm, step_memory(step) / 2**20), lambda: rank_max(comm, wait()), model_s)
 
 
-def _ceiling_row(args, comm, model: nn.Module, x: torch.Tensor, y: torch.Tensor, fmt: str,
-                 grid: tuple[int, int], samples: int) -> _Row:
+def _ceiling_row(args: argparse.Namespace, comm: Communicator, model: nn.Module,
+                 x: torch.Tensor, y: torch.Tensor, fmt: str,
+                 grid: tuple[int, ...], samples: int) -> _Row:
     """Every rank trains plain torch on its own block (a copy in `fmt`), all at once, with no message:
-    what this machine's cores and shared memory allow a perfect implementation of that split."""
+    what this machine's cores and shared memory allow a perfect implementation of that split. A model
+    whose dense head is sized for whole samples (a Sequential with Flatten) trains its trunk only."""
     dist = Distribution(comm, grid, samples)
-    (n0, n1), (h0, h1), (w0, w1) = dist.box(tuple(x.shape))
-    block = x[n0:n1, :, h0:h1, w0:w1].contiguous(memory_format=_FORMATS[fmt])
+    block = x[dist.index(tuple(x.shape))].contiguous(memory_format=_fmt(fmt, x.dim()))
+    model, loss_fn = copy.deepcopy(model), args.loss_fn
+    if isinstance(model, nn.Sequential) and any(isinstance(m, nn.Flatten) for m in model):
+        model = model[:[isinstance(m, nn.Flatten) for m in model].index(True)]
+        loss_fn = nn.MSELoss()
     with torch.no_grad():
         out = model(block[:1])
-    target = torch.randint(0, out.shape[1], (n1 - n0, *out.shape[2:]), generator=torch.Generator().manual_seed(0))
-    step = _torch_step(copy.deepcopy(model), block, target)
-    label = f"ceiling {grid[0]}x{grid[1]} ({fmt})"
+    g = torch.Generator().manual_seed(0)
+    if isinstance(loss_fn, nn.CrossEntropyLoss):
+        target = torch.randint(0, out.shape[1], (block.shape[0], *out.shape[2:]), generator=g)
+    else:
+        target = torch.randn((block.shape[0], *out.shape[1:]), generator=g)
+    step = _torch_step(model, block, target, loss_fn)
+    label = f"ceiling {'x'.join(map(str, grid))} ({fmt})"
     return _Row(label, fmt, grid, samples, step_timer(comm, step, args.steps),
                 lambda: rank_max(comm, step_memory(step) / 2**20), lambda: 0.0, 0.0)
 
 
-def _rows(args, comm, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> list[_Row]:
+def _rows(args: argparse.Namespace, comm: Communicator, model: nn.Module,
+          x: torch.Tensor, y: torch.Tensor) -> list[_Row]:
     rows = []
     for fmt in args.formats:
-        m = copy.deepcopy(model).to(memory_format=_FORMATS[fmt])
-        xf = x.contiguous(memory_format=_FORMATS[fmt])
+        m = copy.deepcopy(model).to(memory_format=_fmt(fmt, x.dim()))  # type: ignore[call-overload]
+        xf = x.contiguous(memory_format=_fmt(fmt, x.dim()))
         if args.baseline or comm.size == 1:
             rows.append(_torch_row(args, comm, m, xf, y, fmt))
-        for ph, pw, samples in _grids(comm.size, args.batch, args.grids):
+        for grid, samples in _grids(comm.size, args.batch, args.grids):
             if args.ceiling and comm.size > 1:
-                rows.append(_ceiling_row(args, comm, m, xf, y, fmt, (ph, pw), samples))
-            rows.append(_spatial_row(args, comm, m, xf, y, fmt, (ph, pw), samples, True))
-            if ph * pw > 1 and not args.no_overlap_row:
-                rows.append(_spatial_row(args, comm, m, xf, y, fmt, (ph, pw), samples, False))
+                rows.append(_ceiling_row(args, comm, m, xf, y, fmt, grid, samples))
+            rows.append(_spatial_row(args, comm, m, xf, y, fmt, grid, samples, True))
+            if math.prod(grid) > 1 and not args.no_overlap_row and len(grid) == 2:
+                rows.append(_spatial_row(args, comm, m, xf, y, fmt, grid, samples, False))
     return rows
+
+
+def _workload(args: argparse.Namespace) -> tuple[nn.Module, torch.Tensor, torch.Tensor, str]:
+    """(model, inputs, targets, title) of ``--model`` at ``--size`` (the same on every rank)."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    n, size = args.batch, args.size
+    if args.model == "resnet50":
+        model = torchvision_module("models.resnet").resnet50(num_classes=10)
+        x, y = torch.randn(n, 3, size, size, generator=g), torch.randint(0, 10, (n,), generator=g)
+        return model, x, y, f"torchvision ResNet-50 {size}^2, N={n}"
+    if args.model == "unet":
+        model = UNet(in_channels=3, width=16, depth=3, classes=2)
+        x, y = torch.randn(n, 3, size, size, generator=g), torch.randint(0, 2, (n, size, size), generator=g)
+        return model, x, y, f"U-Net (width 16, depth 3) {size}^2, N={n}"
+    if args.model == "cosmoflow":
+        blocks = max(1, (size // 4).bit_length() - 1)  # pool down to a 4^3 (or smaller) volume
+        widths3 = tuple(min(16 * 2**i, 64) for i in range(blocks))
+        model = cosmoflow(size, 4, widths3, dense=64)
+        x, y3 = torch.randn(n, 4, size, size, size, generator=g), torch.randn(n, 4, generator=g)
+        return model, x, y3, f"CosmoFlow-style 3-D {size}^3, N={n}, widths {widths3}"
+    widths = tuple(int(w) for w in args.widths.split(","))
+    model = mesh_model(widths=widths, convs_per_block=args.convs)
+    x, y = mesh_batch(n, size, blocks=len(widths))
+    return model, x, y, f"mesh model {size}^2, N={n}, widths {widths}, {args.convs} convs/block"
 
 
 def main(argv: Sequence[str]) -> int:
@@ -211,10 +270,8 @@ def main(argv: Sequence[str]) -> int:
     if bad:
         raise SystemExit(f"unknown --formats {bad}; choose from {sorted(_FORMATS)}")
     comm = mpitrain.init()
-    widths = tuple(int(w) for w in args.widths.split(","))
-    torch.manual_seed(0)
-    model = mesh_model(widths=widths, convs_per_block=args.convs)
-    x, y = mesh_batch(args.batch, args.size, blocks=len(widths))
+    model, x, y, title = _workload(args)
+    args.loss_fn = nn.MSELoss() if args.model == "cosmoflow" else nn.CrossEntropyLoss()
     args.link = _link(comm)
     rows = _rows(args, comm, model, x, y)
     runs = paired_rounds({r.label: r.timer for r in rows}, args.rounds)
@@ -225,8 +282,7 @@ def main(argv: Sequence[str]) -> int:
     torch_m = {r.fmt: mems[r.label] for r in rows if r.label.startswith("torch")}
     best = min(torch_runs.values(), key=median) if torch_runs else None
     if comm.rank == 0:
-        print(header(f"spatial: mesh model {args.size}^2, N={args.batch}, widths {widths}, "
-                     f"{args.convs} convs/block", comm.size))
+        print(header(f"spatial: {title}", comm.size))
         print(f"# link: alpha {args.link[0] * 1e6:.1f} us, beta {args.link[1] * 1e9:.3f} ns/B; model = §V-A "
               f"conv cost (measured local convs + modelled halos/allreduce; other layers free)")
 
@@ -239,12 +295,14 @@ def main(argv: Sequence[str]) -> int:
         def spread(base: list[float] | None, label: str) -> object:
             return quartiles([a / b for a, b in zip(base, runs[label])]) if base else "-"
 
-        table = [[r.label, r.grid[0] * r.grid[1], r.samples, times[r.label],
+        ceilings = {(r.fmt, r.grid, r.samples): runs[r.label] for r in rows if r.label.startswith("ceiling")}
+        table = [[r.label, math.prod(r.grid), r.samples, times[r.label],
                   speedup(torch_runs.get(r.fmt), r.label), spread(torch_runs.get(r.fmt), r.label),
-                  speedup(best, r.label), mems[r.label], ratio(mems[r.label], torch_m.get(r.fmt)),
-                  waits[r.label], r.model_s] for r in rows]
+                  speedup(best, r.label), speedup(ceilings.get((r.fmt, r.grid, r.samples)), r.label),
+                  mems[r.label], ratio(mems[r.label], torch_m.get(r.fmt)),
+                  waits[r.label], r.model_s or "-"] for r in rows]
         print_table(["config", "ranks/sample", "groups", "step s", "speedup", "q25-q75", "vs best torch",
-                     "step MiB/rank", "mem ratio", "halo wait s", "model conv s"], table)
+                     "vs ceiling", "step MiB/rank", "mem ratio", "halo wait s", "model conv s"], table)
     save_outputs(args, "spatial", comm.size, comm.rank)
     return 0
 

@@ -2,19 +2,26 @@
 
 from __future__ import annotations
 
-from .batchnorm import SpatialBatchNorm2d
+from ._reduce import GradBucket, allreduce_sum
+from .batchnorm import SpatialBatchNorm2d, SpatialBatchNorm3d
 from .conv import SpatialConv2d
-from .distribution import Distribution, Layout, SpatialError, gather, layout_of
+from .data import NpyRegions, RegionBatch, RegionDataset, read_block, region_batches
+from .distribution import Distribution, gather
 from .halo import HaloPlan, Window, halo_exchange, plan_grid, plan_halo, window_of
 from .parallelize import SpatialParallel, SpatialSequential, parallelize
 from .pooling import SpatialAdaptiveAvgPool2d, SpatialAvgPool2d, SpatialMaxPool2d
 from .redistribute import Redistribute, redistribute
-from .reduce import GradBucket, allreduce_sum
+from .resample import SpatialConvTranspose2d, SpatialUpsample, interpolate
+from .tensor import Layout, SpatialError, SpatialTensor, layout_of
+from .volume import SpatialAvgPool3d, SpatialConv3d, SpatialMaxPool3d
 
 __all__ = [
-    "Distribution", "Layout", "SpatialError", "gather", "layout_of",
+    "Distribution", "Layout", "SpatialTensor", "SpatialError", "gather", "layout_of",
     "HaloPlan", "Window", "halo_exchange", "plan_grid", "plan_halo", "window_of",
     "SpatialConv2d", "SpatialMaxPool2d", "SpatialAvgPool2d", "SpatialAdaptiveAvgPool2d", "SpatialBatchNorm2d",
+    "SpatialConv3d", "SpatialMaxPool3d", "SpatialAvgPool3d", "SpatialBatchNorm3d",
+    "SpatialConvTranspose2d", "SpatialUpsample", "interpolate",
     "parallelize", "SpatialParallel", "SpatialSequential", "Redistribute", "redistribute",
     "allreduce_sum", "GradBucket",
+    "RegionDataset", "NpyRegions", "RegionBatch", "region_batches", "read_block",
 ]

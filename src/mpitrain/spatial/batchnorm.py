@@ -10,16 +10,19 @@ allgather of 2C+1 numbers in the forward, one allreduce of 2C in the backward.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..comm.base import Communicator
-from .base import input_layout
-from .distribution import Distribution, SpatialError, tag
-from .memory import dense
+from ._memory import dense
+from ._window import input_layout
+from .distribution import Distribution
+from .tensor import SpatialError, tag
 
-__all__ = ["SpatialBatchNorm2d", "STATS"]
+__all__ = ["SpatialBatchNorm2d", "SpatialBatchNorm3d", "STATS"]
 
 STATS = ("global", "spatial", "local")
 
@@ -41,13 +44,15 @@ def _combine(comm: Communicator, n: int, mean: torch.Tensor, var: torch.Tensor
     return total, gmean.to(mean.dtype), gvar.to(var.dtype)
 
 
-def _bshape(t: torch.Tensor) -> torch.Tensor:
-    return t[None, :, None, None]
+def _bshape(t: torch.Tensor, dims: int) -> torch.Tensor:
+    """A per-channel vector shaped to broadcast over an N x C x (`dims` spatial) tensor."""
+    return t.view(1, -1, *([1] * dims))
 
 
 class _BatchNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, layer: SpatialBatchNorm2d, comm: Communicator):
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                layer: SpatialBatchNorm2d, comm: Communicator) -> torch.Tensor:
         x = dense(x)
         # one pass for the local statistics (torch's BN kernel: 10x faster than var_mean on CPU), one
         # to normalise with the combined ones: the passes of the single-process layer
@@ -61,7 +66,7 @@ class _BatchNorm(torch.autograd.Function):
         return y
 
     @staticmethod
-    def backward(ctx, dy):
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, weight, mean, invstd = ctx.saved_tensors
         dy = dense(dy)
         c = mean.numel()
@@ -77,8 +82,9 @@ class _BatchNorm(torch.autograd.Function):
             means = total / -ctx.n  # -Sdy/n, -Sdyxhat/n
             k1 = scale * invstd * means[c:]
             k2 = torch.addcmul(scale * means[:c], k1, mean, value=-1)
-            dx = torch.addcmul(_bshape(k2), x, _bshape(k1))
-            dx.addcmul_(dy, _bshape(scale))
+            dims = x.dim() - 2
+            dx = torch.addcmul(_bshape(k2, dims), x, _bshape(k1, dims))
+            dx.addcmul_(dy, _bshape(scale, dims))
         dw = local[c:] if weight is not None and ctx.needs_input_grad[1] else None
         db = local[:c] if ctx.has_bias and ctx.needs_input_grad[2] else None
         return dx, dw, db, None, None
@@ -89,7 +95,7 @@ class SpatialBatchNorm2d(nn.Module):
     so the original module holds the trained statistics). Eval mode normalises locally with the running
     statistics. The local dL/dw, dL/db are this rank's partial sums (:func:`parallelize` sums them)."""
 
-    def __init__(self, bn: nn.BatchNorm2d, dist: Distribution, stats: str = "global") -> None:
+    def __init__(self, bn: nn.BatchNorm2d | nn.BatchNorm3d, dist: Distribution, stats: str = "global") -> None:
         super().__init__()
         if stats not in STATS:
             raise SpatialError(f"BatchNorm stats must be one of {STATS}, got {stats!r}")
@@ -107,6 +113,7 @@ class SpatialBatchNorm2d(nn.Module):
         bn = self.bn[0]
         if not (self.training and self.track):
             return
+        assert bn.running_mean is not None and bn.running_var is not None  # tracked: torch made them
         with torch.no_grad():
             f = self._factor()
             bn.running_mean.lerp_(mean, f)
@@ -116,6 +123,7 @@ class SpatialBatchNorm2d(nn.Module):
         """Count this training batch and return torch's averaging factor for it (momentum, or the
         cumulative average's 1/batches when momentum is None), as ``nn.BatchNorm2d`` does."""
         bn = self.bn[0]
+        assert bn.num_batches_tracked is not None  # only called when statistics are tracked
         bn.num_batches_tracked.add_(1)
         return 1.0 / float(bn.num_batches_tracked) if self.momentum is None else self.momentum
 
@@ -123,7 +131,7 @@ class SpatialBatchNorm2d(nn.Module):
         return {"global": dist.comm, "spatial": dist.spatial_comm, "local": None}[self.stats]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        layout = input_layout(self.dist, x)
+        x, layout = input_layout(self, x)
         if layout.kind == "replicated":
             raise SpatialError("SpatialBatchNorm2d on a tensor replicated over the spatial group is not "
                                "supported; normalise before the global pool")
@@ -138,3 +146,8 @@ class SpatialBatchNorm2d(nn.Module):
         else:
             y = _BatchNorm.apply(x, self.weight, self.bias, self, comm)
         return tag(y, layout)
+
+
+class SpatialBatchNorm3d(SpatialBatchNorm2d):
+    """BatchNorm3d on local blocks of volumes (a 3-D grid): the same statistics and rules as
+    :class:`SpatialBatchNorm2d`."""

@@ -11,21 +11,18 @@ from __future__ import annotations
 
 import math
 import time
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..comm.base import Communicator
-from .base import WindowLayer
-from .distribution import Distribution, SpatialError
-from .halo import (
+from ._exchange import (
     BACKWARD_TAG,
-    Box,
     Exchange,
-    HaloPlan,
     HaloStats,
-    Window,
+    SendQueue,
     assemble,
     assemble_box,
     finish_adjoint,
@@ -35,9 +32,12 @@ from .halo import (
     settle,
     start_adjoint,
     start_exchange,
-    window_of,
 )
-from .memory import dense, empty_as
+from ._memory import dense, empty_as
+from ._window import PADDING_MODES, WindowLayer, input_layout, pad_by_mode, padding_mode_problem
+from .distribution import Distribution
+from .halo import Box, HaloPlan, Window, halo_exchange, window_of
+from .tensor import SpatialError
 
 __all__ = ["SpatialConv2d", "interior"]
 
@@ -95,7 +95,8 @@ def _strips(plan: HaloPlan, windows: tuple[Window, Window]) -> list[tuple[tuple[
     if not plan.recvs:
         return []
     rows, cols = interior(plan, windows)
-    return [(r, _input_box(plan, windows, r)) for r in _regions(*plan.out.shape, rows, cols)]
+    oh, ow = plan.out.shape
+    return [(r, _input_box(plan, windows, r)) for r in _regions(oh, ow, rows, cols)]
 
 
 class _Conv(torch.autograd.Function):
@@ -104,17 +105,18 @@ class _Conv(torch.autograd.Function):
     and "extended" (the halo-extended block is assembled; any geometry)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, layer: SpatialConv2d, plan: HaloPlan, comm: Communicator):
-        ctx.layer, ctx.plan, ctx.comm, ctx.has_bias = layer, plan, comm, bias is not None
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: SpatialConv2d,
+                plan: HaloPlan, comm: Communicator, queue: SendQueue) -> torch.Tensor:
+        ctx.layer, ctx.plan, ctx.comm, ctx.has_bias, ctx.queue = layer, plan, comm, bias is not None, queue
         ctx.mode, strips = layer.geometry(plan)
         if ctx.mode == "extended":
             x = dense(x)  # the other paths read the block in place (e.g. a view from scatter)
         ex = start_exchange(x, plan, comm) if plan.exchanges else None
         if ctx.mode == "extended":
-            y, halos = _forward_extended(x, weight, bias, layer, plan, ex)
+            y, halos = _forward_extended(x, weight, bias, layer, plan, ex, queue)
         else:
             y = layer.conv(x, weight, bias, layer.pads if ctx.mode == "implicit" else [0, 0])
-            halos = _wait(ex, plan, layer.stats)
+            halos = _wait(ex, plan, layer.stats, queue)
             for (r0, r1, c0, c1), box in strips:
                 y[:, :, r0:r1, c0:c1] = layer.conv(assemble_box(x, plan, halos, box, 0.0), weight, bias)
         ctx.save_for_backward(x, weight)
@@ -122,11 +124,11 @@ class _Conv(torch.autograd.Function):
         return y
 
     @staticmethod
-    def backward(ctx, dy):
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, weight = ctx.saved_tensors
         dy = dense(dy)
         if ctx.mode == "extended":
-            return (*_backward_extended(ctx, x, weight, dy), None, None, None)
+            return (*_backward_extended(ctx, x, weight, dy), None, None, None, None)
         layer, plan = ctx.layer, ctx.plan
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         need_b = ctx.has_bias and ctx.needs_input_grad[2]
@@ -141,12 +143,13 @@ class _Conv(torch.autograd.Function):
             dw += part
         if ex is not None:
             t0 = time.perf_counter()
-            _add_received(dx, plan, ex)
+            _add_received(dx, plan, ex, ctx.queue)
             layer.stats.wait_s += time.perf_counter() - t0
-        return dx, dw, db, None, None, None
+        return dx, dw, db, None, None, None, None
 
 
-def _strip_backward(x, weight, dy, layer: SpatialConv2d, plan: HaloPlan, halos, strips,
+def _strip_backward(x: torch.Tensor, weight: torch.Tensor, dy: torch.Tensor, layer: SpatialConv2d, plan: HaloPlan,
+                    halos: list[torch.Tensor], strips: list[tuple[tuple[int, int, int, int], Box]],
                     comm: Communicator, need_x: bool, need_w: bool
                     ) -> tuple[Exchange | None, list[torch.Tensor]]:
     """The halo cells' share of the backward, one small convolution backward per strip on the strip's
@@ -178,23 +181,25 @@ def _strip_backward(x, weight, dy, layer: SpatialConv2d, plan: HaloPlan, halos, 
     return Exchange(parts, reqs, sends), dw_parts
 
 
-def _add_received(dx: torch.Tensor, plan: HaloPlan, ex: Exchange) -> None:
-    settle(ex, plan, backward=True)
+def _add_received(dx: torch.Tensor, plan: HaloPlan, ex: Exchange, queue: SendQueue) -> None:
+    settle(ex, plan, queue, backward=True)
     for (_, box), part in zip(plan.sends, ex.halos):
         dx[(..., *box.within(plan.owned))] += part
 
 
-def _forward_extended(x, weight, bias, layer: SpatialConv2d, plan: HaloPlan, ex):
+def _forward_extended(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: SpatialConv2d,
+                      plan: HaloPlan, ex: Exchange | None, queue: SendQueue
+                      ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     ext = assemble(x, plan, (), 0.0)
     oh, ow = plan.out.shape
     rows, cols = interior(plan, layer.windows)
     split = layer.overlap and ex is not None and rows[1] > rows[0] and cols[1] > cols[0]
     y = empty_as(x, (x.shape[0], weight.shape[0], oh, ow)) if split else None
-    if split:
+    if y is not None:
         layer.region(y, ext, weight, bias, (*rows, *cols))
-    halos = _wait(ex, plan, layer.stats)
+    halos = _wait(ex, plan, layer.stats, queue)
     place_halos(ext, plan, halos)
-    if split:
+    if y is not None:
         for region in _regions(oh, ow, rows, cols):
             layer.region(y, ext, weight, bias, region)
     else:
@@ -202,7 +207,8 @@ def _forward_extended(x, weight, bias, layer: SpatialConv2d, plan: HaloPlan, ex)
     return y, halos
 
 
-def _backward_extended(ctx, x, weight, dy):
+def _backward_extended(ctx: Any, x: torch.Tensor, weight: torch.Tensor, dy: torch.Tensor
+                       ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     layer, plan = ctx.layer, ctx.plan
     ext = assemble(x, plan, ctx.halos, 0.0)
     dx = dw = db = None
@@ -217,7 +223,7 @@ def _backward_extended(ctx, x, weight, dy):
         _, dw, db = torch.ops.aten.convolution_backward(dy, ext, weight, bias_sizes, *args, mask)
     if ctx.needs_input_grad[0]:
         t0 = time.perf_counter()
-        dx = finish_adjoint(dext, plan, ex) if ex is not None else _crop(dext, plan)
+        dx = finish_adjoint(dext, plan, ex, ctx.queue) if ex is not None else _crop(dext, plan)
         layer.stats.wait_s += time.perf_counter() - t0
     return dx, dw, db
 
@@ -229,11 +235,11 @@ def _crop(dext: torch.Tensor, plan: HaloPlan) -> torch.Tensor:
     return dx
 
 
-def _wait(ex: Exchange | None, plan: HaloPlan, stats: HaloStats) -> list[torch.Tensor]:
+def _wait(ex: Exchange | None, plan: HaloPlan, stats: HaloStats, queue: SendQueue) -> list[torch.Tensor]:
     if ex is None:
         return []
     t0 = time.perf_counter()
-    halos = finish_exchange(ex, plan)
+    halos = finish_exchange(ex, plan, queue)
     stats.wait_s += time.perf_counter() - t0
     stats.exchanges += 1
     return halos
@@ -248,12 +254,12 @@ class SpatialConv2d(WindowLayer):
     spent waiting for them."""
 
     def __init__(self, conv: nn.Conv2d, dist: Distribution, overlap: bool = True) -> None:
-        if conv.padding_mode != "zeros":
-            raise SpatialError(f"SpatialConv2d supports padding_mode='zeros' only, got {conv.padding_mode!r}")
+        if conv.padding_mode not in PADDING_MODES:
+            raise SpatialError(f"SpatialConv2d: padding_mode {conv.padding_mode!r} has no spatial form")
         super().__init__(dist, window_of(conv.kernel_size, conv.stride, conv.padding, conv.dilation))
         self.weight, self.bias = conv.weight, conv.bias
         self.stride, self.dilation, self.groups = list(conv.stride), list(conv.dilation), conv.groups
-        self.overlap = overlap
+        self.overlap, self.padding_mode = overlap, conv.padding_mode
         self.pads = [w.pad[0] for w in self.windows]
         self.source = repr(conv)
         self._geometry: dict[int, tuple[HaloPlan, str, list]] = {}
@@ -282,16 +288,27 @@ class SpatialConv2d(WindowLayer):
         part = ext[:, :, r0 * sh:(r1 - 1) * sh + wh.span, c0 * sw:(c1 - 1) * sw + ww.span]
         y[:, :, r0:r1, c0:c1] = self.conv(part, weight, bias)
 
+    def check_plans(self, plans: list[HaloPlan], grid: tuple[int, ...]) -> None:
+        mode = self.padding_mode
+        problem = padding_mode_problem(plans, mode, grid) if mode != "zeros" else None
+        if problem:
+            raise SpatialError(problem)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        layout = self.input_layout(x)
+        x, layout = input_layout(self, x)
         if layout.kind == "replicated":
             pads = [p for w in reversed(self.windows) for p in w.pad]
-            y = F.conv2d(F.pad(x, pads), self.weight, self.bias, self.stride, 0, self.dilation, self.groups)
+            padded = F.pad(x, pads, mode="constant" if self.padding_mode == "zeros" else self.padding_mode)
+            y = F.conv2d(padded, self.weight, self.bias, self.stride, 0, self.dilation, self.groups)
             return self.tag_output(y, layout)
         plan = self.plan(layout, x)
+        if self.padding_mode != "zeros":  # the halo then torch's padding rule on the needed box
+            ext = halo_exchange(x, plan, layout.dist.spatial_comm, 0.0, layout.dist.sends)
+            ext = pad_by_mode(ext, plan, self.padding_mode)
+            return self.tag_output(self.conv(ext, self.weight, self.bias), layout)
         mode, _ = self.geometry(plan)
         if plan.exchanges or mode == "extended":
-            y = _Conv.apply(x, self.weight, self.bias, self, plan, layout.dist.spatial_comm)
+            y = _Conv.apply(x, self.weight, self.bias, self, plan, layout.dist.spatial_comm, layout.dist.sends)
         else:  # this block reads no other rank's cells: the torch layer on it, with torch's own autograd
             y = self.conv(x, self.weight, self.bias, self.pads if mode == "implicit" else 0)
         return self.tag_output(y, layout)

@@ -1,28 +1,42 @@
-"""`parallelize`: an ordinary CNN (Sequential or fx-traceable) as its spatially parallel form."""
+"""`parallelize`: an ordinary CNN as its spatially parallel form (spatial layers swapped in, the rest as is).
+
+The model's own ``forward`` runs unchanged on :class:`~mpitrain.spatial.tensor.SpatialTensor` blocks:
+the layers that need halos or global statistics are replaced by their spatial forms, and every other
+op keeps, pools or explicitly redistributes the layout (see :mod:`mpitrain.spatial.tensor`). No tracing:
+models with Python control flow work as long as it does not depend on the local block's size.
+"""
 
 from __future__ import annotations
 
+import copy
+
 import torch
-import torch.fx
 from torch import nn
 
-from .base import WindowLayer
-from .batchnorm import SpatialBatchNorm2d
+from ._reduce import GradBucket
+from ._window import WindowLayer
+from .batchnorm import SpatialBatchNorm2d, SpatialBatchNorm3d
 from .conv import SpatialConv2d
-from .distribution import Distribution, Layout, SpatialError, layout_of, tag
-from .halo import complete_sends
+from .distribution import Distribution
 from .pooling import SpatialAdaptiveAvgPool2d, SpatialAvgPool2d, SpatialMaxPool2d
 from .redistribute import Redistribute
-from .reduce import GradBucket
+from .resample import SpatialConvTranspose2d, SpatialUpsample
+from .tensor import SpatialError, layout_of, tag
+from .volume import SpatialAvgPool3d, SpatialConv3d, SpatialMaxPool3d
 
 __all__ = ["parallelize", "SpatialParallel", "SpatialSequential", "convert"]
 
-_SPATIAL = (WindowLayer, SpatialBatchNorm2d, SpatialAdaptiveAvgPool2d, Redistribute)
+_SPATIAL = (WindowLayer, SpatialBatchNorm2d, SpatialAdaptiveAvgPool2d, SpatialUpsample, Redistribute)
+_REFUSED = (nn.Conv1d, nn.ConvTranspose1d, nn.ConvTranspose3d,
+            nn.AdaptiveMaxPool2d, nn.MaxPool1d,
+            nn.LPPool2d, nn.FractionalMaxPool2d, nn.SyncBatchNorm, nn.GroupNorm, nn.InstanceNorm2d,
+            nn.LocalResponseNorm)
 
 
 def convert(m: nn.Module, dist: Distribution, bn_stats: str = "global", overlap: bool = True) -> nn.Module:
     """The spatial form of one module, sharing its parameters and buffers; modules without a spatial
-    meaning (element-wise, heads) are returned as they are."""
+    meaning (element-wise, heads) are returned as they are; a container is returned as a shallow copy
+    holding its converted children (the original model is not modified)."""
     if isinstance(m, _SPATIAL):
         return m
     if isinstance(m, nn.Conv2d):
@@ -35,61 +49,44 @@ def convert(m: nn.Module, dist: Distribution, bn_stats: str = "global", overlap:
         return SpatialAvgPool2d(m, dist)
     if isinstance(m, nn.AdaptiveAvgPool2d):
         return SpatialAdaptiveAvgPool2d(m, dist)
-    if isinstance(m, nn.Sequential):
-        return SpatialSequential(*(convert(c, dist, bn_stats, overlap) for c in m))
-    if isinstance(m, (nn.Conv1d, nn.Conv3d, nn.ConvTranspose2d, nn.AdaptiveMaxPool2d, nn.Upsample,
-                      nn.MaxPool1d, nn.MaxPool3d, nn.LPPool2d, nn.FractionalMaxPool2d)):
+    if isinstance(m, nn.Conv3d):
+        return SpatialConv3d(m, dist)
+    if isinstance(m, nn.BatchNorm3d):
+        return SpatialBatchNorm3d(m, dist, bn_stats)
+    if isinstance(m, nn.MaxPool3d):
+        return SpatialMaxPool3d(m, dist)
+    if isinstance(m, nn.AvgPool3d):
+        return SpatialAvgPool3d(m, dist)
+    if isinstance(m, nn.AdaptiveAvgPool3d):
+        return SpatialAdaptiveAvgPool2d(m, dist)
+    if isinstance(m, nn.ConvTranspose2d):
+        return SpatialConvTranspose2d(m, dist)
+    if isinstance(m, nn.Upsample):
+        return SpatialUpsample(m, dist)
+    if isinstance(m, _REFUSED):
         raise SpatialError(f"{type(m).__name__} has no spatially parallel form; redistribute before it")
     if next(m.children(), None) is None:
         return m
-    return _convert_traced(m, dist, bn_stats, overlap)
-
-
-def _convert_traced(m: nn.Module, dist: Distribution, bn_stats: str, overlap: bool) -> torch.fx.GraphModule:
-    try:
-        gm = torch.fx.symbolic_trace(m)
-    except Exception as e:  # fx raises many types; the message is what matters
-        raise SpatialError(f"cannot parallelize {type(m).__name__}: it is neither a Sequential nor "
-                           f"fx-traceable ({e})") from e
-    for node in gm.graph.nodes:
-        if node.op == "call_module":
-            parent, _, name = node.target.rpartition(".")
-            owner = gm.get_submodule(parent) if parent else gm
-            setattr(owner, name, convert(gm.get_submodule(node.target), dist, bn_stats, overlap))
-    return gm
+    out = copy.copy(m)  # its own __dict__ and child table; parameters, buffers and hooks are shared
+    if type(m) is nn.Sequential:
+        out = SpatialSequential()
+        out.__dict__.update({k: v for k, v in m.__dict__.items() if k != "_modules"})
+    out._modules = {name: None if c is None else convert(c, dist, bn_stats, overlap)
+                    for name, c in m._modules.items()}
+    return out
 
 
 class SpatialSequential(nn.Sequential):
-    """A Sequential that carries the layout from layer to layer: an element-wise module keeps its input's
-    layout; any module may follow a replicated layout or whole samples (a 1x1 grid, e.g. after a
-    Redistribute); a non-spatial module that changes the shape of a spatially split block is refused
-    (its result would depend on the split)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for m in self:
-            before = layout_of(x)
-            y = m(x)
-            if before is not None and layout_of(y) is None:
-                y = _propagate(m, x, y, before)
-            x = y
-        return x
-
-
-def _propagate(m: nn.Module, x: torch.Tensor, y: torch.Tensor, layout: Layout) -> torch.Tensor:
-    if y.shape == x.shape:  # element-wise: same layout
-        return tag(y, layout)
-    if layout.kind == "replicated" or layout.dist.per_sample == 1:  # whole samples: any module applies
-        return tag(y, Layout(layout.dist, "replicated", (layout.shape[0], *y.shape[1:])))
-    raise SpatialError(f"{type(m).__name__} changed a spatial block from {tuple(x.shape)} to "
-                       f"{tuple(y.shape)}; only spatial layers may do that: add a global AdaptiveAvgPool2d "
-                       f"or Redistribute to a sample distribution before it")
+    """The converted form of an ``nn.Sequential`` (layouts travel on the tensors: nothing else to do)."""
 
 
 class SpatialParallel(nn.Module):
-    """The spatially parallel model returned by :func:`parallelize`: takes and returns local blocks;
-    after ``backward()`` every parameter's ``.grad`` is the single-process gradient on every rank
-    (each rank's partial gradients are summed over the world communicator by one fused allreduce when
-    autograd finishes; gradients accumulate across backward passes as in torch)."""
+    """The spatially parallel model returned by :func:`parallelize`: takes and returns local blocks
+    (:class:`~mpitrain.spatial.tensor.SpatialTensor`); after ``backward()`` every parameter's ``.grad``
+    is the single-process gradient on every rank (each rank's partial gradients are summed over the
+    world communicator by one fused allreduce when autograd finishes; gradients accumulate across
+    backward passes as in torch). When a forward or backward returns, none of its halo sends is in
+    flight (``dist.sends`` is empty)."""
 
     def __init__(self, module: nn.Module, converted: nn.Module, dist: Distribution) -> None:
         super().__init__()
@@ -101,6 +98,8 @@ class SpatialParallel(nn.Module):
         return self._original[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if layout_of(x) is None:  # a bare local block: one allgather of its sizes gives the layout
+            x = tag(x.view_as(x), self.dist.infer_layout(x))
         # looked up on every call (~0.1 ms): parameters added, replaced or frozen since are honoured
         live = [(p, owners) for p, owners in _param_slots(self.module) if p.requires_grad]
         bucket = GradBucket(self.dist.comm, [p for p, _ in live])
@@ -116,10 +115,9 @@ class SpatialParallel(nn.Module):
             for _, owners in live:
                 for m, name in owners:
                     del m.__dict__[name]
-        complete_sends()  # nothing of this forward stays in flight (backward completes its own)
-        if layout_of(y) is None and y.dim() == 4:
-            tag(y, self.dist.infer_layout(y))
-        return y
+        self.dist.sends.complete()  # nothing of this forward stays in flight (backward completes its own)
+        out: torch.Tensor = y
+        return out
 
 
 def _param_slots(module: nn.Module) -> list[tuple[nn.Parameter, list[tuple[nn.Module, str]]]]:
@@ -137,13 +135,15 @@ def parallelize(module: nn.Module, dist: Distribution, *, bn_stats: str = "globa
                 overlap: bool = True) -> SpatialParallel:
     """The spatially parallel form of `module` over `dist`, sharing its weights and BN buffers.
 
-    Conv2d, MaxPool2d, AvgPool2d, AdaptiveAvgPool2d and BatchNorm2d become their spatial forms (see
-    those classes); element-wise modules run on blocks as they are; a head after a global pool or a
-    :class:`Redistribute` runs on whatever layout it receives. `bn_stats`: ``"global"`` (exact),
-    ``"spatial"`` or ``"local"``. `overlap`: compute conv interiors while halos are in flight.
-    Every rank must call it (and the result) the same way: it is collective over ``dist.comm`` (it
-    splits the distribution's communicators) only after every module was accepted, so an unsupported
-    one raises :class:`SpatialError` on every rank before any message."""
+    Conv2d, ConvTranspose2d, MaxPool2d, AvgPool2d, AdaptiveAvgPool2d, BatchNorm2d and Upsample — and on a
+    3-D grid Conv3d, MaxPool3d, AvgPool3d, BatchNorm3d, AdaptiveAvgPool3d — become their spatial forms (see
+    those classes); every other op runs on the blocks by the rules of
+    :mod:`mpitrain.spatial.tensor` (element-wise ops keep the layout, global pools replicate the pooled
+    vectors, any other op redistributes to whole samples first, visibly, or is refused). `bn_stats`:
+    ``"global"`` (exact), ``"spatial"`` or ``"local"``. `overlap`: compute conv interiors while halos
+    are in flight. Every rank must call it (and the result) the same way: it is collective over
+    ``dist.comm`` (it splits the distribution's communicators) only after every module was accepted, so
+    an unsupported one raises :class:`SpatialError` on every rank before any message."""
     converted = convert(module, dist, bn_stats, overlap)
     dist.connect()
     return SpatialParallel(module, converted, dist)

@@ -1,5 +1,5 @@
-"""Spatially parallel pooling: MaxPool2d (padding is -inf), AvgPool2d (count_include_pad honoured) and
-AdaptiveAvgPool2d whose output is replicated over the spatial group."""
+"""Spatially parallel pooling: MaxPool2d (padding is -inf), AvgPool2d (count_include_pad honoured), both
+with ``ceil_mode``, and AdaptiveAvgPool2d whose output is replicated over the spatial group."""
 
 from __future__ import annotations
 
@@ -7,18 +7,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import WindowLayer, input_layout
-from .distribution import Distribution, Layout, SpatialError, tag
-from .halo import HaloPlan, halo_exchange, window_of
-from .reduce import allreduce_sum
+from ._window import WindowLayer, input_layout
+from .distribution import Distribution
+from .halo import Box, HaloPlan, halo_exchange, window_of
+from .tensor import SpatialError, global_avg_pool
 
 __all__ = ["SpatialMaxPool2d", "SpatialAvgPool2d", "SpatialAdaptiveAvgPool2d"]
-
-
-def _refuse_ceil(pool: nn.Module) -> None:
-    if getattr(pool, "ceil_mode", False):
-        raise SpatialError(f"{type(pool).__name__}(ceil_mode=True) is not supported spatially; use "
-                           f"ceil_mode=False (pad the input instead)")
 
 
 class SpatialMaxPool2d(WindowLayer):
@@ -26,72 +20,68 @@ class SpatialMaxPool2d(WindowLayer):
     output and its gradient (to the first maximal cell, as torch) equal the single-process layer."""
 
     def __init__(self, pool: nn.MaxPool2d, dist: Distribution) -> None:
-        _refuse_ceil(pool)
         if pool.return_indices:
             raise SpatialError("SpatialMaxPool2d cannot return indices (they would be local to each block)")
         super().__init__(dist, window_of(pool.kernel_size, pool.stride or pool.kernel_size, pool.padding,
-                                         pool.dilation))
+                                         pool.dilation, pool.ceil_mode))
+        self.ceil_mode = pool.ceil_mode
         self.kernel = [w.kernel for w in self.windows]
         self.stride_ = [w.stride for w in self.windows]
         self.dilation = [w.dilation for w in self.windows]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        layout = self.input_layout(x)
+        x, layout = input_layout(self, x)
         if layout.kind == "replicated":
-            pads = [p for w in reversed(self.windows) for p in w.pad]
-            ext = F.pad(x, pads, value=float("-inf"))
-        else:
-            ext = halo_exchange(x, self.plan(layout, x), layout.dist.spatial_comm, float("-inf"))
+            pads = [w.pad[0] for w in self.windows]
+            y = F.max_pool2d(x, self.kernel, self.stride_, pads, self.dilation, self.ceil_mode)
+            return self.tag_output(y, layout)
+        # the needed rectangle covers exactly this block's windows (ceil_mode's partial last window
+        # included: the cells past the padded input are -inf too)
+        ext = halo_exchange(x, self.plan(layout, x), layout.dist.spatial_comm, float("-inf"), layout.dist.sends)
         return self.tag_output(F.max_pool2d(ext, self.kernel, self.stride_, 0, self.dilation), layout)
 
 
 class SpatialAvgPool2d(WindowLayer):
-    """AvgPool2d on local blocks. ``count_include_pad=False`` divides by the number of real cells in
-    each window (counted on a mask of the global tensor), ``divisor_override`` is honoured."""
+    """AvgPool2d on local blocks. Each window's divisor is counted on a mask of the global tensor as
+    torch counts it: the real cells (``count_include_pad=False``) or the cells of the padded input
+    (``True``; with ``ceil_mode`` a partial last window counts only those); ``divisor_override`` is
+    honoured."""
 
     def __init__(self, pool: nn.AvgPool2d, dist: Distribution) -> None:
-        _refuse_ceil(pool)
-        super().__init__(dist, window_of(pool.kernel_size, pool.stride or pool.kernel_size, pool.padding, 1))
+        super().__init__(dist, window_of(pool.kernel_size, pool.stride or pool.kernel_size, pool.padding, 1,
+                                         pool.ceil_mode))
+        self.ceil_mode = pool.ceil_mode
         self.kernel = [w.kernel for w in self.windows]
         self.stride_ = [w.stride for w in self.windows]
         self.count_include_pad, self.divisor_override = pool.count_include_pad, pool.divisor_override
         self._counts: dict[int, torch.Tensor] = {}
 
     def _count(self, plan: HaloPlan, like: torch.Tensor) -> torch.Tensor:
-        """Real (non-padding) cells per output window of this rank's block, shape (1, 1, oh, ow)."""
+        """Cells counted by torch per output window of this rank's block, shape (1, 1, oh, ow)."""
         key = id(plan)
         if key not in self._counts:
             mask = like.new_zeros((1, 1, *plan.ext_shape))
-            inside = plan.need & plan.valid
+            (h0, h1), (w0, w1) = plan.valid.rows, plan.valid.cols
+            (pt, pb), (pl, pr) = self.windows[0].pad, self.windows[1].pad
+            counted = plan.valid if not self.count_include_pad else Box((h0 - pt, h1 + pb), (w0 - pl, w1 + pr))
+            inside = plan.need & counted
             if not inside.empty:
                 mask[(..., *inside.within(plan.need))] = 1.0
             self._counts[key] = F.avg_pool2d(mask, self.kernel, self.stride_, 0, divisor_override=1)
         return self._counts[key]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        layout = self.input_layout(x)
+        x, layout = input_layout(self, x)
         if layout.kind == "replicated":
             raise SpatialError("SpatialAvgPool2d on a tensor replicated over the spatial group: "
                                "use nn.AvgPool2d")
         plan = self.plan(layout, x)
-        ext = halo_exchange(x, plan, layout.dist.spatial_comm, 0.0)
-        if self.divisor_override or self.count_include_pad:
+        ext = halo_exchange(x, plan, layout.dist.spatial_comm, 0.0, layout.dist.sends)
+        if self.divisor_override or (self.count_include_pad and not self.ceil_mode):
             y = F.avg_pool2d(ext, self.kernel, self.stride_, 0, divisor_override=self.divisor_override)
         else:
             y = F.avg_pool2d(ext, self.kernel, self.stride_, 0, divisor_override=1) / self._count(plan, x)
         return self.tag_output(y, layout)
-
-
-def _membership(n: int, out: int, lo: int, hi: int, like: torch.Tensor) -> torch.Tensor:
-    """(out, hi-lo) 0/1 matrix: global cell lo+k is in adaptive window
-    i = [floor(i*n/out), ceil((i+1)*n/out))."""
-    m = like.new_zeros((out, hi - lo))
-    for i in range(out):
-        a, b = (i * n) // out, -((-(i + 1) * n) // out)
-        a, b = max(a, lo), min(b, hi)
-        if b > a:
-            m[i, a - lo:b - lo] = 1.0
-    return m
 
 
 class SpatialAdaptiveAvgPool2d(nn.Module):
@@ -99,24 +89,16 @@ class SpatialAdaptiveAvgPool2d(nn.Module):
     window, one allreduce over the spatial group completes the sums. The output is *replicated* over
     the spatial group (layout ``"replicated"``), ready for an ordinary head (Flatten, Linear)."""
 
-    def __init__(self, pool: nn.AdaptiveAvgPool2d, dist: Distribution) -> None:
+    def __init__(self, pool: nn.AdaptiveAvgPool2d | nn.AdaptiveAvgPool3d, dist: Distribution) -> None:
         super().__init__()
         size = pool.output_size
-        self.output_size = (size, size) if isinstance(size, int) else tuple(size)
-        if any(s is None for s in self.output_size):
+        dims = 3 if isinstance(pool, nn.AdaptiveAvgPool3d) else 2
+        sizes = (size,) * dims if isinstance(size, int) else tuple(size)  # type: ignore[arg-type]
+        if any(s is None for s in sizes):
             raise SpatialError("SpatialAdaptiveAvgPool2d needs an explicit output size (no None)")
+        self.output_size: tuple[int, ...] = tuple(int(s) for s in sizes if s is not None)
         self.dist = dist
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        layout = input_layout(self.dist, x)
-        if layout.kind == "replicated":
-            return tag(F.adaptive_avg_pool2d(x, self.output_size), layout)
-        dist = layout.dist
-        (_, _), (h0, h1), (w0, w1) = dist.box(layout.shape)
-        (oh, ow), (h, w) = self.output_size, layout.shape[2:]
-        rows, cols = _membership(h, oh, h0, h1, x), _membership(w, ow, w0, w1, x)
-        partial = torch.einsum("ih,nchw,jw->ncij", rows, x, cols)
-        total = allreduce_sum(partial, dist.spatial_comm)
-        area = _membership(h, oh, 0, h, x).sum(1)[:, None] * _membership(w, ow, 0, w, x).sum(1)[None, :]
-        y = total / area
-        return tag(y, Layout(dist, "replicated", (layout.shape[0], *y.shape[1:])))
+        input_layout(self, x)  # refuses a tensor without a layout
+        return global_avg_pool(x, self.output_size)

@@ -3,41 +3,42 @@ is the reverse shuffle (a permutation's adjoint is its inverse)."""
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 import torch
 from torch import nn
 
-from .distribution import Distribution, Layout, SpatialError, layout_of, tag
+from .distribution import Distribution
+from .tensor import Layout, SpatialError, layout_of, plain, tag
 
 __all__ = ["Redistribute", "redistribute"]
 
-Box3 = tuple[tuple[int, int], tuple[int, int], tuple[int, int]]
+#: ``((n0, n1), (h0, h1), (w0, w1))`` (or with a depth range): a block of a global tensor, channels whole.
+Ranges = tuple[tuple[int, int], ...]
 
 
-def _meet(a: Box3, b: Box3) -> Box3 | None:
+def _meet(a: Ranges, b: Ranges) -> Ranges | None:
     out = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b))
-    return None if any(hi <= lo for lo, hi in out) else out  # type: ignore[return-value]
+    return None if any(hi <= lo for lo, hi in out) else out
 
 
-def _index(box: Box3, origin: Box3) -> tuple[slice, ...]:
-    (n, h, w), (on, oh, ow) = box, origin
-    return (slice(n[0] - on[0], n[1] - on[0]), slice(None), slice(h[0] - oh[0], h[1] - oh[0]),
-            slice(w[0] - ow[0], w[1] - ow[0]))
+def _index(box: Ranges, origin: Ranges) -> tuple[slice, ...]:
+    parts = [slice(a - o, b - o) for (a, b), (o, _) in zip(box, origin)]
+    return (parts[0], slice(None), *parts[1:])
 
 
-def _numel(box: Box3 | None, channels: int) -> int:
-    if box is None:
-        return 0
-    (n, h, w) = box
-    return (n[1] - n[0]) * channels * (h[1] - h[0]) * (w[1] - w[0])
+def _numel(box: Ranges | None, channels: int) -> int:
+    return 0 if box is None else channels * math.prod(b - a for a, b in box)
 
 
 def shuffle(x: torch.Tensor, shape: tuple[int, ...], src: Distribution, dst: Distribution) -> torch.Tensor:
     """This rank's `dst` block of the global `shape` tensor whose `src` blocks the ranks hold (collective:
     one alltoallv over ``src.comm``; every rank sends each other rank the intersection of the blocks)."""
     comm, me, c = src.comm, src.comm.rank, shape[1]
-    mine, want = src.box(shape, me), dst.box(shape, me)
-    outgoing = [_meet(mine, dst.box(shape, q)) for q in range(comm.size)]
-    incoming = [_meet(src.box(shape, q), want) for q in range(comm.size)]
+    mine, want = (src.box(shape, me)), (dst.box(shape, me))
+    outgoing = [_meet(mine, (dst.box(shape, q))) for q in range(comm.size)]
+    incoming = [_meet((src.box(shape, q)), want) for q in range(comm.size)]
     pieces = [x[_index(b, mine)].reshape(-1) for b in outgoing if b is not None]
     send = torch.cat(pieces) if pieces else x.new_empty(0)
     recv = comm.alltoallv(send, [_numel(b, c) for b in outgoing], [_numel(b, c) for b in incoming])
@@ -54,12 +55,13 @@ def shuffle(x: torch.Tensor, shape: tuple[int, ...], src: Distribution, dst: Dis
 
 class _Shuffle(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, shape, src, dst):
+    def forward(ctx: Any, x: torch.Tensor, shape: tuple[int, ...], src: Distribution, dst: Distribution
+                ) -> torch.Tensor:
         ctx.shape, ctx.src, ctx.dst = shape, src, dst
         return shuffle(x.contiguous(), shape, src, dst)
 
     @staticmethod
-    def backward(ctx, g):
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         return shuffle(g.contiguous(), ctx.shape, ctx.dst, ctx.src), None, None, None
 
 
@@ -70,11 +72,11 @@ def redistribute(x: torch.Tensor, src: Distribution, dst: Distribution) -> torch
         raise SpatialError(f"cannot redistribute between {src} and {dst}: they are over different ranks")
     layout = layout_of(x)
     if layout is None:
-        layout = src.infer_layout(x)
+        layout = src.infer_layout(x)  # a bare local block: its sizes tell the global shape
     if layout.kind != "block":
         raise SpatialError("redistribute needs a spatial block (not a tensor replicated over the group)")
     dst.check_shape(layout.shape, "redistributed tensor")
-    return tag(_Shuffle.apply(x, layout.shape, src, dst), Layout(dst, "block", layout.shape))
+    return tag(_Shuffle.apply(plain(x), layout.shape, src, dst), Layout(dst, "block", layout.shape))
 
 
 class Redistribute(nn.Module):

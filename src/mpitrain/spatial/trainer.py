@@ -1,58 +1,69 @@
-"""`fit(..., strategy="spatial", grid=(ph, pw), samples=g)`: hybrid sample x spatial training."""
+"""`fit(..., strategy="spatial", grid=(ph, pw), samples=g)`: hybrid sample x spatial training.
+
+Inputs are full NCHW batches (every rank holds the whole batch; each takes a view of its block) or
+:class:`~mpitrain.spatial.data.RegionBatch` objects (each rank reads only its block from the dataset)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from typing import Any
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
 
 from ..comm.base import Communicator
+from ..strategies._broadcast import broadcast_tensors
+from ..strategies.base import Batch, FitError, FitSpec, LossFn, OptimizerFactory, StrategyOptions, is_int
 from .batchnorm import STATS
-from .distribution import Distribution, SpatialError, gather
+from .data import RegionBatch, read_block
+from .distribution import NONSPATIAL, Distribution, SpatialError, gather
 from .parallelize import SpatialParallel, parallelize
 
-__all__ = ["SpatialTrainer", "make_trainer", "OPTIONS"]
-
-OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
-
-#: The keyword options `fit` passes through to this strategy.
-OPTIONS = ("grid", "samples", "bn_stats", "overlap")
+__all__ = ["SpatialTrainer", "SpatialOptions", "make_trainer"]
 
 
-def _options(spec: Any, comm: Communicator) -> dict[str, Any]:
-    from ..strategies import FitError
+@dataclass(frozen=True)
+class SpatialOptions(StrategyOptions):
+    """Options of ``fit(strategy="spatial", ...)``: ``grid=(ph, pw)`` ranks per sample (default: every
+    rank, ``(world size, 1)``), ``samples`` groups (default world size / (ph*pw)), ``bn_stats``
+    ("global" = exact, "spatial", "local"), ``overlap`` (conv interiors while halos fly) and
+    ``nonspatial`` ("replicate": a non-spatial op redistributes its block to whole samples, warned;
+    "error": it is refused)."""
 
-    opts = dict(spec.options)
-    unknown = sorted(set(opts) - set(OPTIONS))
-    if unknown:
-        raise FitError(f"strategy 'spatial' does not take {unknown}; its options are {OPTIONS}")
-    if spec.partitions != 1 or spec.micro_batches != 1:
-        raise FitError("strategy 'spatial' splits samples and pixels, not layers: leave partitions and "
-                       "micro_batches at 1")
-    grid = tuple(opts.get("grid", (comm.size, 1)))
-    bad = len(grid) != 2 or any(not isinstance(g, int) or g < 1 for g in grid)
-    if bad or comm.size % (grid[0] * grid[1]):
-        raise FitError(f"grid={grid!r} must be two positive ints whose product divides the {comm.size} ranks")
-    samples = opts.get("samples", comm.size // (grid[0] * grid[1]))
-    if samples * grid[0] * grid[1] != comm.size:
-        raise FitError(f"samples x ph x pw = {samples} x {grid[0]} x {grid[1]} must equal the "
-                       f"{comm.size} ranks")
-    if opts.get("bn_stats", "global") not in STATS:
-        raise FitError(f"bn_stats={opts['bn_stats']!r}; choose one of {STATS}")
-    return {"grid": grid, "samples": samples, "bn_stats": opts.get("bn_stats", "global"),
-            "overlap": bool(opts.get("overlap", True))}
+    strategy: ClassVar[str] = "spatial"
+    grid: tuple[int, int] | None = None
+    samples: int | None = None
+    bn_stats: str = "global"
+    overlap: bool = True
+    nonspatial: str = "replicate"
+
+    def __post_init__(self) -> None:
+        if self.grid is not None:
+            grid = tuple(self.grid) if isinstance(self.grid, (tuple, list)) else self.grid
+            self.require("grid", isinstance(grid, tuple) and len(grid) == 2 and all(is_int(g) and g >= 1 for g in grid),
+                         "two positive ints (ph, pw)")
+            self.replace_value("grid", grid)
+        self.require("samples", self.samples is None or (is_int(self.samples) and self.samples >= 1),
+                     "a positive int")
+        self.require("bn_stats", self.bn_stats in STATS, f"one of {STATS}")
+        self.require("overlap", isinstance(self.overlap, bool), "True or False")
+        self.require("nonspatial", self.nonspatial in NONSPATIAL, f"one of {NONSPATIAL}")
+
+    def layout(self, comm: Communicator) -> tuple[tuple[int, int], int]:
+        """(grid, samples) for the ranks of `comm`, defaults filled in (FitError if they do not fit)."""
+        grid = self.grid or (comm.size, 1)
+        per = grid[0] * grid[1]
+        samples = self.samples if self.samples is not None else comm.size // per
+        if comm.size % per or samples * per != comm.size:
+            raise FitError(f"strategy 'spatial': samples x ph x pw = {samples} x {grid[0]} x {grid[1]} must "
+                           f"equal the {comm.size} ranks")
+        return grid, samples
 
 
 def _broadcast_state(model: nn.Module, comm: Communicator) -> None:
-    """Start every rank from rank 0's parameters and buffers (in place)."""
+    """Start every rank from rank 0's parameters and buffers (in place; one fused broadcast per dtype)."""
     with torch.no_grad():
-        for t in [*model.parameters(), *model.buffers()]:
-            if t.is_contiguous():
-                comm.broadcast(t.data, 0)
-            else:
-                t.data.copy_(comm.broadcast(t.data.contiguous(), 0))
+        broadcast_tensors([t.data for t in [*model.parameters(), *model.buffers()]], comm, 0)
 
 
 class SpatialTrainer:
@@ -61,21 +72,26 @@ class SpatialTrainer:
     outputs, so any loss function gives the single-process loss and gradients; the parameter gradients
     are summed over all ranks during backward, and every rank steps its own optimizer identically."""
 
-    def __init__(self, model: nn.Module, loss_fn: Callable, optimizer: OptimizerFactory, dist: Distribution,
+    def __init__(self, model: nn.Module, loss_fn: LossFn, optimizer: OptimizerFactory, dist: Distribution,
                  bn_stats: str = "global", overlap: bool = True) -> None:
         self.model, self.loss_fn, self.dist = model, loss_fn, dist
         self.parallel: SpatialParallel = parallelize(model, dist, bn_stats=bn_stats, overlap=overlap)
         _broadcast_state(model, dist.comm)
         self.optimizer = optimizer(model.parameters())
 
-    def _check(self, inputs: Any) -> torch.Tensor:
+    def _block(self, inputs: Batch | RegionBatch) -> torch.Tensor:
+        """This rank's block of a global batch: read by region from a RegionBatch's dataset (no other
+        block's pixels touched), or a view of a full tensor."""
+        if isinstance(inputs, RegionBatch):
+            return read_block(inputs, self.dist)
         if not isinstance(inputs, torch.Tensor):
-            raise SpatialError(f"strategy 'spatial' takes NCHW tensor inputs, got {type(inputs).__name__}")
+            raise SpatialError(f"strategy 'spatial' takes NCHW tensors or RegionBatch inputs, got "
+                               f"{type(inputs).__name__}")
         self.dist.check_shape(tuple(inputs.shape), "input batch")
-        return inputs
+        return self.dist.scatter(inputs)
 
-    def train_step(self, inputs: Any, targets: torch.Tensor) -> float:
-        x = self.dist.scatter(self._check(inputs))
+    def train_step(self, inputs: Batch | RegionBatch, targets: torch.Tensor) -> float:
+        x = self._block(inputs)
         if not self.parallel.training:  # eval_step restores training mode; train() walks every module
             self.parallel.train()
         outputs = gather(self.parallel(x))
@@ -85,8 +101,8 @@ class SpatialTrainer:
         self.optimizer.step()
         return float(loss.detach())
 
-    def eval_step(self, inputs: Any, targets: torch.Tensor) -> torch.Tensor:
-        x = self.dist.scatter(self._check(inputs))
+    def eval_step(self, inputs: Batch | RegionBatch, targets: torch.Tensor) -> torch.Tensor:
+        x = self._block(inputs)
         self.parallel.eval()
         try:
             with torch.no_grad():
@@ -98,11 +114,14 @@ class SpatialTrainer:
         return self.model
 
 
-def make_trainer(model: nn.Module, loss_fn: Callable, optimizer: Callable, comm: Communicator,
-                 spec: Any) -> SpatialTrainer:
-    """The `fit` factory: options ``grid=(ph, pw)`` (default ``(world size, 1)``), ``samples=g``
-    (default world size / (ph*pw)), ``bn_stats`` ("global" = exact) and ``overlap`` (default True).
-    Options are validated on every rank before any message is sent."""
-    opts = _options(spec, comm)
-    dist = Distribution(comm, opts["grid"], opts["samples"])
-    return SpatialTrainer(model, loss_fn, optimizer, dist, opts["bn_stats"], opts["overlap"])
+def make_trainer(model: nn.Module, loss_fn: LossFn, optimizer: OptimizerFactory, comm: Communicator,
+                 spec: FitSpec) -> SpatialTrainer:
+    """The `fit` factory (options: :class:`SpatialOptions`; ``spec.stall.warn_after`` bounds every halo
+    wait before it warns). Options are validated on every rank before any message is sent."""
+    if spec.partitions != 1 or spec.micro_batches != 1:
+        raise FitError("strategy 'spatial' splits samples and pixels, not layers: leave partitions and "
+                       "micro_batches at 1")
+    opts = SpatialOptions.from_spec(spec)
+    grid, samples = opts.layout(comm)
+    dist = Distribution(comm, grid, samples, nonspatial=opts.nonspatial, stall=spec.stall)
+    return SpatialTrainer(model, loss_fn, optimizer, dist, opts.bn_stats, opts.overlap)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from ..comm.base import Communicator
@@ -11,12 +13,12 @@ __all__ = ["allreduce_sum", "GradBucket"]
 
 class _AllreduceSum(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, t: torch.Tensor, comm: Communicator) -> torch.Tensor:
+    def forward(ctx: Any, t: torch.Tensor, comm: Communicator) -> torch.Tensor:
         ctx.comm = comm
         return comm.allreduce(t.contiguous().clone(), "sum")
 
     @staticmethod
-    def backward(ctx, g: torch.Tensor):
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
         return ctx.comm.allreduce(g.contiguous().clone(), "sum"), None
 
 
@@ -25,7 +27,8 @@ def allreduce_sum(t: torch.Tensor, comm: Communicator) -> torch.Tensor:
 
     Its output is replicated, so its gradient arrives as shares (one per rank) whose sum is the true
     gradient; the backward sums them, giving every rank the true gradient of its own `t`."""
-    return _AllreduceSum.apply(t, comm)
+    out: torch.Tensor = _AllreduceSum.apply(t, comm)
+    return out
 
 
 class GradBucket:
@@ -74,7 +77,7 @@ class GradBucket:
 def _memory_order(t: torch.Tensor) -> list[int]:
     """Dimensions from outermost to innermost in memory: ``t.permute(order)`` is contiguous when `t` is
     dense in any memory format (e.g. channels-last), so flattening it needs no copy."""
-    return sorted(range(t.dim()), key=lambda d: (-t.stride(d), d))
+    return sorted(range(t.dim()), key=lambda d: (-t.stride()[d], d))
 
 
 def _inverse(order: list[int]) -> list[int]:
@@ -86,12 +89,12 @@ def _inverse(order: list[int]) -> list[int]:
 
 class _SyncGrads(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, bucket: GradBucket, *params: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(ctx: Any, bucket: GradBucket, *params: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.bucket = bucket
         ctx.set_materialize_grads(False)  # an unreached parameter stays None, not a zero tensor
         return tuple(p.view_as(p) for p in params)
 
     @staticmethod
-    def backward(ctx, *grads: torch.Tensor | None):
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[None, ...]:
         ctx.bucket.add(grads)
         return (None,) * (len(grads) + 1)

@@ -1,0 +1,99 @@
+"""Spatial input without loading whole samples: each rank reads only its block of each of its samples.
+
+A dataset that can read a region of one sample implements :class:`RegionDataset`
+(``sample_shape`` and ``read(index, region)``); :class:`NpyRegions` does it for a ``.npy`` array of
+samples through a read-only memory map, so only the pages of the region are touched. Batches of such a
+dataset are :class:`RegionBatch` objects (a dataset and sample indices, no pixels): give
+``fit(strategy="spatial")`` an iterable of ``(RegionBatch, targets)`` (e.g. :func:`region_batches`) and
+every rank reads its own sample group's samples, only its grid block of each (:func:`read_block`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+import torch
+
+from .distribution import Distribution
+from .tensor import Layout, SpatialError, SpatialTensor, tag
+
+__all__ = ["RegionDataset", "NpyRegions", "RegionBatch", "region_batches", "read_block"]
+
+
+@runtime_checkable
+class RegionDataset(Protocol):
+    """Samples that can be read by region: ``sample_shape`` is (C, H, W); ``read(index, region)``
+    returns the (C, h, w) tensor of sample `index` at ``region = (rows, cols)`` (two slices with
+    step 1, within the sample)."""
+
+    @property
+    def sample_shape(self) -> tuple[int, ...]: ...
+
+    def read(self, index: int, region: tuple[slice, slice]) -> torch.Tensor: ...
+
+
+class NpyRegions:
+    """A ``.npy`` file holding an (N, C, H, W) array, memory-mapped read-only: :meth:`read` copies only
+    the region (the rows of the region's columns), so a rank touches no other block's pixels."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.array = np.load(path, mmap_mode="r")
+        if self.array.ndim != 4:
+            raise SpatialError(f"{path}: expected an (N, C, H, W) array, got shape {self.array.shape}")
+
+    def __len__(self) -> int:
+        return int(self.array.shape[0])
+
+    @property
+    def sample_shape(self) -> tuple[int, ...]:
+        return tuple(int(s) for s in self.array.shape[1:])
+
+    def read(self, index: int, region: tuple[slice, slice]) -> torch.Tensor:
+        return torch.from_numpy(np.array(self.array[index, :, region[0], region[1]], copy=True, order="C"))
+
+
+@dataclass(frozen=True)
+class RegionBatch:
+    """A global mini-batch named by sample indices of a :class:`RegionDataset` (no pixels loaded)."""
+
+    dataset: RegionDataset
+    indices: tuple[int, ...]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (len(self.indices), *self.dataset.sample_shape)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
+def region_batches(dataset: RegionDataset, targets: torch.Tensor, batch_size: int
+                   ) -> list[tuple[RegionBatch, torch.Tensor]]:
+    """``(RegionBatch, targets)`` of consecutive samples (the last batch may be smaller), for ``fit``
+    (a list: it can be iterated once per epoch; it holds indices, not pixels)."""
+    n = len(targets)
+    return [(RegionBatch(dataset, tuple(range(a, min(n, a + batch_size)))), targets[a:a + batch_size])
+            for a in range(0, n, batch_size)]
+
+
+def read_block(batch: RegionBatch, dist: Distribution, dtype: torch.dtype | None = None) -> SpatialTensor:
+    """This rank's block of `batch`: its sample group's samples, each read only at this rank's grid
+    block (one ``read`` per sample). Local: no message. Every rank must hold the same batch."""
+    shape = batch.shape
+    dist.check_shape(shape, "region batch")
+    if len(shape) != 4:
+        raise SpatialError(f"region batches are NCHW; got samples of shape {shape[1:]}")
+    (n0, n1), (h0, h1), (w0, w1) = dist.box(shape)
+    parts: Sequence[torch.Tensor] = [batch.dataset.read(batch.indices[i], (slice(h0, h1), slice(w0, w1)))
+                                     for i in range(n0, n1)]
+    block = torch.stack(list(parts))
+    if tuple(block.shape) != (n1 - n0, shape[1], h1 - h0, w1 - w0):
+        raise SpatialError(f"read returned blocks of shape {tuple(block.shape[1:])}, expected "
+                           f"{(shape[1], h1 - h0, w1 - w0)}")
+    if dtype is not None:
+        block = block.to(dtype)
+    return tag(block, Layout(dist, "block", shape))
