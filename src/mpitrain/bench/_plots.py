@@ -62,7 +62,7 @@ def _number(v: Any) -> float | None:
 def _stamp(ax: Any, runs: Sequence[Run]) -> None:
     dates = sorted({r["date"] for r in runs})
     when = dates[0] if len(dates) == 1 else f"{dates[0]} .. {dates[-1]}"
-    ax.annotate(f"{when}; {runs[-1]['machine'][:90]}", (0, 0), (0, -34), xycoords="axes fraction",
+    ax.annotate(f"{when}; {runs[-1]['machine'][:90]}", (0, 0), (0, -42), xycoords="axes fraction",
                 textcoords="offset points", fontsize=6, color="grey", va="top")
 
 
@@ -148,7 +148,9 @@ def _pipesgd(ax: Any, runs: Sequence[Run]) -> None:
     labels = [f"{r['model']} {r['link']}\n{r['config']}" for r in rows]
     values = [r[col] if _number(r[col]) is not None else float("nan") for r in rows]
     ax.bar(range(len(rows)), values, color="#4C72B0")
-    ax.set_xticks(range(len(rows)), labels, fontsize=6, rotation=60, ha="right")
+    few = len(rows) <= 8
+    ax.set_xticks(range(len(rows)), labels, fontsize=7 if few else 6, rotation=0 if few else 60,
+                  ha="center" if few else "right")
     ax.set(ylabel=f"seconds {col[2:]}", title=f"Pipe-SGD time to accuracy, {run['ranks']} ranks")
 
 
