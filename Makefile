@@ -40,7 +40,7 @@ test-mpi: venv
 test: lint test-serial test-mpi
 
 demo: venv
-	$(BIN)/mpitrain demo --ranks $(NP)
+	$(BIN)/mpitrain demo --ranks $(NP) --strategy data --checkpoint --no-progress
 
 bench: venv
 	$(BIN)/mpitrain bench allreduce -n $(NP)

@@ -9,7 +9,7 @@ from .comm import CommError, Communicator, Request
 
 # Imported eagerly: the function `fit` must shadow the submodule `mpitrain.fit` for good (a lazy
 # lookup loses to the attribute the import system sets when any module imports mpitrain.fit).
-from .fit import FitError, FitResult, fit
+from .fit import FitError, FitResult, LoopState, StopTraining, fit
 from .runtime import init, local_rank, rank, size
 
 __version__ = "0.1.0"
@@ -21,6 +21,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "Pipeline": ("mpitrain.strategies.pipeline", "Pipeline"),
     "broadcast_parameters": ("mpitrain.strategies.data_parallel", "broadcast_parameters"),
     "broadcast_optimizer_state": ("mpitrain.strategies.data_parallel", "broadcast_optimizer_state"),
+    "load_checkpoint": ("mpitrain.checkpoint", "load_checkpoint"),
     "engine": ("mpitrain.engine", None),
     "kvstore": ("mpitrain.kvstore", None),
     "spatial": ("mpitrain.spatial", None),
@@ -29,7 +30,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
 __all__ = [
     "init", "rank", "size", "local_rank",
     "Communicator", "Request", "CommError",
-    "fit", "FitResult", "FitError",
+    "fit", "FitResult", "FitError", "StopTraining", "LoopState",
     *_LAZY,
 ]
 

@@ -6,31 +6,41 @@ import importlib
 import math
 import os
 import time
-from collections.abc import Callable, Iterable, Mapping, Sized
-from dataclasses import dataclass
-from typing import Protocol
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sized
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 from torch import nn
+from torch.utils.data import DataLoader
 
+from . import checkpoint
 from . import timeline as _timeline
+from ._data import DataPlan, check_plan, check_same_first_batch, is_map_dataset, read_global, read_shares, skip, take
 from ._utils.deprecation import renamed_options
 from ._utils.stall import StallPolicy
 from .comm.base import Communicator
 from .runtime import world
+from .strategies._batching import batch_size as _rows_of
+from .strategies._batching import slice_share
 from .strategies.base import (
     Balance,
     Batch,
+    CheckpointTrainer,
     FitError,
     FitSpec,
+    LoopSpec,
     LossFn,
     OptimizerFactory,
     Trainer,
     TrainerFactory,
+    is_int,
     is_number,
 )
 
-__all__ = ["fit", "make_trainer", "FitResult", "FitSpec", "Trainer", "STRATEGIES", "FitError"]
+__all__ = ["fit", "make_trainer", "FitResult", "FitSpec", "Trainer", "STRATEGIES", "FitError", "StopTraining",
+           "LoopState"]
 
 #: strategy name -> "module:factory". The factory is a :data:`~mpitrain.strategies.base.TrainerFactory`,
 #: ``make_trainer(model, loss_fn, optimizer, comm, spec) -> Trainer``, and must refuse bad input on every
@@ -57,6 +67,7 @@ class FitResult:
 
     model: nn.Module
     history: list[dict[str, float]]
+
 
 
 def accuracy(outputs: torch.Tensor, targets: torch.Tensor) -> float:
@@ -152,31 +163,366 @@ def _evaluate(trainer: Trainer, data: Iterable[tuple[Batch, torch.Tensor]], loss
     return {k: v / max(count, 1) for k, v in totals.items()}
 
 
-def fit(model: nn.Module, data: Iterable[tuple[Batch, torch.Tensor]], loss_fn: LossFn,
+class StopTraining(Exception):
+    """Raise it in an ``on_step_end``/``on_epoch_end`` callback (or return True from one) to end `fit`
+    after the current step: the partial epoch is recorded, the final checkpoint written, and `fit`
+    returns normally. The decision is combined over ranks (any rank stopping stops all)."""
+
+
+@dataclass
+class LoopState:
+    """What callbacks see (the same on every rank). `epoch` is 1-based; `step` counts optimizer steps
+    across epochs; `loss` is the step's mean loss (on_step_end) or the epoch's (on_epoch_end); `lr` is
+    the first parameter group's learning rate of that step (None if the strategy exposes no optimizer);
+    `history` holds the finished epochs' records (on_epoch_end: including this one)."""
+
+    epoch: int
+    step: int
+    loss: float
+    lr: float | None
+    history: list[dict[str, float]]
+
+
+Callback = Callable[[LoopState], object]
+SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
+
+
+@dataclass
+class _Position:
+    """Where the loop is: epoch (0-based), global batches consumed in it, its optimizer steps, its
+    running loss sum and sample count; `step` counts optimizer steps across epochs."""
+
+    epoch: int = 0
+    batch: int = 0
+    epoch_steps: int = 0
+    loss_sum: float = 0.0
+    samples: int = 0
+    step: int = 0
+
+
+@dataclass
+class _Settings:
+    """fit's loop keywords, checked."""
+
+    epochs: int
+    steps: int | None
+    accumulate: int
+    plan: DataPlan | None
+    checkpoint_dir: Path | None
+    checkpoint_every: int | None
+    resume: bool
+    lr_scheduler: SchedulerFactory | None
+    loop: LoopSpec
+    on_step_end: Callback | None
+    on_epoch_end: Callback | None
+
+
+def _features(strategy: str) -> frozenset[str]:
+    """The loop features the strategy declares (its module's FEATURES); importing sends nothing."""
+    if strategy not in STRATEGIES:
+        raise FitError(f"unknown strategy {strategy!r}; choose one of {sorted(STRATEGIES)}")
+    module = importlib.import_module(STRATEGIES[strategy].partition(":")[0])
+    return frozenset(getattr(module, "FEATURES", frozenset()))
+
+
+_FEATURE_WORDS = {"checkpoint": "checkpointing (checkpoint_dir=)", "lr_scheduler": "lr_scheduler=",
+                  "grad_clip": "grad_clip=", "bf16": 'precision="bf16"',
+                  "shares": "accumulate= > 1"}
+
+
+def _require(strategy: str, s: _Settings, data: object) -> bool:
+    """FitError (local, every rank alike) for a feature `s` needs that the strategy lacks; returns
+    whether the strategy reads its own shares."""
+    have = _features(strategy)
+    need = {"checkpoint": s.checkpoint_dir is not None, "lr_scheduler": s.lr_scheduler is not None,
+            "grad_clip": s.loop.grad_clip is not None, "bf16": s.loop.precision == "bf16",
+            "shares": s.accumulate > 1}
+    for name, wanted in need.items():
+        if wanted and name not in have:
+            raise FitError(f"{_FEATURE_WORDS[name]} is not supported by strategy {strategy!r} yet "
+                           f"(it supports: {sorted(have) or 'none of the loop features'}); see docs/training-runs.md")
+    plan = s.plan
+    if "shares" not in have and plan is not None and not plan.drop_last and len(plan.dataset) % plan.batch_size:
+        raise FitError(f"strategy {strategy!r} does not take an uneven last batch yet (a Dataset of "
+                       f"{len(plan.dataset)} samples in batches of {plan.batch_size} leaves "
+                       f"{len(plan.dataset) % plan.batch_size}): pass drop_last=True")
+    return "shares" in have
+
+
+def _settings(data: object, epochs: int, steps: int | None, batch_size: int | None, shuffle: bool, seed: int,
+              drop_last: bool, num_workers: int, pin_memory: bool, checkpoint_dir: str | os.PathLike[str] | None,
+              checkpoint_every: int | None, resume: bool, lr_scheduler: SchedulerFactory | None,
+              grad_clip: float | None, accumulate: int, precision: str, on_step_end: Callback | None,
+              on_epoch_end: Callback | None) -> _Settings:
+    """fit's loop keywords checked locally (FitError: the same verdict on every rank)."""
+    if not is_int(epochs) or epochs < 1 or (steps is not None and (not is_int(steps) or steps < 1)):
+        raise FitError(f"epochs must be >= 1 and steps None or >= 1, got epochs={epochs}, steps={steps}")
+    plan = None
+    if is_map_dataset(data):
+        check_plan(data, batch_size, seed, num_workers, [("shuffle", shuffle), ("drop_last", drop_last),
+                                                        ("pin_memory", pin_memory)])
+        assert batch_size is not None
+        plan = DataPlan(data, batch_size, shuffle, seed, drop_last, num_workers, pin_memory)
+        if drop_last and len(data) < batch_size:  # type: ignore[arg-type]
+            raise FitError(f"drop_last=True with a Dataset of {len(data)} samples and batch_size={batch_size} "  # type: ignore[arg-type]
+                           f"leaves no batch")
+    elif batch_size is not None or num_workers or pin_memory:
+        raise FitError("batch_size, num_workers and pin_memory apply to a map-style torch.utils.data.Dataset; "
+                       f"`data` is a {type(data).__name__} of global batches")
+    if not is_int(accumulate) or accumulate < 1:
+        raise FitError(f"accumulate must be an int >= 1, got {accumulate!r}")
+    if checkpoint_every is not None and (not is_int(checkpoint_every) or checkpoint_every < 1):
+        raise FitError(f"checkpoint_every must be None or an int >= 1, got {checkpoint_every!r}")
+    if checkpoint_dir is None and (checkpoint_every is not None or resume):
+        raise FitError("checkpoint_every= and resume=True need checkpoint_dir=")
+    if grad_clip is not None and (not is_number(grad_clip) or grad_clip <= 0):
+        raise FitError(f"grad_clip must be None or a number > 0, got {grad_clip!r}")
+    if precision not in ("fp32", "bf16"):
+        raise FitError(f"precision must be 'fp32' or 'bf16', got {precision!r}")
+    for name, fn in (("lr_scheduler", lr_scheduler), ("on_step_end", on_step_end), ("on_epoch_end", on_epoch_end)):
+        if fn is not None and not callable(fn):
+            raise FitError(f"{name} must be callable, got {fn!r}")
+    return _Settings(epochs, steps, accumulate, plan, None if checkpoint_dir is None else Path(checkpoint_dir),
+                     checkpoint_every, bool(resume), lr_scheduler,
+                     LoopSpec(None if grad_clip is None else float(grad_clip), precision), on_step_end, on_epoch_end)
+
+
+def _data_signature(s: _Settings) -> dict[str, object]:
+    """What fixes the sample order; a resumed run must match it."""
+    p = s.plan
+    if p is None:
+        return {"kind": "iterable", "accumulate": s.accumulate}
+    return {"kind": "dataset", "length": len(p.dataset), "batch_size": p.batch_size, "shuffle": p.shuffle,
+            "seed": p.seed, "drop_last": p.drop_last, "accumulate": s.accumulate}
+
+
+class _Loop:
+    """One fit run: epochs of steps over the data, callbacks, checkpoints. Every rank runs it alike."""
+
+    def __init__(self, trainer: Trainer, comm: Communicator, data: Any, s: _Settings, sharded: bool,
+                 strategy: str, model_keys: list[str], show: bool, has_lr: bool) -> None:
+        self.trainer, self.comm, self.data, self.s, self.sharded = trainer, comm, data, s, sharded
+        self.strategy, self.model_keys, self.show = strategy, model_keys, show
+        # only a strategy declaring "lr_scheduler" promises an optimizer on every rank (a pipeline stage
+        # without parameters has none): the others record no lr, so every rank's history is the same
+        self.optimizer: torch.optim.Optimizer | None = getattr(trainer, "optimizer", None) if has_lr else None
+        self.scheduler = s.lr_scheduler(self.optimizer) if s.lr_scheduler is not None and self.optimizer else None
+        self.pos = _Position()
+        self.history: list[dict[str, float]] = []
+        self.saved_step = -1
+        self.stop = False
+
+    # -- data ---------------------------------------------------------------------------------------
+    def _items(self, epoch: int, start: int) -> Iterator[Any]:
+        """This epoch's items from global batch `start` on: BatchShares (sharded trainers) or global
+        ``(inputs, targets)`` batches."""
+        plan, trainer = self.s.plan, self.trainer
+        if plan is not None:
+            if self.sharded:
+                yield from read_shares(plan, epoch, start, trainer.share)  # type: ignore[attr-defined]
+            else:
+                yield from read_global(plan, epoch, start)
+            return
+        for i, (inputs, targets) in enumerate(skip(self.data, start)):
+            if i == 0:
+                check_same_first_batch(self.comm, (inputs, targets), epoch)
+            if self.sharded:
+                yield slice_share(inputs, targets, trainer.share(_rows_of(targets)))  # type: ignore[attr-defined]
+            else:
+                yield inputs, targets
+
+    def _step(self, group: list[Any]) -> tuple[float, int]:
+        if self.sharded:
+            total = sum(b.n for b in group)
+            return self.trainer.train_shares(group, total), total  # type: ignore[attr-defined]
+        inputs, targets = group[0]
+        return self.trainer.train_step(inputs, targets), _rows_of(targets)
+
+    # -- the loop -----------------------------------------------------------------------------------------
+    def run(self, eval_data: Any, loss_fn: LossFn, metrics: dict[str, Metric]) -> None:
+        s = self.s
+        while self.pos.epoch < s.epochs and not self.stop:
+            total = self._steps_in_epoch()
+            bar = _progress(total, f"epoch {self.pos.epoch + 1}/{s.epochs}", self.show)
+            t0, done0 = time.perf_counter(), self.pos.samples
+            items = self._items(self.pos.epoch, self.pos.batch)
+            lr = self._lr()
+            while (s.steps is None or self.pos.epoch_steps < s.steps) and not self.stop:
+                group = take(items, s.accumulate)
+                if not group:
+                    break
+                lr = self._lr()
+                with _timeline.span("step", epoch=self.pos.epoch, step=self.pos.step):
+                    loss, n = self._step(group)
+                if self.scheduler is not None:
+                    self.scheduler.step()
+                p = self.pos
+                p.batch, p.epoch_steps, p.step = p.batch + len(group), p.epoch_steps + 1, p.step + 1
+                p.loss_sum, p.samples = p.loss_sum + loss * n, p.samples + n
+                if bar is not None:
+                    bar.set_postfix(loss=f"{loss:.4f}")
+                    bar.update(1)
+                self._callback(s.on_step_end, LoopState(p.epoch + 1, p.step, loss, lr, self.history))
+                if s.checkpoint_every and p.step % s.checkpoint_every == 0:
+                    self.checkpoint()
+            if bar is not None:
+                bar.close()
+            if self.stop and s.checkpoint_dir is not None and self.saved_step != self.pos.step:
+                self.checkpoint()  # stopped mid-epoch: a resume continues this epoch where it stopped
+            elapsed = time.perf_counter() - t0
+            p = self.pos
+            record = {"epoch": float(p.epoch + 1), "loss": p.loss_sum / max(p.samples, 1),
+                      "samples_per_s": (p.samples - done0) / elapsed if elapsed > 0 else math.nan}
+            if lr is not None:
+                record["lr"] = lr
+            if eval_data is not None:
+                record.update(_evaluate(self.trainer, eval_data, loss_fn, metrics))
+            self.history.append(record)
+            if self.show:
+                print("  ".join(f"{k}={v:.4g}" for k, v in record.items()), flush=True)
+            self.pos = _Position(epoch=p.epoch + 1, step=p.step)
+            self._callback(s.on_epoch_end, LoopState(p.epoch + 1, p.step, record["loss"], lr, self.history))
+        if s.checkpoint_dir is not None and self.saved_step != self.pos.step:
+            self.checkpoint()
+
+    def _steps_in_epoch(self) -> int | None:
+        s = self.s
+        count = len(s.plan.batches(self.pos.epoch)) if s.plan is not None else _batch_count(self.data)
+        if count is not None:
+            count = -(-count // s.accumulate)
+        return min(count, s.steps) if (count is not None and s.steps is not None) else (count or s.steps)
+
+    def _lr(self) -> float | None:
+        """The first parameter group's learning rate (None for an optimizer without one, e.g. duck-typed)."""
+        groups = getattr(self.optimizer, "param_groups", None)
+        return float(groups[0]["lr"]) if groups and "lr" in groups[0] else None
+
+    def _callback(self, fn: Callback | None, state: LoopState) -> None:
+        """Run `fn`; any rank asking to stop stops every rank (one allreduce per call)."""
+        if fn is None:
+            return
+        try:
+            stop = fn(state) is True
+        except StopTraining:
+            stop = True
+        votes = self.comm.allreduce(torch.tensor([1.0 if stop else 0.0]), "max")
+        self.stop = self.stop or bool(votes.item() > 0)
+
+    # -- checkpoints ----------------------------------------------------------------------------------
+    def checkpoint(self) -> None:
+        """Collective: save the trainer's shard, this rank's RNG and the loop position (atomically)."""
+        assert self.s.checkpoint_dir is not None
+        trainer: CheckpointTrainer = self.trainer  # type: ignore[assignment]
+        shard = {"trainer": trainer.state_dict(), "rng": checkpoint.rng_state(),
+                 "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None}
+        manifest = {"strategy": self.strategy, "layout": trainer.layout(), "position": asdict(self.pos),
+                    "history": self.history, "data": _data_signature(self.s), "model_keys": self.model_keys}
+        checkpoint.save(self.comm, self.s.checkpoint_dir, self.pos.step, shard, manifest)
+        self.saved_step = self.pos.step
+
+    def restore(self, path: Path, manifest: dict[str, Any]) -> None:
+        """Every rank: continue from the checkpoint at `path` (FitError if it was another kind of run)."""
+        saved, now = manifest["data"], _data_signature(self.s)
+        if manifest["strategy"] != self.strategy or saved != now:
+            raise FitError(f"cannot resume from {path}: it was written by strategy {manifest['strategy']!r} "
+                           f"with data {saved}, this run is strategy {self.strategy!r} with data {now}")
+        trainer: CheckpointTrainer = self.trainer  # type: ignore[assignment]
+        cache: dict[int, dict[str, Any]] = {}
+
+        def read(rank: int) -> dict[str, Any]:
+            if rank not in cache:
+                cache[rank] = checkpoint.read_shard(path, rank)
+            return cache[rank]
+
+        trainer.load_state_dict(lambda r: read(r)["trainer"], manifest["layout"])
+        same = manifest["world_size"] == self.comm.size
+        own = read(self.comm.rank if same else 0)
+        if self.scheduler is not None and own["scheduler"] is not None:
+            self.scheduler.load_state_dict(own["scheduler"])
+        if same:
+            checkpoint.set_rng_state(own["rng"])
+        self.pos = _Position(**manifest["position"])
+        self.history = [dict(h) for h in manifest["history"]]
+        self.saved_step = self.pos.step
+
+
+def _find_resume(comm: Communicator, s: _Settings) -> tuple[Path, dict[str, Any]] | None:
+    """Collective (one broadcast from rank 0): the checkpoint to resume from, None to start fresh.
+    FitError on every rank for a checkpoint_dir that holds checkpoints when resume=False."""
+    if s.checkpoint_dir is None:
+        return None
+    found: tuple[str, dict[str, Any]] | str | None = None
+    if comm.rank == 0:
+        try:
+            path = checkpoint.latest(s.checkpoint_dir)
+            found = None if path is None else (str(path), checkpoint.read_manifest(path))
+        except (OSError, ValueError, checkpoint.CheckpointError) as e:
+            found = f"cannot read checkpoint_dir {s.checkpoint_dir}: {e}"
+    found = comm.broadcast_object(found)
+    if isinstance(found, str):
+        raise FitError(found)
+    if found is None:
+        return None
+    if not s.resume:
+        raise FitError(f"checkpoint_dir {s.checkpoint_dir} already holds checkpoints ({found[0]}): pass "
+                       f"resume=True to continue from the latest, or use another directory")
+    return Path(found[0]), found[1]
+
+
+def fit(model: nn.Module, data: Any, loss_fn: LossFn,
         optimizer: OptimizerFactory, *, strategy: str = "data", partitions: int = 1, replicas: int | None = None,
         micro_batches: int = 1, schedule: str = "1f1b", epochs: int = 1, steps: int | None = None,
+        batch_size: int | None = None, shuffle: bool = True, seed: int = 0, drop_last: bool = False,
+        num_workers: int = 0, pin_memory: bool = False,
         eval_data: Iterable[tuple[Batch, torch.Tensor]] | None = None,
         metrics: Iterable[str | Metric] | Mapping[str, Metric] | None = None,
+        checkpoint_dir: str | os.PathLike[str] | None = None, checkpoint_every: int | None = None,
+        resume: bool = False, lr_scheduler: SchedulerFactory | None = None, grad_clip: float | None = None,
+        accumulate: int = 1, precision: str = "fp32", on_step_end: Callback | None = None,
+        on_epoch_end: Callback | None = None,
         comm: Communicator | None = None, progress: bool = True, balance: Balance = "time",
         warn_after: float = DEFAULT_WARN_AFTER, abort_after: float | None = DEFAULT_ABORT_AFTER,
         timeline: str | os.PathLike[str] | None = None, **options: object) -> FitResult:
     """Train `model` on every rank of `comm` (default: the world) with one of :data:`STRATEGIES`.
 
-    `data` yields ``(inputs, targets)`` *global* mini-batches, the same on every rank; the strategy
-    slices them, so every strategy computes what one process training on those batches computes
-    (up to float rounding, and except where the strategy changes the maths on purpose: pipe-sgd's
-    staleness, lossy compression). `optimizer` is a callable ``params -> torch.optim.Optimizer``.
-    `steps` caps the optimizer steps per epoch. Strategy-specific keywords go in `options`.
-    No wait of the strategy hangs: one still waiting after `warn_after` seconds prints a line naming
-    what it waits for (again every `warn_after` seconds); after `abort_after` seconds (None: never) the
-    job ends. ``stall_timeout``/``stall_warning_s`` and ``stall_abort`` are deprecated spellings of
-    these two. Every rank must call `fit` with the same arguments; bad arguments raise FitError on
-    every rank before any message is sent. `timeline` names a Chrome-trace JSON file that rank 0
-    writes at the end: a timeline of every rank's steps, compute and messages (docs/timeline.md;
-    when a timeline already runs, fit's events go to that one instead).
+    `data` is either a map-style ``torch.utils.data.Dataset`` (with ``batch_size=``, the GLOBAL batch) or
+    an iterable of ``(inputs, targets)`` global mini-batches, the same on every rank.
+
+    * Dataset: epoch ``e`` visits ``torch.randperm(len(data), generator=torch.Generator().manual_seed(seed
+      + e))`` (``arange`` if not `shuffle`) in global batches of `batch_size`, the last one smaller unless
+      `drop_last`. Each rank reads only the rows it uses (a DataLoader per rank with `num_workers` and
+      `pin_memory`) where the strategy supports it (feature "shares"; otherwise every rank reads each
+      global batch). The item at an index is ``(inputs, target)`` or ``(input_1, ..., input_k, target)``.
+    * Iterable: the first batch of each epoch is checksummed across ranks (FitError naming the ranks
+      that differ from rank 0).
+
+    Each step's loss is the mean over its global batch (``accumulate=k``: over its k batches, one
+    optimizer step); a batch that does not split evenly is split as evenly as possible with
+    gradients weighted by sample counts, so every strategy computes what one process training on
+    those batches computes (up to float rounding, and except where the strategy changes the maths on
+    purpose: pipe-sgd's staleness, lossy compression). `optimizer` is a callable ``params ->
+    torch.optim.Optimizer``; `lr_scheduler` a callable ``optimizer -> scheduler`` stepped after every
+    optimizer step; `grad_clip` clips the global gradient norm as ``clip_grad_norm_`` in one process;
+    ``precision="bf16"`` runs forward and loss under CPU bf16 autocast. `steps` caps the optimizer steps
+    per epoch. Callbacks ``on_step_end(state)`` / ``on_epoch_end(state)`` get a :class:`LoopState`;
+    returning True or raising :class:`StopTraining` ends the run after that step.
+
+    ``checkpoint_dir=DIR, checkpoint_every=N`` saves an atomic sharded checkpoint (docs/training-runs.md)
+    after every N optimizer steps (counted across epochs) and at the end; ``resume=True`` continues
+    from the latest one in DIR (or starts fresh), ending bit-identical to an uninterrupted run.
+
+    Strategy-specific keywords go in `options`. No wait of the strategy hangs: one still waiting after
+    `warn_after` seconds prints a line naming what it waits for (again every `warn_after` seconds);
+    after `abort_after` seconds (None: never) the job ends. ``stall_timeout``/``stall_warning_s`` and
+    ``stall_abort`` are deprecated spellings of these two. Every rank must call `fit` with the same
+    arguments; bad arguments raise FitError on every rank before any message is sent, including a
+    feature the strategy does not support yet. `timeline` names a Chrome-trace JSON file that rank 0
+    writes at the end: every rank's steps, compute and messages (docs/timeline.md; when a timeline
+    already runs, fit's events go to that one instead).
     """
-    if epochs < 1 or (steps is not None and steps < 1):
-        raise FitError(f"epochs must be >= 1 and steps None or >= 1, got epochs={epochs}, steps={steps}")
+    s = _settings(data, epochs, steps, batch_size, shuffle, seed, drop_last, num_workers, pin_memory, checkpoint_dir,
+                  checkpoint_every, resume, lr_scheduler, grad_clip, accumulate, precision, on_step_end,
+                  on_epoch_end)
     comm = comm or world()
     named = _metrics(metrics)
     try:  # called here, so that the DeprecationWarning names the caller of fit
@@ -184,56 +530,21 @@ def fit(model: nn.Module, data: Iterable[tuple[Batch, torch.Tensor]], loss_fn: L
     except TypeError as e:
         raise FitError(str(e)) from None
     stall = stall_policy(warn_after, abort_after, rest)
+    sharded = _require(strategy, s, data)
+    if eval_data is not None and is_map_dataset(eval_data):
+        eval_data = DataLoader(eval_data, batch_size=batch_size or 1)  # type: ignore[arg-type]
+    resume_from = _find_resume(comm, s)
     spec = FitSpec(strategy=strategy, partitions=partitions, replicas=replicas, micro_batches=micro_batches,
-                   schedule=schedule, balance=balance, options=rest, stall=stall)
+                   schedule=schedule, balance=balance, options=rest, stall=stall, loop=s.loop)
     if timeline is not None and not isinstance(timeline, (str, os.PathLike)):
         raise FitError(f"fit: timeline must be a file path, got {timeline!r}")
+    model_keys = list(model.state_dict())
     trainer = make_trainer(model, loss_fn, optimizer, comm, spec)
-    own_timeline = timeline is not None and not _timeline.active()
-    if own_timeline:
-        assert timeline is not None
-        _timeline.start(timeline, comm)
-    try:
-        history = _train(trainer, data, loss_fn, comm, epochs, steps, eval_data, named, progress)
-        result = FitResult(model=trainer.trained_model(), history=history)
-    except BaseException:
-        if own_timeline:
-            _timeline.discard()
-        raise
-    if own_timeline:
-        _timeline.stop()
+    with _timeline.recording(timeline, comm):  # fit(timeline="trace.json"): written when the loop ends
+        loop = _Loop(trainer, comm, data, s, sharded, strategy, model_keys, progress and comm.rank == 0,
+                     "lr_scheduler" in _features(strategy))
+        if resume_from is not None:
+            loop.restore(*resume_from)
+        loop.run(eval_data, loss_fn, named)
+        result = FitResult(model=trainer.trained_model(), history=loop.history)
     return result
-
-
-def _train(trainer: Trainer, data: Iterable[tuple[Batch, torch.Tensor]], loss_fn: LossFn, comm: Communicator,
-           epochs: int, steps: int | None, eval_data: Iterable[tuple[Batch, torch.Tensor]] | None,
-           named: dict[str, Metric], progress: bool) -> list[dict[str, float]]:
-    """fit's loop over epochs and steps; the history it returns."""
-    history: list[dict[str, float]] = []
-    show = progress and comm.rank == 0
-    for epoch in range(epochs):
-        total = _batch_count(data)
-        total = min(total, steps) if (total is not None and steps is not None) else (total or steps)
-        bar = _progress(total, f"epoch {epoch + 1}/{epochs}", show)
-        loss_sum, samples, t0 = 0.0, 0, time.perf_counter()
-        for i, (inputs, targets) in enumerate(data):
-            if steps is not None and i >= steps:
-                break
-            with _timeline.span("step", epoch=epoch, step=i):
-                loss = trainer.train_step(inputs, targets)
-            loss_sum += loss * len(targets)
-            samples += len(targets)
-            if bar is not None:
-                bar.set_postfix(loss=f"{loss:.4f}")
-                bar.update(1)
-        elapsed = time.perf_counter() - t0
-        if bar is not None:
-            bar.close()
-        record = {"epoch": float(epoch + 1), "loss": loss_sum / max(samples, 1),
-                  "samples_per_s": samples / elapsed if elapsed > 0 else math.nan}
-        if eval_data is not None:
-            record.update(_evaluate(trainer, eval_data, loss_fn, named))
-        history.append(record)
-        if show:
-            print("  ".join(f"{k}={v:.4g}" for k, v in record.items()), flush=True)
-    return history

@@ -189,6 +189,7 @@ class PlainSGD:  # duck-typed: a fresh process importing torch.optim pays ~10 s 
         with torch.no_grad():
             for p in self.params:
                 p -= 0.1 * p.grad
+torch.manual_seed(0)  # the same global batches on every rank (fit checks the first one)
 batches = [(torch.randn(4, 3), torch.tensor([0, 1, 0, 1])) for _ in range(20)]
 fit(nn.Linear(3, 2), batches, loss_fn, PlainSGD, strategy="pipe-sgd", staleness=2, compression="int8",
     progress=False)

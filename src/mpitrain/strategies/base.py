@@ -36,7 +36,8 @@ from torch import nn
 from .._utils.stall import DEFAULT_POLICY, StallPolicy
 from ..comm.base import Communicator
 
-__all__ = ["FitError", "FitSpec", "Trainer", "TrainerFactory", "StrategyOptions", "Batch", "Balance", "LossFn",
+__all__ = ["FitError", "FitSpec", "LoopSpec", "DEFAULT_LOOP", "Trainer", "ShardedTrainer", "CheckpointTrainer", "Share",
+           "BatchShare", "FEATURE_NAMES", "TrainerFactory", "StrategyOptions", "Batch", "Balance", "LossFn",
            "OptimizerFactory", "is_int", "is_number", "require_whole_model"]
 
 
@@ -52,6 +53,38 @@ Batch: TypeAlias = torch.Tensor | tuple[object, ...] | list[object]
 Balance: TypeAlias = str | Sequence[int]
 LossFn: TypeAlias = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 OptimizerFactory: TypeAlias = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+
+#: The optional loop features a strategy may declare in its module-level ``FEATURES`` frozenset (next
+#: to its ``make_trainer``); `fit` reads it before building the trainer and refuses, on every rank and
+#: before any message, a run that needs a feature the strategy lacks:
+#:
+#: * ``"shares"``: the trainer implements :class:`ShardedTrainer` (each rank reads only its rows of a
+#:   global batch; uneven batches; ``accumulate``). Without it fit hands every rank the whole global
+#:   batch through ``train_step`` (read on every rank) and ``accumulate`` must be 1.
+#: * ``"checkpoint"``: the trainer implements :class:`CheckpointTrainer` (``checkpoint_dir``, ``resume``).
+#: * ``"lr_scheduler"``: the trainer has an ``optimizer`` attribute (this rank's optimizer, stepped once
+#:   per ``train_step``/``train_shares``), which fit hands to ``lr_scheduler``.
+#: * ``"grad_clip"``: the trainer clips by ``spec.loop.grad_clip``: the norm of the WHOLE model's
+#:   gradient (all partitions, after averaging over replicas), so it equals one process's
+#:   ``clip_grad_norm_``, applied right before each optimizer step.
+#: * ``"bf16"``: the trainer runs forward and loss under ``torch.autocast(device, torch.bfloat16)`` when
+#:   ``spec.loop.precision == "bf16"`` (parameters, gradients and optimizer state stay in their dtype).
+FEATURE_NAMES = ("shares", "checkpoint", "lr_scheduler", "grad_clip", "bf16")
+
+
+@dataclass(frozen=True)
+class LoopSpec:
+    """The loop features `fit` asks of the trainer itself (see :data:`FEATURE_NAMES`): `grad_clip`
+    (max global norm, None: no clipping) and `precision` ("fp32" or "bf16"). A strategy that does not
+    declare a feature is never given a non-default value for it."""
+
+    grad_clip: float | None = None
+    precision: str = "fp32"
+
+
+#: LoopSpec(): no clipping, fp32.
+DEFAULT_LOOP = LoopSpec()
 
 
 @dataclass(frozen=True)
@@ -71,10 +104,17 @@ class FitSpec:
     balance: Balance = "time"
     options: Mapping[str, object] = field(default_factory=dict)
     stall: StallPolicy = DEFAULT_POLICY
+    loop: LoopSpec = DEFAULT_LOOP
 
 
 class Trainer(Protocol):
-    """What a strategy gives `fit`. Every rank calls every method, with the same global batch."""
+    """What a strategy gives `fit`. Every rank calls every method, with the same global batch.
+
+    These three methods are required. A strategy may implement more (:class:`ShardedTrainer`,
+    :class:`CheckpointTrainer`, an ``optimizer`` attribute, ``spec.loop``) and declares which in its
+    module's ``FEATURES`` (:data:`FEATURE_NAMES`); fit refuses a run needing an undeclared one with a
+    FitError on every rank before any message (docs/training-runs.md lists who supports what).
+    """
 
     def train_step(self, inputs: Batch, targets: torch.Tensor) -> float:
         """One optimizer step on the global mini-batch; returns its mean loss, equal on every rank."""
@@ -87,6 +127,79 @@ class Trainer(Protocol):
     def trained_model(self) -> nn.Module:
         """A model of the user's class holding the trained weights, on every rank. Collective; the
         trainer takes no more steps afterwards."""
+        ...
+
+
+@dataclass(frozen=True)
+class Share:
+    """The rows ``[start, stop)`` of a global batch that one rank reads, and which parts it uses
+    (a middle pipeline stage uses neither, the first stage only inputs, the last only targets)."""
+
+    start: int
+    stop: int
+    inputs: bool = True
+    targets: bool = True
+
+    @property
+    def rows(self) -> int:
+        return self.stop - self.start if (self.inputs or self.targets) else 0
+
+
+@dataclass
+class BatchShare:
+    """This rank's part of one global batch of `n` samples: the rows of its :class:`Share`, None for
+    a part the share does not use or when the share is empty."""
+
+    inputs: Batch | None
+    targets: torch.Tensor | None
+    n: int
+    share: Share
+
+
+class ShardedTrainer(Protocol):
+    """Feature ``"shares"``: the trainer trains on the rows each rank reads itself.
+
+    Contract (fit relies on every line):
+
+    * ``share(n)`` is a pure function of `n` and the layout (the same answer whenever asked); the
+      shares of the ranks that read inputs cover ``range(n)`` once per replica; any `n` >= 1 is valid
+      (an uneven batch is split as evenly as possible, :func:`~mpitrain.comm.base.split_sizes`; a rank
+      may get no rows and must still take part).
+    * ``train_shares(batches, total)`` is ONE optimizer step on the concatenation of the global batches
+      (``accumulate`` > 1 passes several; ``total`` = the sum of their ``n``): its gradient is that of the
+      mean loss over all `total` samples (each rank weights its rows by their count), so the step equals
+      one process's on those samples; it returns that mean loss, equal on every rank. `loss_fn` returns
+      the mean over the rows it is given (as ``nn.CrossEntropyLoss()`` does).
+    """
+
+    def share(self, n: int) -> Share: ...
+
+    def train_shares(self, batches: Sequence[BatchShare], total: int) -> float: ...
+
+
+class CheckpointTrainer(Protocol):
+    """Feature ``"checkpoint"``: the trainer saves and restores its exact state.
+
+    * ``layout()``: a small JSON-able dict describing how the state is split (strategy, world size, ...);
+      equal on every rank; written to the checkpoint manifest.
+    * ``state_dict()``: this rank's shard, only tensors, numbers, strings, None and lists/tuples/dicts
+      of them (it is loaded with ``torch.load(weights_only=True)``). Key ``"model"`` maps names of the
+      USER's ``model.state_dict()`` to the tensors this rank holds: ``mpitrain.load_checkpoint`` merges
+      the shards' ``"model"`` dicts (lowest rank first) into the full state_dict without MPI. Everything
+      needed to continue bit-identically goes in: optimizer state, in-flight gradients, step counters.
+      Collective (a trainer may complete in-flight communication); called after a step, on every rank.
+    * ``load_state_dict(read, saved_layout)``: restore from a checkpoint whose layout was `saved_layout`;
+      ``read(r)`` returns saved rank r's shard (loaded on demand). Same layout: read your own rank. A
+      different layout the trainer can reshard (replicated weights) is read from the ranks it needs;
+      one it cannot raises FitError naming both layouts (a local decision: every rank raises alike).
+      Called on every rank before the first step.
+    """
+
+    def layout(self) -> dict[str, object]: ...
+
+    def state_dict(self) -> dict[str, object]: ...
+
+    def load_state_dict(self, read: Callable[[int], dict[str, object]], saved_layout: Mapping[str, object]) -> None:
         ...
 
 

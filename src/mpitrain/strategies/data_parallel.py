@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -13,7 +13,7 @@ from torch.utils._pytree import tree_leaves
 
 from ..comm.base import Communicator
 from ..runtime import world
-from ._batching import batch_size, check_divisible, chunks, shard
+from ._batching import batch_size, even_share, gather_rows, rows, slice_share, split_rows
 from ._broadcast import (
     broadcast_optimizer_state,
     broadcast_parameters,
@@ -24,11 +24,15 @@ from ._broadcast import (
 from ._buckets import MB, Bucket, plan_buckets
 from ._grad_allreduce import allreduce_gradients, start_allreduce_gradients
 from .base import (
+    DEFAULT_LOOP,
     Batch,
+    BatchShare,
     FitError,
     FitSpec,
+    LoopSpec,
     LossFn,
     OptimizerFactory,
+    Share,
     StrategyOptions,
     is_number,
     require_whole_model,
@@ -37,7 +41,8 @@ from .base import (
 if TYPE_CHECKING:
     from ..kvstore import KVStore
 
-__all__ = ["DataParallel", "KVSTORE_TYPES", "COLLECTIVE_TYPES", "make_trainer", "DataTrainer", "DataOptions",
+__all__ = ["DataParallel", "KVSTORE_TYPES", "COLLECTIVE_TYPES", "FEATURES", "make_trainer", "DataTrainer",
+           "DataOptions",
            "broadcast_parameters", "broadcast_optimizer_state", "allreduce_gradients",
            "start_allreduce_gradients"]
 
@@ -237,6 +242,14 @@ class DataParallel(nn.Module):
         finally:
             self._reset()
 
+    def sync_without_backward(self) -> None:
+        """Collective: take part in a synchronised backward for which this rank has no samples. Every
+        bucket is pushed with zeros (as parameters without a gradient are), so afterwards each ``.grad``
+        holds the other ranks' contributions averaged over all ranks, ``grad=None`` where no rank had one.
+        Call it after ``zero_grad()`` where the other ranks run their synchronised backward."""
+        self._sync_graph = True
+        self._finalize()
+
     def close(self) -> None:
         """Collective: remove the gradient hooks and close the KVStore if this object created it (its
         threads and communicators). The wrapped module keeps working as a plain module. Idempotent."""
@@ -334,49 +347,108 @@ class DataOptions(StrategyOptions):
 
 
 class DataTrainer:
-    """fit's Trainer for ``strategy="data"``: each rank trains on its equal slice of the global batch.
+    """fit's Trainer for ``strategy="data"``: each rank trains on its rows of the global batch.
 
-    ``micro_batches`` > 1 splits each rank's slice further and accumulates under ``no_sync`` (one
-    reduction per step); the maths is unchanged. The returned loss is the global batch mean.
+    A global batch of n rows is split as evenly as possible (rank r gets block r of
+    ``split_sizes(n, size)``; a rank may get none), ``micro_batches`` > 1 splits each rank's rows further
+    and accumulates under ``no_sync`` (one reduction per step). Each piece's mean loss is weighted by its
+    share of the step's samples, so the averaged gradient is that of the mean loss over the step's
+    samples: the step equals one process's (BatchNorm statistics are per rank, as in DDP). With
+    ``broadcast_buffers`` rank 0's buffers are broadcast once per step, before its first forward. The
+    returned loss is the step's mean, equal on every rank. Features: :data:`FEATURES`.
     """
 
     def __init__(self, model: nn.Module, loss_fn: LossFn, optimizer: OptimizerFactory, comm: Communicator,
-                 micro_batches: int, opts: DataOptions) -> None:
+                 micro_batches: int, opts: DataOptions, loop: LoopSpec = DEFAULT_LOOP) -> None:
         self.dp = DataParallel(model, opts.kvstore, opts.bucket_mb, comm, first_bucket_mb=opts.first_bucket_mb,
                                broadcast_buffers=opts.broadcast_buffers, overlap=opts.overlap)
-        self.loss_fn, self.comm, self.micro_batches = loss_fn, comm, micro_batches
+        # buffers go once per step (train_shares), so ranks may run different numbers of forwards
+        self.dp.broadcast_buffers = False
+        self._buffers = [b for _, b in model.named_buffers()] if opts.broadcast_buffers else []
+        self.loss_fn, self.comm, self.micro_batches, self.loop = loss_fn, comm, micro_batches, loop
         self.optimizer = optimizer(self.dp.module.parameters())
 
-    def _slice(self, inputs: Batch, targets: torch.Tensor) -> tuple[Batch, torch.Tensor]:
-        check_divisible(batch_size(targets), self.comm.size * self.micro_batches, "ranks x micro-batches")
-        return shard(inputs, self.comm.size, self.comm.rank), shard(targets, self.comm.size, self.comm.rank)
+    def share(self, n: int) -> Share:
+        return even_share(n, self.comm.size, self.comm.rank)
 
     def train_step(self, inputs: Batch, targets: torch.Tensor) -> float:
+        """One step on a global batch every rank holds in full (any size)."""
+        n = batch_size(targets)
+        return self.train_shares([slice_share(inputs, targets, self.share(n))], n)
+
+    def train_shares(self, batches: Sequence[BatchShare], total: int) -> float:
+        """One optimizer step on this rank's rows of `batches` (:class:`~.base.ShardedTrainer`)."""
         if self.dp._closed:
             raise RuntimeError("this data-parallel trainer is finished (trained_model() closed it)")
-        x, y = self._slice(inputs, targets)
         self.optimizer.zero_grad()
-        m = self.micro_batches
-        total = torch.zeros(())
-        for j, (xj, yj) in enumerate(zip(chunks(x, m), chunks(y, m))):
-            with self.dp.no_sync() if j < m - 1 else contextlib.nullcontext():
-                loss = self.loss_fn(self.dp(xj), yj) / m
-                loss.backward()
-            total += loss.detach()
+        if self._buffers and self.dp.training:
+            broadcast_tensors(self._buffers, self.comm, 0)
+        pieces = [(x, y) for b in batches if b.share.rows
+                  for x, y in zip(split_rows(b.inputs, self.micro_batches), split_rows(b.targets, self.micro_batches))]
+        local = torch.zeros((), dtype=torch.float64)  # the sum of this rank's per-sample losses
+        weight = self.comm.size / total  # DataParallel averages over ranks: undo it, divide by the samples
+        for j, (x, y) in enumerate(pieces):
+            with self.dp.no_sync() if j < len(pieces) - 1 else contextlib.nullcontext():
+                with _autocast(self.loop):
+                    loss = self.loss_fn(self.dp(x), y)
+                (loss * (batch_size(y) * weight)).backward()
+            local += loss.detach().double() * batch_size(y)
+        if not pieces:
+            self.dp.sync_without_backward()
+        if self.loop.grad_clip is not None:  # gradients are averaged: every rank clips the same global norm
+            torch.nn.utils.clip_grad_norm_(self.dp.module.parameters(), self.loop.grad_clip)
         self.optimizer.step()
-        return float(self.comm.allreduce(total.reshape(1).float(), "avg").item())
+        return float(self.comm.allreduce(local.reshape(1), "sum").item()) / total
 
     @torch.no_grad()
     def eval_step(self, inputs: Batch, targets: torch.Tensor) -> torch.Tensor:
-        x, _ = self._slice(inputs, targets)
-        out: torch.Tensor = self.dp.module(x)
-        return self.comm.allgather(out.contiguous())
+        n = batch_size(targets)
+        s = self.share(n)
+        with _autocast(self.loop):
+            out: torch.Tensor = self.dp.module(rows(inputs, s.start, s.stop))
+        sizes = [even_share(n, self.comm.size, r).rows for r in range(self.comm.size)]
+        return gather_rows(self.comm, out.float() if out.dtype == torch.bfloat16 else out, sizes)
+
+    # -- checkpoints (CheckpointTrainer) ---------------------------------------------------------------
+    def layout(self) -> dict[str, object]:
+        return {"strategy": "data", "world_size": self.comm.size, "replicated": True}
+
+    def state_dict(self) -> dict[str, object]:
+        return {"model": self.dp.module.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, read: Callable[[int], dict[str, object]], saved_layout: Mapping[str, object]) -> None:
+        """Same world size: this rank's shard (buffers differ per rank). Another world size: rank 0's
+        (the weights and optimizer state are replicated)."""
+        _check_replicated(saved_layout, self.layout())
+        same = saved_layout["world_size"] == self.comm.size
+        state = read(self.comm.rank if same else 0)
+        self.dp.module.load_state_dict(state["model"])  # type: ignore[arg-type]
+        self.optimizer.load_state_dict(state["optimizer"])  # type: ignore[arg-type]
 
     def trained_model(self) -> nn.Module:
         """The wrapped module (same weights on every rank). Collective: fit calls it last, on every rank,
         so it also closes the KVStore (its comm thread); the trainer takes no more steps after it."""
         self.dp.close()
         return self.dp.module
+
+
+def _autocast(loop: LoopSpec) -> contextlib.AbstractContextManager[object]:
+    """CPU bf16 autocast when the loop asks for it."""
+    if loop.precision == "bf16":
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def _check_replicated(saved: Mapping[str, object], now: Mapping[str, object]) -> None:
+    """FitError unless a checkpoint of layout `saved` can be loaded into layout `now` by a strategy
+    that replicates the whole model (same strategy; any world size)."""
+    if saved.get("strategy") != now["strategy"] or not saved.get("replicated"):
+        raise FitError(f"cannot resume strategy {now['strategy']!r} (layout {dict(now)}) from a checkpoint of "
+                       f"layout {dict(saved)}: resharding between these layouts is not supported")
+
+
+#: The loop features fit may ask of this strategy (see :data:`~mpitrain.strategies.base.FEATURE_NAMES`).
+FEATURES = frozenset({"shares", "checkpoint", "lr_scheduler", "grad_clip", "bf16"})
 
 
 def make_trainer(model: nn.Module, loss_fn: LossFn, optimizer: OptimizerFactory, comm: Communicator,
@@ -390,4 +462,4 @@ def make_trainer(model: nn.Module, loss_fn: LossFn, optimizer: OptimizerFactory,
         _check_args(model, opts.kvstore, opts.bucket_mb, opts.first_bucket_mb, comm)
     except (TypeError, ValueError) as e:
         raise FitError(f"strategy 'data': {e}") from None
-    return DataTrainer(model, loss_fn, optimizer, comm, spec.micro_batches, opts)
+    return DataTrainer(model, loss_fn, optimizer, comm, spec.micro_batches, opts, spec.loop)

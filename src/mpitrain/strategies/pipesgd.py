@@ -17,9 +17,11 @@ empty pipeline, so its first K steps only compute and send.
 from __future__ import annotations
 
 import collections
+import contextlib
 import queue
 import threading
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -32,21 +34,26 @@ from ..comm.base import CommError, Communicator
 from ..comm.codecs import Codec, get_codec
 from ..comm.ring import DEFAULT_CHUNK_BYTES, ring_allreduce
 from ..timeline import span
-from ._batching import batch_size, check_divisible, shard
+from ._batching import batch_size, even_share, gather_rows, rows, slice_share
 from ._broadcast import broadcast_parameters, check_same_everywhere
 from .base import (
+    DEFAULT_LOOP,
     Batch,
+    BatchShare,
     FitError,
     FitSpec,
+    LoopSpec,
     LossFn,
     OptimizerFactory,
+    Share,
     StrategyOptions,
     is_int,
     is_number,
     require_whole_model,
 )
 
-__all__ = ["make_trainer", "PipeSGDTrainer", "PipeSGDOptions", "CommThread", "LinkEmulation", "PipeSGDError"]
+__all__ = ["make_trainer", "FEATURES", "PipeSGDTrainer", "PipeSGDOptions", "CommThread", "LinkEmulation",
+           "PipeSGDError"]
 
 
 class PipeSGDError(RuntimeError):
@@ -212,9 +219,9 @@ class PipeSGDTrainer:
     """
 
     def __init__(self, model: nn.Module, loss_fn: LossFn, optimizer: OptimizerFactory, comm: Communicator,
-                 opts: PipeSGDOptions, stall: StallPolicy = DEFAULT_POLICY) -> None:
-        self.model, self.loss_fn, self.comm = model, loss_fn, comm
-        self.K, self.warmup = opts.staleness, opts.warmup_steps
+                 opts: PipeSGDOptions, stall: StallPolicy = DEFAULT_POLICY, loop: LoopSpec = DEFAULT_LOOP) -> None:
+        self.model, self.loss_fn, self.comm, self.loop = model, loss_fn, comm, loop
+        self.K, self.warmup, self.error_feedback = opts.staleness, opts.warmup_steps, opts.error_feedback
         self.params = [p for p in model.parameters() if p.requires_grad]
         broadcast_parameters(model.state_dict(), comm=comm)  # w[0] is the same on every rank
         self.optimizer = optimizer(model.parameters())
@@ -239,44 +246,101 @@ class PipeSGDTrainer:
         flat = self.comm_thread.wait(handle)
         t1 = time.perf_counter()
         self._bind(flat)
+        if self.loop.grad_clip is not None:  # the averaged gradient is the same on every rank
+            torch.nn.utils.clip_grad_norm_(self.params, self.loop.grad_clip)
         self.optimizer.step()
         self._free.append(flat)
         self.stats["wait_s"] += t1 - t0
         self.stats["compute_s"] += time.perf_counter() - t1
 
-    def _compute(self, inputs: Batch, targets: torch.Tensor) -> tuple[torch.Tensor, _Handle]:
-        """Gradient of the local slice at the current weights, handed to the comm thread."""
+    def _compute(self, batches: Sequence[BatchShare], total: int) -> tuple[torch.Tensor, _Handle]:
+        """Gradient of the mean loss over the step's `total` samples (this rank's rows weighted by their
+        count, times the size the average divides by) at the current weights, handed to the comm thread;
+        and the sum of this rank's per-sample losses. A rank without rows sends zeros."""
         t0 = time.perf_counter()
         flat = self._free.popleft()
         flat.zero_()
         self._bind(flat)
-        x, y = shard(inputs, self.comm.size, self.comm.rank), shard(targets, self.comm.size, self.comm.rank)
-        loss = self.loss_fn(self.model(x), y)
-        loss.backward()
+        local = torch.zeros((), dtype=torch.float64)
+        for b in batches:
+            if b.share.rows == 0 or b.targets is None:
+                continue
+            m = batch_size(b.targets)
+            with torch.autocast("cpu", dtype=torch.bfloat16) if self.loop.precision == "bf16" else \
+                    contextlib.nullcontext():
+                loss = self.loss_fn(self.model(b.inputs), b.targets)
+            (loss * (m * self.comm.size / total)).backward()
+            local += loss.detach().double() * m
         self.stats["compute_s"] += time.perf_counter() - t0
-        return loss.detach(), self.comm_thread.submit(flat, self.t + 1)
+        return local, self.comm_thread.submit(flat, self.t + 1)
+
+    def share(self, n: int) -> Share:
+        return even_share(n, self.comm.size, self.comm.rank)
 
     def train_step(self, inputs: Batch, targets: torch.Tensor) -> float:
+        """One iteration on a global batch every rank holds in full (any size)."""
+        n = batch_size(targets)
+        return self.train_shares([slice_share(inputs, targets, self.share(n))], n)
+
+    def train_shares(self, batches: Sequence[BatchShare], total: int) -> float:
+        """One iteration of Algorithm 1 on this rank's rows of `batches` (:class:`~.base.ShardedTrainer`);
+        returns the mean loss of THIS iteration's samples."""
         if self._closed:
             raise RuntimeError("this pipe-sgd trainer is finished (trained_model() closed it)")
-        check_divisible(batch_size(targets), self.comm.size, "ranks")
         sync = self.K == 1 or self.t < self.warmup
         if not sync and self._pending and self._pending[0].iteration <= self.t + 1 - self.K:
             self._apply(self._pending.popleft())  # Algorithm 1, lines 3-5: w[t] = w[t-1] - step(g[t-K])
-        loss, handle = self._compute(inputs, targets)  # lines 6-10 on the compute thread
+        local, handle = self._compute(batches, total)  # lines 6-10 on the compute thread
         if sync:
             self._apply(handle)
         else:
             self._pending.append(handle)
         self.t += 1
         self.stats["steps"] += 1
-        return self.comm.allreduce(loss.reshape(1).to(torch.float64), "avg").item()
+        return self.comm.allreduce(local.reshape(1), "sum").item() / total
 
     @torch.no_grad()
     def eval_step(self, inputs: Batch, targets: torch.Tensor) -> torch.Tensor:
-        check_divisible(batch_size(targets), self.comm.size, "ranks")
-        x = shard(inputs, self.comm.size, self.comm.rank)
-        return self.comm.allgather(self.model(x).contiguous())
+        n = batch_size(targets)
+        s = self.share(n)
+        out = self.model(rows(inputs, s.start, s.stop)).contiguous()
+        return gather_rows(self.comm, out, [even_share(n, self.comm.size, r).rows for r in range(self.comm.size)])
+
+    # -- checkpoints (CheckpointTrainer) ---------------------------------------------------------------
+    def layout(self) -> dict[str, object]:
+        return {"strategy": "pipe-sgd", "world_size": self.comm.size, "replicated": not self.error_feedback,
+                "staleness": self.K}
+
+    def state_dict(self) -> dict[str, object]:
+        """Weights, optimizer, iteration counter and the averaged gradients still to be applied (their
+        allreduces are completed here, not applied: the algorithm applies them at their iteration), and
+        the error-feedback residual (per rank)."""
+        pending = [(h.iteration, self.comm_thread.wait(h)) for h in self._pending]
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "t": self.t,
+                "pending": pending, "residual": self.comm_thread.residual}
+
+    def load_state_dict(self, read: Callable[[int], dict[str, object]], saved_layout: Mapping[str, object]) -> None:
+        """Same world size: this rank's shard. Another world size (no error feedback, same staleness):
+        rank 0's; the in-flight gradients are averages, the same on every rank."""
+        now = self.layout()
+        same = saved_layout.get("world_size") == self.comm.size
+        if saved_layout.get("strategy") != "pipe-sgd" or saved_layout.get("staleness") != self.K or \
+                (not same and not saved_layout.get("replicated")):
+            raise FitError(f"cannot resume strategy 'pipe-sgd' (layout {now}) from a checkpoint of layout "
+                           f"{dict(saved_layout)}: the staleness must match, and a world-size change needs "
+                           f"error_feedback=False (its residuals are per rank)")
+        state = read(self.comm.rank if same else 0)
+        self.model.load_state_dict(state["model"])  # type: ignore[arg-type]
+        self.optimizer.load_state_dict(state["optimizer"])  # type: ignore[arg-type]
+        self.t = int(state["t"])  # type: ignore[call-overload]
+        for iteration, grad in state["pending"]:  # type: ignore[attr-defined]
+            flat = self._free.popleft()
+            flat.copy_(grad)
+            handle = _Handle(flat, int(iteration))
+            handle.done.set()
+            self._pending.append(handle)
+        residual = state["residual"]
+        self.comm_thread.residual = residual.clone() if same and isinstance(residual, torch.Tensor) else None
 
     def trained_model(self) -> nn.Module:
         """The model holding w[T] (same on every rank). Collective: completes the allreduces still in
@@ -290,6 +354,10 @@ class PipeSGDTrainer:
             for p in self.params:
                 p.grad = None
         return self.model
+
+
+#: The loop features fit may ask of this strategy (see :data:`~mpitrain.strategies.base.FEATURE_NAMES`).
+FEATURES = frozenset({"shares", "checkpoint", "lr_scheduler", "grad_clip", "bf16"})
 
 
 def make_trainer(model: nn.Module, loss_fn: LossFn, optimizer: OptimizerFactory, comm: Communicator,
@@ -311,4 +379,4 @@ def make_trainer(model: nn.Module, loss_fn: LossFn, optimizer: OptimizerFactory,
         raise FitError(f"strategy 'pipe-sgd': {e}") from None
     signature = (opts.signature(), [(tuple(p.shape), str(p.dtype)) for p in params])
     check_same_everywhere(comm, "pipe-sgd options and parameter shapes", signature, error=FitError)
-    return PipeSGDTrainer(model, loss_fn, optimizer, comm, opts, spec.stall)
+    return PipeSGDTrainer(model, loss_fn, optimizer, comm, opts, spec.stall, spec.loop)

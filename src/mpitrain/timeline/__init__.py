@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from ._plot import plot
 from ._recorder import KINDS, now, record, span
-from ._session import DEFAULT_MAX_EVENTS, ENV, active, discard, start, stop
+from ._session import DEFAULT_MAX_EVENTS, ENV, active, discard, recording, start, stop
 
-__all__ = ["start", "stop", "discard", "active", "span", "record", "now", "KINDS", "DEFAULT_MAX_EVENTS", "ENV", "plot"]
+__all__ = ["start", "stop", "discard", "recording", "active", "span", "record", "now", "KINDS",
+           "DEFAULT_MAX_EVENTS", "ENV", "plot"]

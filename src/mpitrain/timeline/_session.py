@@ -6,6 +6,8 @@ import atexit
 import json
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,7 +20,7 @@ from ._clock import ClockSync, measure
 from ._recorder import Recorder, now
 from ._trace import local_rows, merge
 
-__all__ = ["start", "stop", "discard", "active", "start_from_env", "DEFAULT_MAX_EVENTS", "ENV"]
+__all__ = ["start", "stop", "discard", "recording", "active", "start_from_env", "DEFAULT_MAX_EVENTS", "ENV"]
 
 #: Events kept per rank (the most recent ones); older ones are dropped and counted in the trace's
 #: ``otherData.dropped``. At ~120 bytes of JSON per event, the default bounds a rank's share of the
@@ -146,6 +148,24 @@ def stop() -> str | None:
         json.dump(doc, f, separators=(",", ":"), default=str)
     os.replace(tmp, session.path)
     return session.path
+
+
+@contextmanager
+def recording(path: str | os.PathLike[str] | None, comm: Communicator | None = None) -> Iterator[None]:
+    """``with recording(path, comm):`` -- a timeline of the block written to `path` when it ends
+    normally (collective, as :func:`start`/:func:`stop`); on an exception it is discarded locally (the
+    other ranks may not reach the end). Does nothing when `path` is None or a timeline already runs
+    (the block's events then go to that one). What ``fit(timeline=...)`` uses."""
+    if path is None or _session is not None:
+        yield
+        return
+    start(path, comm)
+    try:
+        yield
+    except BaseException:
+        discard()
+        raise
+    stop()
 
 
 def start_from_env(comm: Communicator) -> None:

@@ -1,0 +1,158 @@
+"""Where fit's samples come from: the order rule over a map-style Dataset, each rank's reads of it,
+and the cross-rank check of iterables of global batches.
+
+The order rule (the only one, so any run can be replayed in one process): epoch ``e`` visits
+``torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed + e))`` (``arange``
+without shuffle) in global batches of ``batch_size``; the last one is smaller unless ``drop_last``.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_leaves
+from torch.utils.data import DataLoader, Dataset, IterableDataset
+
+from .comm.base import Communicator
+from .strategies.base import Batch, BatchShare, FitError, Share
+
+__all__ = ["DataPlan", "epoch_order", "global_batches", "is_map_dataset", "read_shares", "read_global",
+           "check_same_first_batch", "batch_checksum"]
+
+
+def is_map_dataset(data: object) -> bool:
+    """A map-style ``torch.utils.data.Dataset`` with a length (what fit shards by index)."""
+    return isinstance(data, Dataset) and not isinstance(data, IterableDataset) and hasattr(data, "__len__")
+
+
+def epoch_order(n: int, seed: int, epoch: int, shuffle: bool) -> torch.Tensor:
+    """The sample indices epoch `epoch` (0-based) visits, in order."""
+    if not shuffle:
+        return torch.arange(n)
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch))
+
+
+def global_batches(order: torch.Tensor, batch_size: int, drop_last: bool) -> list[torch.Tensor]:
+    """`order` cut into global batches of `batch_size`; the last smaller unless `drop_last`."""
+    count = len(order) // batch_size if drop_last else -(-len(order) // batch_size)
+    return [order[i * batch_size:(i + 1) * batch_size] for i in range(count)]
+
+
+@dataclass(frozen=True)
+class DataPlan:
+    """fit's reading settings for a map-style Dataset (every rank holds the same)."""
+
+    dataset: Any
+    batch_size: int
+    shuffle: bool
+    seed: int
+    drop_last: bool
+    num_workers: int
+    pin_memory: bool
+
+    def batches(self, epoch: int) -> list[torch.Tensor]:
+        return global_batches(epoch_order(len(self.dataset), self.seed, epoch, self.shuffle), self.batch_size,
+                              self.drop_last)
+
+    def loader(self, index_lists: list[list[int]], epoch: int) -> DataLoader[Any]:
+        """A DataLoader over exactly `index_lists` (one batch each, in order). Its own generator keeps
+        the global torch RNG untouched (dropout streams and exact resume depend on it)."""
+        return DataLoader(self.dataset, batch_sampler=index_lists, num_workers=self.num_workers,
+                          pin_memory=self.pin_memory, generator=torch.Generator().manual_seed(self.seed + epoch))
+
+
+def _split_sample(batch: Any) -> tuple[Batch, torch.Tensor]:
+    if not isinstance(batch, (tuple, list)) or len(batch) < 2:
+        raise FitError("a Dataset for fit must return (inputs, target) or (input_1, ..., input_k, target) per "
+                       "index")
+    if len(batch) == 2:
+        return batch[0], batch[1]
+    return tuple(batch[:-1]), batch[-1]
+
+
+def read_shares(plan: DataPlan, epoch: int, start: int, share: Callable[[int], Share]) -> Iterator[BatchShare]:
+    """This rank's :class:`BatchShare` of each global batch of `epoch` from batch `start` on. Only this
+    rank's rows are read (one DataLoader over them); a batch where the rank reads nothing yields a share
+    without data and reads nothing."""
+    batches = plan.batches(epoch)[start:]
+    shares = [share(len(b)) for b in batches]
+    wanted = [b[s.start:s.stop].tolist() for b, s in zip(batches, shares) if s.rows > 0]
+    it = iter(plan.loader(wanted, epoch)) if wanted else iter(())
+    for b, s in zip(batches, shares):
+        if s.rows == 0:
+            yield BatchShare(None, None, len(b), s)
+            continue
+        x, y = _split_sample(next(it))
+        yield BatchShare(x if s.inputs else None, y if s.targets else None, len(b), s)
+
+
+def read_global(plan: DataPlan, epoch: int, start: int) -> Iterator[tuple[Batch, torch.Tensor]]:
+    """Whole global batches of `epoch` from batch `start` on (for trainers without shares: every rank
+    reads every sample)."""
+    lists = [b.tolist() for b in plan.batches(epoch)[start:]]
+    if lists:
+        for batch in plan.loader(lists, epoch):
+            yield _split_sample(batch)
+
+
+def batch_checksum(batch: object) -> tuple[int, tuple[tuple[int, ...], ...]]:
+    """CRC32 of the bytes of every tensor in `batch` and their shapes: equal batches, equal sums."""
+    crc, shapes = 0, []
+    for t in tree_leaves(batch):
+        if isinstance(t, torch.Tensor):
+            flat = t.detach().cpu().contiguous().reshape(-1)
+            crc = zlib.crc32(flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b"", crc)
+            shapes.append(tuple(t.shape))
+        else:
+            crc = zlib.crc32(repr(t).encode(), crc)
+    return crc, tuple(shapes)
+
+
+def check_same_first_batch(comm: Communicator, batch: object, epoch: int) -> None:
+    """Collective: FitError on every rank unless every rank's `batch` (the first global batch of epoch
+    `epoch`, 0-based) has the checksum of rank 0's. One small pickled allgather per epoch."""
+    sums = comm.allgather_object(batch_checksum(batch))
+    bad = [r for r, s in enumerate(sums) if s != sums[0]]
+    if bad:
+        raise FitError(f"the first global batch of epoch {epoch + 1} differs between ranks: ranks {bad} disagree "
+                       f"with rank 0. Every rank must yield the same global batches (seed a shuffling "
+                       f"DataLoader alike on every rank), or pass a map-style Dataset with batch_size=")
+
+
+def take(it: Iterator[Any], k: int) -> list[Any]:
+    """Up to `k` next items of `it`."""
+    out = []
+    for _ in range(k):
+        try:
+            out.append(next(it))
+        except StopIteration:
+            break
+    return out
+
+
+def skip(data: Iterable[Any], count: int) -> Iterator[Any]:
+    """An iterator over `data` past its first `count` items (read and dropped: iterables cannot seek)."""
+    it = iter(data)
+    for _ in range(count):
+        next(it, None)
+    return it
+
+
+def check_plan(dataset: object, batch_size: int | None, seed: object, num_workers: object,
+               extra: Sequence[tuple[str, object]]) -> None:
+    """Local checks of fit's Dataset keywords (FitError, the same verdict on every rank)."""
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        raise FitError(f"fit on a Dataset needs batch_size=, a positive int (the GLOBAL batch), got {batch_size!r}")
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise FitError(f"seed must be an int, got {seed!r}")
+    if not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 0:
+        raise FitError(f"num_workers must be an int >= 0, got {num_workers!r}")
+    for name, value in extra:
+        if not isinstance(value, bool):
+            raise FitError(f"{name} must be True or False, got {value!r}")
+    if len(dataset) == 0:  # type: ignore[arg-type]
+        raise FitError("the Dataset is empty")
