@@ -1,4 +1,4 @@
-"""The `mpitrain` command: run | bench | demo."""
+"""The `mpitrain` command: run | bench | demo | timeline."""
 
 from __future__ import annotations
 
@@ -94,6 +94,30 @@ def _plan(args: argparse.Namespace, rest: list[str]) -> int:
     return _launched("plan", lambda: run_module(_spec(args, args.n, []), module, rest, dry_run=args.dry_run))
 
 
+# -- mpitrain timeline plot TRACE -o OUT (docs/timeline.md) --------------------------------------------
+def _timeline_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    t = sub.add_parser("timeline", help="work with a timeline JSON (fit(timeline=...), MPITRAIN_TIMELINE)")
+    tsub = t.add_subparsers(dest="action", required=True)
+    p = tsub.add_parser("plot", help="draw a timeline JSON as a Gantt chart (one row per rank and thread)")
+    p.add_argument("trace", help="the timeline JSON")
+    p.add_argument("-o", "--out", required=True, help="image file (PNG, SVG, PDF: from the suffix)")
+    p.add_argument("--start", type=float, help="ms since the start: left edge of the window")
+    p.add_argument("--end", type=float, help="ms since the start: right edge of the window")
+    p.add_argument("--title")
+
+
+def _timeline(args: argparse.Namespace) -> int:
+    from .timeline import plot
+
+    try:
+        print(plot(args.trace, args.out, title=args.title, start_ms=args.start, end_ms=args.end))
+    except (OSError, ValueError, KeyError) as e:
+        print(f"mpitrain timeline plot: cannot draw {args.trace}: {e!r}", file=sys.stderr)
+        return 2
+    return 0
+# -----------------------------------------------------------------------------------------------------
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mpitrain", description="Train PyTorch models across processes over MPI.")
     sub = p.add_subparsers(dest="verb", required=True)
@@ -112,6 +136,7 @@ def parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plan", help="rank the ways to train MODULE:FACTORY on N ranks (see mpitrain plan -h)",
                         add_help=False)
     _launch_args(pl, 2)
+    _timeline_parser(sub)
     return p
 
 
@@ -125,6 +150,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _bench(args, rest)
     if args.verb == "plan":
         return _plan(args, rest)
+    if args.verb == "timeline":
+        return _timeline(p.parse_args(argv))
     return _demo(args, rest)
 
 

@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from . import checkpoint
+from . import timeline as _timeline
 from ._data import DataPlan, check_plan, check_same_first_batch, is_map_dataset, read_global, read_shares, skip, take
 from ._utils.deprecation import renamed_options
 from ._utils.stall import StallPolicy
@@ -321,7 +322,8 @@ class _Loop:
                 if not group:
                     break
                 lr = self._lr()
-                loss, n = self._step(group)
+                with _timeline.span("step", epoch=self.pos.epoch, step=self.pos.step):
+                    loss, n = self._step(group)
                 if self.scheduler is not None:
                     self.scheduler.step()
                 p = self.pos
@@ -451,7 +453,7 @@ def fit(model: nn.Module, data: Any, loss_fn: LossFn,
         on_epoch_end: Callback | None = None,
         comm: Communicator | None = None, progress: bool = True, balance: Balance = "time",
         warn_after: float = DEFAULT_WARN_AFTER, abort_after: float | None = DEFAULT_ABORT_AFTER,
-        **options: object) -> FitResult:
+        timeline: str | os.PathLike[str] | None = None, **options: object) -> FitResult:
     """Train `model` on every rank of `comm` (default: the world) with one of :data:`STRATEGIES`.
 
     `data` is either a map-style ``torch.utils.data.Dataset`` (with ``batch_size=``, the GLOBAL batch) or
@@ -485,7 +487,9 @@ def fit(model: nn.Module, data: Any, loss_fn: LossFn,
     after `abort_after` seconds (None: never) the job ends. ``stall_timeout``/``stall_warning_s`` and
     ``stall_abort`` are deprecated spellings of these two. Every rank must call `fit` with the same
     arguments; bad arguments raise FitError on every rank before any message is sent, including a
-    feature the strategy does not support yet.
+    feature the strategy does not support yet. `timeline` names a Chrome-trace JSON file that rank 0
+    writes at the end: every rank's steps, compute and messages (docs/timeline.md; when a timeline
+    already runs, fit's events go to that one instead).
     """
     s = _settings(data, epochs, steps, batch_size, shuffle, seed, drop_last, num_workers, pin_memory, checkpoint_dir,
                   checkpoint_every, resume, lr_scheduler, grad_clip, accumulate, precision, on_step_end,
@@ -503,11 +507,15 @@ def fit(model: nn.Module, data: Any, loss_fn: LossFn,
     resume_from = _find_resume(comm, s)
     spec = FitSpec(strategy=strategy, partitions=partitions, replicas=replicas, micro_batches=micro_batches,
                    schedule=schedule, balance=balance, options=rest, stall=stall, loop=s.loop)
+    if timeline is not None and not isinstance(timeline, (str, os.PathLike)):
+        raise FitError(f"fit: timeline must be a file path, got {timeline!r}")
     model_keys = list(model.state_dict())
     trainer = make_trainer(model, loss_fn, optimizer, comm, spec)
-    loop = _Loop(trainer, comm, data, s, sharded, strategy, model_keys, progress and comm.rank == 0,
-                 "lr_scheduler" in features(strategy))
-    if resume_from is not None:
-        loop.restore(*resume_from)
-    loop.run(eval_data, loss_fn, named)
-    return FitResult(model=trainer.trained_model(), history=loop.history)
+    with _timeline.recording(timeline, comm):  # fit(timeline="trace.json"): written when the loop ends
+        loop = _Loop(trainer, comm, data, s, sharded, strategy, model_keys, progress and comm.rank == 0,
+                     "lr_scheduler" in features(strategy))
+        if resume_from is not None:
+            loop.restore(*resume_from)
+        loop.run(eval_data, loss_fn, named)
+        result = FitResult(model=trainer.trained_model(), history=loop.history)
+    return result

@@ -24,6 +24,8 @@ def init(backend: str | None = None) -> Communicator:
     the ``MPITRAIN_BACKEND`` environment variable decides. Every later call returns the same object;
     asking for a different backend then is an error. Installs a ``sys.excepthook`` that prints the
     traceback with the rank and aborts the whole job, so no rank is left waiting in a collective.
+    When ``MPITRAIN_TIMELINE`` names a file, the first call starts a timeline of the job, written
+    there at exit (:mod:`mpitrain.timeline`; every rank must call ``init``).
     """
     global _world
     wanted = backend or os.environ.get("MPITRAIN_BACKEND") or "mpi"
@@ -46,7 +48,11 @@ def init(backend: str | None = None) -> Communicator:
 
             _world = init_torch_world(mpi_world.rank, mpi_world.size, mpi_world)
         _install_abort_hook(_world)
-        return _world
+        made = _world
+    from .timeline._session import start_from_env  # MPITRAIN_TIMELINE=trace.json (docs/timeline.md)
+
+    start_from_env(made)
+    return made
 
 
 def world() -> Communicator:

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .common import header, print_table
+from .common import add_outputs, header, print_table, save_outputs
 
 __all__ = ["main"]
 
@@ -97,6 +97,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--no-torch", action="store_true", help="skip the torch.distributed (gloo) backend")
     p.add_argument("--link-gbit", type=float, default=None,
                    help="each host's link speed (Gbit/s): adds the floor 2S(H-1)/H/link and each share of it")
+    add_outputs(p)
     args = p.parse_args(argv)
 
     from ..comm._torchdist import init_torch_world
@@ -131,6 +132,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               "(hierarchical across hosts); gloo: torch.distributed")
         print(f"# rounds: {args.rounds} interleaved; median of per-round means; slowest rank per round")
         print_table(heads, rows)
+    save_outputs(args, "allreduce", n, comm.rank)
     return 0
 
 

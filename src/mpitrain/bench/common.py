@@ -1,7 +1,10 @@
-"""Shared benchmark plumbing: machine description, timing loops and the printed table."""
+"""Shared benchmark plumbing: machine description, timing loops, the printed table and its
+``--json FILE`` / ``--plot FILE.png`` outputs."""
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import platform
 import statistics
@@ -17,7 +20,8 @@ from ..comm.base import Communicator
 
 __all__ = ["machine", "command_line", "time_call", "slowest_rank_times", "step_timer", "alone_timer", "rank_max",
            "median",
-           "paired_rounds", "paired_ratio", "quartiles", "on_rank0_alone", "print_table", "header"]
+           "paired_rounds", "paired_ratio", "quartiles", "on_rank0_alone", "print_table", "header",
+           "add_outputs", "save_outputs", "tables"]
 
 
 #: Waiting ranks test the broadcast with sleeps of at most a millisecond: they leave rank 0 its core.
@@ -147,8 +151,19 @@ def quartiles(values: Sequence[float]) -> str:
     return f"{v[len(v) // 4]:.2f}-{v[(3 * len(v)) // 4]:.2f}"
 
 
+# Every table this process printed, in order: what --json saves and --plot draws.
+_TABLES: list[dict[str, list[object]]] = []
+
+
+def tables() -> list[dict[str, list[object]]]:
+    """The tables printed so far by this process (``{"headers": [...], "rows": [[...], ...]}``)."""
+    return list(_TABLES)
+
+
 def print_table(headers: Sequence[str], rows: Sequence[Sequence[object]], file: TextIO | None = None) -> None:
-    """A fixed-width text table (numbers formatted to 4 significant digits)."""
+    """A fixed-width text table (numbers formatted to 4 significant digits); also kept for
+    :func:`save_outputs` (full precision)."""
+    _TABLES.append({"headers": list(headers), "rows": [list(r) for r in rows]})
     def fmt(v: object) -> str:
         return f"{v:.4g}" if isinstance(v, float) else str(v)
 
@@ -160,3 +175,35 @@ def print_table(headers: Sequence[str], rows: Sequence[Sequence[object]], file: 
     for r in cells:
         print("  ".join(c.rjust(w) for c, w in zip(r, widths)), file=file)
     sys.stdout.flush()
+
+
+def add_outputs(p: argparse.ArgumentParser) -> None:
+    """Give a benchmark's parser the shared ``--json FILE`` and ``--plot FILE.png`` (see :func:`save_outputs`)."""
+    p.add_argument("--json", default=None, metavar="FILE",
+                   help="append this run's tables to FILE (JSON; runs at several -n accumulate: scaling plots)")
+    p.add_argument("--plot", default=None, metavar="FILE.png",
+                   help="draw this benchmark's plot from the runs in --json FILE (or this run alone)")
+
+
+def save_outputs(args: argparse.Namespace, benchmark: str, ranks: int, rank: int = 0, plot: bool = True) -> None:
+    """On rank 0: append this run (benchmark, ranks, date, command, machine and every printed table) to
+    ``args.json`` and draw ``args.plot`` from all runs of `benchmark` there (:mod:`mpitrain.bench._plots`).
+    `plot=False` for a benchmark that draws its own chart into ``args.plot``. Other ranks do nothing."""
+    if rank != 0 or not (getattr(args, "json", None) or getattr(args, "plot", None)):
+        return
+    run = {"benchmark": benchmark, "ranks": ranks, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+           "command": command_line(ranks), "machine": machine(), "tables": tables()}
+    runs: list[dict[str, object]] = []
+    if args.json and os.path.exists(args.json):
+        with open(args.json) as f:
+            runs = json.load(f).get("runs", [])
+    runs.append(run)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"runs": runs}, f, indent=1, default=str)
+        print(f"# tables appended to {args.json} ({len(runs)} runs)")
+    if args.plot and plot:
+        from ._plots import plot_runs
+
+        plot_runs(runs, benchmark, args.plot)
+        print(f"# plot written to {args.plot}")

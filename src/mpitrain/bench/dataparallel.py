@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import mpitrain
-from mpitrain.bench.common import header, print_table
+from mpitrain.bench.common import add_outputs, header, print_table, save_outputs
 from mpitrain.comm.base import Communicator
 from mpitrain.kvstore._interface import Key
 from mpitrain.strategies.data_parallel import DataParallel
@@ -72,7 +72,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--no-poll-thread", dest="poll_thread", action="store_false",
                    help="by default a thread wakes every 100 us in every rank for the whole run, so every "
                         "contender gets the scheduling boost that a polling comm thread earns on a busy VM")
-    p.add_argument("--plot", default=None, help="write a bar chart PNG here (matplotlib)")
+    add_outputs(p)  # --json FILE, --plot FILE.png (this benchmark draws its own bar chart)
     return p.parse_args(argv)
 
 
@@ -304,6 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot and comm.rank == 0:
         _plot(args.plot, rows)
         print(f"# plot written to {args.plot}")
+    save_outputs(args, "dataparallel", comm.size, comm.rank, plot=False)
     return 0
 
 

@@ -27,7 +27,7 @@ from torch import nn
 import mpitrain
 from mpitrain import kvstore
 from mpitrain._utils.stall import StallPolicy, wait_until
-from mpitrain.bench.common import header, print_table, slowest_rank_times
+from mpitrain.bench.common import add_outputs, header, print_table, save_outputs, slowest_rank_times
 from mpitrain.comm.base import Communicator
 from mpitrain.kvstore._server import ServerStore
 
@@ -44,7 +44,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--epochs", type=int, default=3, help="dag table: timed epochs per type")
     p.add_argument("--steps", type=int, default=6, help="dag table: steps per epoch")
     p.add_argument("--types", default="funnel,concurrent,depchain,dist_sync_mpi")
-    p.add_argument("--plot", default=None, help="write a PNG bar chart of the dag table here")
+    add_outputs(p)  # --json FILE, --plot FILE.png (this benchmark draws its own bar chart of the dag table)
     return p.parse_args(argv)
 
 
@@ -221,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         med = dag_table(comm, args)
         if args.plot and comm.rank == 0:
             _plot(med, args.plot)
+    save_outputs(args, "kvstore", comm.size, comm.rank, plot=args.table == "ps")
     return 0
 
 

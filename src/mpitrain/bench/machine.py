@@ -23,12 +23,14 @@ import torch.nn.functional as F
 from ..comm.base import Communicator
 from ..runtime import init
 from .common import (
+    add_outputs,
     alone_timer,
     header,
     median,
     paired_rounds,
     print_table,
     quartiles,
+    save_outputs,
     step_timer,
 )
 
@@ -105,6 +107,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="mpitrain bench machine", description=__doc__.splitlines()[0])
     p.add_argument("--kernels", default=",".join(KERNELS), help="comma-separated names (default: all)")
     p.add_argument("--rounds", type=int, default=15, help="interleaved rounds (ratios taken per round)")
+    add_outputs(p)
     args = p.parse_args(list(argv or []))
     names = [k for k in args.kernels.split(",") if k]
     unknown = [k for k in names if k not in KERNELS]
@@ -121,6 +124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"ceiling = {comm.size} / slowdown: the best speed-up {comm.size} ranks can reach on such work")
         print_table(["kernel", "what", "MiB", "alone ms", "all ranks ms", "slowdown", "q25-q75",
                      f"ceiling x{comm.size}"], rows)
+    save_outputs(args, "machine", comm.size, comm.rank)
     return 0
 
 

@@ -27,6 +27,7 @@ from ..comm.base import Communicator
 from ..fit import FitSpec, make_trainer
 from ..runtime import init
 from .common import (
+    add_outputs,
     alone_timer,
     header,
     median,
@@ -34,6 +35,7 @@ from .common import (
     paired_rounds,
     print_table,
     quartiles,
+    save_outputs,
     step_timer,
 )
 
@@ -278,6 +280,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--gpt-seq", type=int, default=64)
     p.add_argument("--gpt-batch", type=int, default=16)
     p.add_argument("--gpt-micro", type=int, default=4, help="M for the transformer table (a multiple of P)")
+    add_outputs(p)
     args = p.parse_args(list(argv or []))
     comm = init()
     if comm.rank == 0:
@@ -294,6 +297,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         efficiency_table(comm, args)
     if "transformer" in tables:
         transformer_table(comm, args)
+    save_outputs(args, "pipeline", comm.size, comm.rank)
     return 0
 
 

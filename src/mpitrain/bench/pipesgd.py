@@ -35,7 +35,7 @@ from torch import nn
 
 import mpitrain
 from mpitrain._utils.flat import copy_from_flat, flatten
-from mpitrain.bench.common import header, print_table
+from mpitrain.bench.common import add_outputs, header, print_table, save_outputs
 from mpitrain.comm.base import Communicator
 from mpitrain.fit import FitSpec
 from mpitrain.perf.calibrate import Calibration, calibrate
@@ -240,6 +240,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--link-beta", type=float, default=2e-8, help="emulated s per byte (2e-8 = 400 Mbit/s)")
     ap.add_argument("--target", type=float, default=0.9, help="test accuracy to reach")
     ap.add_argument("--epochs", type=int, default=12, help="at most this many epochs per run")
+    add_outputs(ap)
     return ap.parse_args(argv)
 
 
@@ -295,6 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     if comm.rank == 0:
         print_table(["model", "link", "config", "iter ms", "pred ms", "rel err", "compute ms", "exposed comm ms",
                      "codec ms", f"s to acc {args.target}", "final acc"], rows)
+    save_outputs(args, "pipesgd", p, comm.rank)
     return 0
 
 

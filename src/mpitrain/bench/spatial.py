@@ -46,6 +46,7 @@ from ..spatial.mesh import WIDTHS, mesh_batch, mesh_model
 from ..spatial.models import UNet, cosmoflow, torchvision_module
 from ..spatial.trainer import SpatialTrainer
 from .common import (
+    add_outputs,
     alone_timer,
     header,
     median,
@@ -55,6 +56,7 @@ from .common import (
     print_table,
     quartiles,
     rank_max,
+    save_outputs,
     step_timer,
     time_call,
 )
@@ -81,6 +83,7 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--baseline", action="store_true", help="time plain torch on rank 0 alone first")
     p.add_argument("--ceiling", action="store_true",
                    help="also time every rank training plain torch on its own block at once, no messages")
+    add_outputs(p)
     return p.parse_args(list(argv))
 
 
@@ -300,6 +303,7 @@ def main(argv: Sequence[str]) -> int:
                   waits[r.label], r.model_s or "-"] for r in rows]
         print_table(["config", "ranks/sample", "groups", "step s", "speedup", "q25-q75", "vs best torch",
                      "vs ceiling", "step MiB/rank", "mem ratio", "halo wait s", "model conv s"], table)
+    save_outputs(args, "spatial", comm.size, comm.rank)
     return 0
 
 

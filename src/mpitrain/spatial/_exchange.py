@@ -11,6 +11,7 @@ import torch
 
 from .._utils.stall import DEFAULT_POLICY, watched
 from ..comm.base import Communicator, Request
+from ..timeline import span
 from ._memory import dense, empty_as
 
 if TYPE_CHECKING:
@@ -108,8 +109,9 @@ def start_exchange(x: torch.Tensor, plan: HaloPlan, comm: Communicator, tag: int
     """Post every receive and send of the forward halo exchange of block `x` (nonblocking)."""
     n, c = x.shape[0], x.shape[1]
     halos = [x.new_empty((n, c, *box.shape)) for _, box in plan.recvs]
-    reqs = [comm.irecv(buf, src, tag) for (src, _), buf in zip(plan.recvs, halos)]
-    sends = isend_all(comm, [(x[(..., *box.within(plan.owned))], dst) for dst, box in plan.sends], tag)
+    with span("halo exchange start", kind="comm", recvs=len(halos), sends=len(plan.sends)):  # timeline
+        reqs = [comm.irecv(buf, src, tag) for (src, _), buf in zip(plan.recvs, halos)]
+        sends = isend_all(comm, [(x[(..., *box.within(plan.owned))], dst) for dst, box in plan.sends], tag)
     return Exchange(halos, reqs, sends)
 
 
@@ -164,7 +166,8 @@ def settle(ex: Exchange, plan: HaloPlan, queue: SendQueue | None, backward: bool
     `queue` (their buffers stay referenced until they complete; with no queue they are completed now).
     With `backward` (called from an autograd backward) the deferred sends are also completed when that
     backward pass ends."""
-    wait_all(ex.requests, plan, queue.warn_after if queue is not None else DEFAULT_POLICY.warn_after)
+    with span("halo exchange finish", kind="comm", backward=backward):  # timeline: the receives' waits nest
+        wait_all(ex.requests, plan, queue.warn_after if queue is not None else DEFAULT_POLICY.warn_after)
     if queue is None:
         _wait_watched([r for r, _ in ex.sends], "halo sends", plan.__str__, DEFAULT_POLICY.warn_after)
         return
@@ -186,8 +189,9 @@ def start_adjoint(dext: torch.Tensor, plan: HaloPlan, comm: Communicator,
     goes back to its owner, each rank receives the gradients of its cells that others read."""
     n, c = dext.shape[0], dext.shape[1]
     parts = [dext.new_empty((n, c, *box.shape)) for _, box in plan.sends]
-    reqs = [comm.irecv(buf, dst, tag) for (dst, _), buf in zip(plan.sends, parts)]
-    sends = isend_all(comm, [(dext[(..., *box.within(plan.need))], src) for src, box in plan.recvs], tag)
+    with span("halo adjoint start", kind="comm", recvs=len(parts), sends=len(plan.recvs)):  # timeline
+        reqs = [comm.irecv(buf, dst, tag) for (dst, _), buf in zip(plan.sends, parts)]
+        sends = isend_all(comm, [(dext[(..., *box.within(plan.need))], src) for src, box in plan.recvs], tag)
     return Exchange(parts, reqs, sends)
 
 

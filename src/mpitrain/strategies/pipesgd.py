@@ -33,6 +33,7 @@ from .._utils.stall import DEFAULT_POLICY, StallPolicy, wait_until
 from ..comm.base import CommError, Communicator
 from ..comm.codecs import Codec, get_codec
 from ..comm.ring import DEFAULT_CHUNK_BYTES, ring_allreduce
+from ..timeline import span
 from ._batching import batch_size, even_share, gather_rows, rows, slice_share
 from ._broadcast import broadcast_parameters, check_same_everywhere
 from .base import (
@@ -161,8 +162,9 @@ class CommThread:
         # done() blocks on the Event itself (woken the moment the comm thread sets it, GIL released),
         # for slices short enough that the stall lines come on time
         nap = min(1.0, self.stall.warn_after / 4)
-        wait_until(lambda: handle.done.wait(nap), f"the allreduce of iteration {handle.iteration}", self.stall,
-                   who=f"pipe-sgd rank {self.comm.rank}", abort=self.comm.abort)
+        with span("wait allreduce", kind="wait", iteration=handle.iteration):
+            wait_until(lambda: handle.done.wait(nap), f"the allreduce of iteration {handle.iteration}", self.stall,
+                       who=f"pipe-sgd rank {self.comm.rank}", abort=self.comm.abort)
         if handle.error is not None:
             raise PipeSGDError(f"allreduce of iteration {handle.iteration} failed on rank {self.comm.rank}: "
                                f"{handle.error!r}") from handle.error
@@ -198,7 +200,8 @@ class CommThread:
             try:
                 if self._error is not None:
                     raise PipeSGDError("an earlier allreduce failed") from self._error
-                self._reduce(handle.buf)
+                with span("allreduce", iteration=handle.iteration, elements=handle.buf.numel()):
+                    self._reduce(handle.buf)
             except BaseException as e:  # handed to the compute thread, which re-raises it
                 self._error = self._error or e
                 handle.error = e

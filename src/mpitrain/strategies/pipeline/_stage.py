@@ -28,6 +28,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ...comm._wait import StallPolicy, wait_request
 from ...comm.base import Communicator, Request
+from ...timeline import span
 from ._graph import Partition, ValueMeta, mutated_placeholders
 from .schedule import Action
 
@@ -186,12 +187,13 @@ def run(stages: list[Stage], actions: list[Action], inputs: list[list[Any]],
             nxt = actions[i + 1]
             stages[nxt.chunk]._post(nxt, metas)
         stage = stages[a.chunk]
-        if a.kind == "F":
-            with torch.set_grad_enabled(train):
-                out = stage.forward(a.micro, inputs[a.micro], train)
-            if stage.last:
-                loss = last_fn(a.micro, out)
-                if train and loss is not None:
-                    losses[a.micro] = loss
-        else:
-            stage.backward(a.micro, losses.pop(a.micro, None) if stage.last else None)
+        with span(str(a), stage=stage.part.index, micro=a.micro):  # the timeline's F3 / B3 of this stage
+            if a.kind == "F":
+                with torch.set_grad_enabled(train):
+                    out = stage.forward(a.micro, inputs[a.micro], train)
+                if stage.last:
+                    loss = last_fn(a.micro, out)
+                    if train and loss is not None:
+                        losses[a.micro] = loss
+            else:
+                stage.backward(a.micro, losses.pop(a.micro, None) if stage.last else None)

@@ -1,0 +1,25 @@
+"""A timeline of every rank: one Chrome-trace / Perfetto JSON for the whole job (docs/timeline.md).
+
+Three ways to record one:
+
+* ``fit(..., timeline="trace.json")``;
+* ``MPITRAIN_TIMELINE=trace.json`` in the environment of any program (read once by
+  ``mpitrain.init()``; the file is written when the program exits);
+* ``mpitrain.timeline.start("trace.json")`` ... ``mpitrain.timeline.stop()`` (both collective).
+
+Rank 0 writes one process row per rank and one thread row per activity: compute (spans opened with
+:func:`span`: forward/backward per pipeline stage and micro-batch, optimizer steps), comm (every
+Communicator call, with bytes and peer), waits (time blocked on a message or collective), and one row
+per other thread (Pipe-SGD's communication thread, the kvstore's) with its waits. Clocks are aligned
+to rank 0's at start. When no timeline runs, nothing is installed and :func:`span` returns after one
+None check. :func:`plot` (``mpitrain timeline plot trace.json -o out.png``) draws a trace as a Gantt chart.
+"""
+
+from __future__ import annotations
+
+from ._plot import plot
+from ._recorder import KINDS, now, record, span
+from ._session import DEFAULT_MAX_EVENTS, ENV, active, discard, recording, start, stop
+
+__all__ = ["start", "stop", "discard", "recording", "active", "span", "record", "now", "KINDS",
+           "DEFAULT_MAX_EVENTS", "ENV", "plot"]

@@ -1,0 +1,100 @@
+"""The timeline without a job: the recorder's rows and nesting, the off path, the Gantt plot and its CLI,
+and MPITRAIN_TIMELINE from outside a 2-rank job."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+
+from mpitrain import timeline
+from mpitrain.cli import main as cli
+from mpitrain.timeline import _recorder
+from mpitrain.timeline._recorder import Recorder
+from mpitrain.timeline._trace import local_rows, merge
+from tests.helpers import run_job
+
+from .trace_checks import problems, row_names, x_events
+
+
+def recorded(fn) -> dict:
+    """Run `fn` with a recorder installed in this process; the merged one-rank document."""
+    rec = Recorder(1000)
+    _recorder.current = rec
+    try:
+        fn()
+    finally:
+        _recorder.current = None
+    return merge([local_rows(rec, list(rec.events), 0, 0)], {})
+
+
+def test_span_is_one_shared_no_op_when_off():
+    assert _recorder.current is None and not timeline.active()
+    assert timeline.span("a", micro=1) is timeline.span("b")
+    with timeline.span("a"):
+        pass
+    timeline.record("x", 1, 2)
+
+
+def test_spans_nest_on_their_thread_row_and_other_threads_get_their_own_rows():
+    def work():
+        with timeline.span("outer"):
+            with timeline.span("inner"):
+                pass
+            with timeline.span("wait here", kind="wait"):
+                pass
+        with timeline.span("threaded"):
+            worker = threading.Thread(target=lambda: [timeline.record("job", 5, 9)], name="worker-1")
+            worker.start()
+            worker.join()
+
+    doc = recorded(work)
+    assert problems(doc) == []
+    rows = {row_names(doc)[(e["pid"], e["tid"])]: e["name"] for e in x_events(doc) if e["name"] in ("job", "wait here")}
+    assert rows == {"worker-1": "job", "waits": "wait here"}
+    outer, inner = (next(e for e in x_events(doc) if e["name"] == n) for n in ("outer", "inner"))
+    assert outer["tid"] == inner["tid"] and outer["ts"] <= inner["ts"] and inner["dur"] <= outer["dur"]
+
+
+def test_request_waits_polled_in_turn_are_clipped_so_they_never_overlap():
+    rec = Recorder(10)
+    rec.add_wait("a", 100, 300)
+    rec.add_wait("b", 200, 400)  # polled at the same time as a: starts where a ended
+    rec.add_wait("c", 250, 350)  # entirely inside what was already counted: dropped
+    assert [(e[1], e[2], e[3]) for e in rec.events] == [("a", 100, 300), ("b", 300, 400)]
+
+
+def test_recorder_keeps_the_most_recent_max_events_and_counts_the_rest():
+    rec = Recorder(3)
+    for i in range(5):
+        rec.add("compute", f"e{i}", i, i + 1)
+    assert [e[1] for e in rec.events] == ["e2", "e3", "e4"] and rec.offered == 5
+
+
+def test_timeline_plot_cli_draws_a_png_with_one_row_per_rank_and_thread(tmp_path):
+    doc = merge([[("compute", "F0", 0.0, 10.0, None), ("compute", "B0", 10.0, 20.0, None),
+                  ("comm", "isend", 9.0, 1.0, {"bytes": 8, "peer": 1})],
+                 [("compute", "F0", 11.0, 10.0, None), ("waits", "wait irecv", 1.0, 9.0, None)]], {"ranks": 2})
+    trace = tmp_path / "t.json"
+    trace.write_text(json.dumps(doc))
+    out = tmp_path / "t.png"
+    assert cli(["timeline", "plot", str(trace), "-o", str(out), "--start", "0", "--end", "30"]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert cli(["timeline", "plot", str(tmp_path / "missing.json"), "-o", str(out)]) == 2
+
+
+def test_mpitrain_timeline_env_writes_one_trace_of_both_ranks_at_exit(tmp_path, monkeypatch):
+    path = tmp_path / "env.json"
+    monkeypatch.setenv("MPITRAIN_TIMELINE", str(path))
+    job = run_job("""
+        import torch, mpitrain
+        comm = mpitrain.init()
+        comm.allreduce(torch.ones(256))
+        comm.barrier()
+    """, n=2, timeout=120)
+    assert job.returncode == 0, job.stderr
+    doc = json.loads(path.read_text())
+    assert problems(doc) == []
+    reduces = [e for e in x_events(doc) if e["name"] == "allreduce"]
+    assert sorted(e["pid"] for e in reduces) == [0, 1] and all(e["args"]["bytes"] == 1024 for e in reduces)
+    assert doc["otherData"]["ranks"] == 2 and os.path.basename(str(path)) in job.stdout
