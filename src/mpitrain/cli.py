@@ -95,7 +95,7 @@ def _plan(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 # -- mpitrain timeline plot TRACE -o OUT (docs/timeline.md) --------------------------------------------
-def _timeline_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def _timeline_parser(sub: argparse._SubParsersAction) -> None:
     t = sub.add_parser("timeline", help="work with a timeline JSON (fit(timeline=...), MPITRAIN_TIMELINE)")
     tsub = t.add_subparsers(dest="action", required=True)
     p = tsub.add_parser("plot", help="draw a timeline JSON as a Gantt chart (one row per rank and thread)")
