@@ -98,3 +98,21 @@ def test_mpitrain_timeline_env_writes_one_trace_of_both_ranks_at_exit(tmp_path, 
     reduces = [e for e in x_events(doc) if e["name"] == "allreduce"]
     assert sorted(e["pid"] for e in reduces) == [0, 1] and all(e["args"]["bytes"] == 1024 for e in reduces)
     assert doc["otherData"]["ranks"] == 2 and os.path.basename(str(path)) in job.stdout
+
+
+def test_a_horovod_script_writes_a_trace_when_MPITRAIN_TIMELINE_is_set(tmp_path, monkeypatch):
+    path = tmp_path / "hvd.json"
+    monkeypatch.setenv("MPITRAIN_TIMELINE", str(path))
+    job = run_job("""
+        import torch
+        import mpitrain.horovod as hvd
+        hvd.init()
+        out = hvd.allreduce(torch.ones(64), name="t", op=hvd.Sum)
+        assert float(out[0]) == hvd.size()
+        hvd.shutdown()
+    """, n=2, timeout=120)
+    assert job.returncode == 0, job.stderr
+    doc = json.loads(path.read_text())
+    assert problems(doc) == []
+    reduces = [e for e in x_events(doc) if e["name"] == "allreduce" and e["args"].get("bytes") == 256]
+    assert sorted({e["pid"] for e in reduces}) == [0, 1], sorted({e["name"] for e in x_events(doc)})
