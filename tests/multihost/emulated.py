@@ -86,7 +86,7 @@ class EmulatedHosts:
             for i, name in enumerate(self.names):
                 hosts_file = self.workdir / f"hosts.{i}"
                 hosts_file.write_text(self._etc_hosts(i))
-                setup = (f"hostname {name}; mount -t tmpfs tmpfs /tmp; mount -t tmpfs tmpfs /dev/shm; "
+                setup = (f"hostname {name}; {self._private_tmp(i)}; mount -t tmpfs tmpfs /dev/shm; "
                          f"mount --bind {hosts_file} /etc/hosts; ip link set lo up")
                 self._hosts.append(self._hold(["--net", "--uts", "--mount", "--propagation", "private"], setup))
                 self._link(i)
@@ -95,6 +95,23 @@ class EmulatedHosts:
             self.close()
             raise
         return self
+
+    def _private_tmp(self, i: int) -> str:
+        """Shell that gives host i an empty /tmp of its own, keeping visible the checkout and the Python
+        the jobs run from when they live under /tmp (a fresh clone there, as CI may make): each such
+        directory is bound aside before the tmpfs covers /tmp, then bound back at its own path."""
+        needed = {Path(p).resolve() for p in (ROOT, sys.prefix, sys.base_prefix)}
+        under = sorted(p for p in needed if Path("/tmp") in p.parents)
+        keep = [p for p in under if not any(q in p.parents for q in under)]
+        steps = []
+        for k, path in enumerate(keep):
+            aside = self.workdir / f"keep.{i}.{k}"
+            aside.mkdir()
+            steps.append(f"mount --bind {path} {aside}")
+        steps.append("mount -t tmpfs tmpfs /tmp")
+        for k, path in enumerate(keep):
+            steps.append(f"mkdir -p {path} && mount --bind {self.workdir / f'keep.{i}.{k}'} {path}")
+        return "; ".join(steps)
 
     def _hold(self, flags: list[str], setup: str) -> _Holder:
         """A process holding new namespaces: runs `setup`, says ready, waits for stdin to close."""
