@@ -1,5 +1,5 @@
 """mpitrain.horovod's public surface and single-process behaviour (serial tests), plus Horovod's MNIST
-example run from outside a job at 2 ranks."""
+example run from outside a job at 2 and 3 ranks."""
 
 from __future__ import annotations
 
@@ -59,9 +59,10 @@ def test_queries_before_init_raise_and_one_process_works():
         hvd.start_timeline("x.json")
 
 
-def test_horovod_mnist_example_reaches_90_percent_at_2_ranks():
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_horovod_mnist_example_reaches_90_percent(ranks):
     launcher = Path(sys.executable).parent / "mpitrain"
-    proc = subprocess.run([str(launcher), "run", "-n", "2", "--", sys.executable, "examples/horovod_mnist.py",
+    proc = subprocess.run([str(launcher), "run", "-n", str(ranks), "--", sys.executable, "examples/horovod_mnist.py",
                            "--epochs", "6", "--batch-size", "16", "--lr", "0.02"],
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
