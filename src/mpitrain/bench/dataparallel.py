@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import mpitrain
-from mpitrain.bench.common import add_outputs, header, print_table, save_outputs
+from mpitrain.bench.common import add_outputs, header, on_rank0_alone, print_table, save_outputs
 from mpitrain.comm.base import Communicator
 from mpitrain.kvstore._interface import Key
 from mpitrain.strategies.data_parallel import DataParallel
@@ -101,23 +101,17 @@ def _timed(comm: Communicator, step: Callable[[], None], steps: int) -> float:
 
 
 def _solo(comm: Communicator, step: Callable[[], None], steps: int) -> float:
-    """Steps/s of rank 0 training alone while the other ranks sleep in a polling receive (no spinning)."""
-    flag = torch.zeros(1)
+    """Steps/s of rank 0 training alone while the other ranks sleep (:func:`bench.common.on_rank0_alone`)."""
     comm.barrier()
-    rate = 0.0
-    if comm.rank == 0:
+
+    def rate() -> float:
         step()
         t0 = time.perf_counter()
         for _ in range(steps):
             step()
-        rate = steps / (time.perf_counter() - t0)
-        for q in [comm.isend(flag, r, tag=79) for r in range(1, comm.size)]:
-            q.wait()
-    else:
-        req = comm.irecv(flag, 0, tag=79)
-        while not req.test():
-            time.sleep(1e-3)
-    return comm.broadcast(torch.tensor([rate], dtype=torch.float64), 0).item()
+        return steps / (time.perf_counter() - t0)
+
+    return on_rank0_alone(comm, rate)
 
 
 class _Breakdown:
