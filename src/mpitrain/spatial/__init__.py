@@ -5,7 +5,7 @@ from __future__ import annotations
 from ._reduce import GradBucket, allreduce_sum
 from .batchnorm import SpatialBatchNorm2d, SpatialBatchNorm3d
 from .conv import SpatialConv2d
-from .data import NpyRegions, RegionBatch, RegionDataset, read_block, region_batches
+from .data import BlockReader, NpyRegions, RegionBatch, RegionDataset, RegionSamples, read_block, region_batches
 from .distribution import Distribution, gather
 from .halo import HaloPlan, Window, halo_exchange, plan_grid, plan_halo, window_of
 from .parallelize import SpatialParallel, SpatialSequential, parallelize
@@ -23,5 +23,5 @@ __all__ = [
     "SpatialConvTranspose2d", "SpatialUpsample", "interpolate",
     "parallelize", "SpatialParallel", "SpatialSequential", "Redistribute", "redistribute",
     "allreduce_sum", "GradBucket",
-    "RegionDataset", "NpyRegions", "RegionBatch", "region_batches", "read_block",
+    "RegionDataset", "NpyRegions", "RegionBatch", "RegionSamples", "BlockReader", "region_batches", "read_block",
 ]
