@@ -264,3 +264,26 @@ def test_region_reads_work_in_dataloader_worker_processes(comm):
                  epochs=1, num_workers=1, progress=False)
     ref, _ = reference(cnn(), 1)
     same_state(comm, result.model.state_dict(), ref.state_dict(), 1e-10, "num_workers=1")
+
+
+def test_bf16_halo_layers_follow_autocast_like_one_process(comm):
+    """Under autocast the halo conv, transposed conv and upsampling compute in bf16 as torch's layers do."""
+    from mpitrain.spatial import Distribution, gather, parallelize
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(2, 3, 3, 1, 1), nn.ConvTranspose2d(3, 2, 3, 2, 1), nn.ReLU(),
+                          nn.Upsample(scale_factor=2, mode="bilinear"), nn.Conv2d(2, 2, 5, 1, 2))
+    ref = copy.deepcopy(model)
+    dist = Distribution(comm, (comm.size, 1), 1)
+    x = torch.randn(2, 2, 8, 8, generator=torch.Generator().manual_seed(1))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = gather(parallelize(model, dist)(dist.scatter(x)))
+        expected = ref(x)
+    y.float().square().sum().backward()
+    expected.float().square().sum().backward()
+    assert_all_ranks(comm, y.dtype == expected.dtype == torch.bfloat16, f"dtypes {y.dtype}, {expected.dtype}")
+    assert_close_all_ranks(comm, y.float(), expected.float(), 3e-2, 3e-2, "bf16 output")
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert_all_ranks(comm, p.grad is not None and p.grad.dtype == torch.float32, f"{name}.grad dtype")
+        scale = q.grad.abs().max().item()
+        assert_close_all_ranks(comm, p.grad / scale, q.grad / scale, 3e-2, 0, f"{name}.grad (relative to its max)")
