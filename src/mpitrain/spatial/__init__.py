@@ -6,7 +6,7 @@ from ._reduce import GradBucket, allreduce_sum
 from .batchnorm import SpatialBatchNorm2d, SpatialBatchNorm3d
 from .conv import SpatialConv2d
 from .data import BlockReader, NpyRegions, RegionBatch, RegionDataset, RegionSamples, read_block, region_batches
-from .distribution import Distribution, gather
+from .distribution import Distribution, gather, gather_group
 from .halo import HaloPlan, Window, halo_exchange, plan_grid, plan_halo, window_of
 from .parallelize import SpatialParallel, SpatialSequential, parallelize
 from .pooling import SpatialAdaptiveAvgPool2d, SpatialAvgPool2d, SpatialMaxPool2d
@@ -16,7 +16,7 @@ from .tensor import Layout, SpatialError, SpatialTensor, layout_of
 from .volume import SpatialAvgPool3d, SpatialConv3d, SpatialMaxPool3d
 
 __all__ = [
-    "Distribution", "Layout", "SpatialTensor", "SpatialError", "gather", "layout_of",
+    "Distribution", "Layout", "SpatialTensor", "SpatialError", "gather", "gather_group", "layout_of",
     "HaloPlan", "Window", "halo_exchange", "plan_grid", "plan_halo", "window_of",
     "SpatialConv2d", "SpatialMaxPool2d", "SpatialAvgPool2d", "SpatialAdaptiveAvgPool2d", "SpatialBatchNorm2d",
     "SpatialConv3d", "SpatialMaxPool3d", "SpatialAvgPool3d", "SpatialBatchNorm3d",
