@@ -152,8 +152,14 @@ def test_dataset_with_uneven_batches_equals_one_process_and_each_rank_reads_only
     grid, samples = hybrid_layouts(comm.size)[which]
     data = dataset(kind)
     result = fit(cnn(), data, F.cross_entropy, sgd, strategy="spatial", grid=grid, samples=samples, batch_size=B,
-                 epochs=2, progress=False)
+                 epochs=2, progress=False, eval_data=Images())
     ref, history = reference(cnn(), 2)
+    x, y = images()
+    with torch.no_grad():
+        eval_loss = sum(F.cross_entropy(ref.eval()(x[a:a + B]), y[a:a + B]).item() * len(y[a:a + B])
+                        for a in range(0, N, B)) / N
+    assert_all_ranks(comm, abs(result.history[-1]["eval_loss"] - eval_loss) < 1e-10,
+                     f"eval loss {result.history[-1]['eval_loss']} vs {eval_loss} (last eval batch of 1)")
     same_state(comm, result.model.state_dict(), ref.state_dict(), 1e-10, f"grid {grid} x {samples}, {kind}")
     assert_all_ranks(comm, all(abs(h["loss"] - e) < 1e-10 for h, e in zip(result.history, history)),
                      f"losses {[h['loss'] for h in result.history]} vs {history}")

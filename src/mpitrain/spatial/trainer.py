@@ -33,7 +33,7 @@ from ..strategies.base import (
     is_int,
 )
 from .batchnorm import STATS
-from .data import BlockReader, RegionBatch, read_block, reads_regions, region_of
+from .data import BlockReader, RegionBatch, reads_regions, region_of
 from .distribution import NONSPATIAL, Distribution, SpatialError, gather, gather_group, ranges
 from .parallelize import SpatialParallel, parallelize
 from .tensor import Layout, tag
@@ -125,8 +125,9 @@ class SpatialTrainer:
         self._sample_shape = shape
         return BlockReader(dataset, region_of(self.dist, shape))  # type: ignore[arg-type]
 
-    def _share_block(self, b: BatchShare) -> tuple[torch.Tensor, tuple[int, ...]]:
-        """This rank's block of its group's rows of `b` (possibly no rows) and the batch's global shape.
+    def _share_block(self, b: BatchShare, blocks: bool) -> tuple[torch.Tensor, tuple[int, ...]]:
+        """This rank's block of its group's rows of `b` (possibly no rows) and the batch's global shape;
+        `blocks`: tensor inputs are blocks read by region already (rank_view), not whole samples.
         Collective only for a batch smaller than the number of groups (rank 0 tells the empty groups the
         sample shape and dtype)."""
         x, dist = b.inputs, self.dist
@@ -138,7 +139,7 @@ class SpatialTrainer:
             block = torch.stack([x.dataset.read(i, region)
                                  for i in x.indices[b.share.start:b.share.stop]])
         elif isinstance(x, torch.Tensor):
-            if self._sample_shape is not None:  # read by region already (rank_view)
+            if blocks and self._sample_shape is not None:  # read by region already (rank_view)
                 shape, block = (b.n, *self._sample_shape), x
             else:  # whole samples of my rows: crop (a view)
                 shape = (b.n, *x.shape[1:])
@@ -162,7 +163,7 @@ class SpatialTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         local = torch.zeros(1, dtype=torch.float64)  # this group's summed per-sample loss (spatial rank 0)
         for b in batches:
-            x, _ = self._share_block(b)
+            x, _ = self._share_block(b, blocks=True)
             with _autocast(self.loop):
                 outputs = gather_group(self.parallel(x))
                 if b.share.rows:
@@ -179,17 +180,6 @@ class SpatialTrainer:
         return float(self.dist.comm.allreduce(local, "sum").item()) / total
 
     # -- whole global batches ---------------------------------------------------------------------------
-    def _block(self, inputs: Batch | RegionBatch) -> torch.Tensor:
-        """This rank's block of a global batch: read by region from a RegionBatch's dataset (no other
-        block's pixels touched), or a view of a full tensor."""
-        if isinstance(inputs, RegionBatch):
-            return read_block(inputs, self.dist)
-        if not isinstance(inputs, torch.Tensor):
-            raise SpatialError(f"strategy 'spatial' takes NCHW tensors or RegionBatch inputs, got "
-                               f"{type(inputs).__name__}")
-        self.dist.check_shape(tuple(inputs.shape), "input batch")
-        return self.dist.scatter(inputs)
-
     def train_step(self, inputs: Batch | RegionBatch, targets: torch.Tensor) -> float:
         """One step on a global batch every rank holds in full (tensors or a RegionBatch)."""
         n = len(targets)
@@ -198,7 +188,10 @@ class SpatialTrainer:
         return self.train_shares([mine], n)
 
     def eval_step(self, inputs: Batch | RegionBatch, targets: torch.Tensor) -> torch.Tensor:
-        x = self._block(inputs)
+        """Forward only on a global batch every rank holds in full (any size: a group may get no sample);
+        returns the full outputs on every rank."""
+        n = len(targets)
+        x, _ = self._share_block(slice_share(inputs, targets, self.share(n)), blocks=False)  # type: ignore[arg-type]
         self.parallel.eval()
         try:
             with torch.no_grad(), _autocast(self.loop):
