@@ -18,6 +18,10 @@ OPS = ("sum", "avg", "max", "min", "prod")
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64)
 
 
+#: What to do when a backend cannot take a device, by backend (appended to the error).
+_DEVICE_HINTS = {"torch": "; CUDA tensors need the NCCL group, which exists when torch sees a GPU at init"}
+
+
 class CommError(RuntimeError):
     """A communicator was used wrongly: bad argument, closed communicator, unsupported combination."""
 
@@ -168,8 +172,9 @@ class Communicator(abc.ABC):
         if t.dtype not in DTYPES:
             raise CommError(f"argument '{name}' has dtype {t.dtype}; supported: {[str(d) for d in DTYPES]}")
         if t.device.type not in devices:
+            hint = _DEVICE_HINTS.get(self.backend, "")
             raise CommError(f"argument '{name}' is on device {t.device}; the {self.backend} backend takes "
-                            f"tensors on {devices}")
+                            f"tensors on {devices}: move it there first (t.to(...)){hint}")
         if not t.is_contiguous():
             raise CommError(f"argument '{name}' is not contiguous; pass t.contiguous() (a copy) explicitly")
         if op is not None:
