@@ -45,16 +45,17 @@ def side_stream(dev: torch.device) -> Any:
 
 
 @contextlib.contextmanager
-def after(t: torch.Tensor, ready: Any) -> Iterator[None]:
-    """Run the block on `t`'s device's side stream, ordered after `ready` (an event from
-    :func:`ready_event`, or None: nothing to wait for); on exit the host waits for the side stream, so
+def after(t: torch.Tensor, *ready: Any) -> Iterator[None]:
+    """Run the block on `t`'s device's side stream, ordered after the `ready` events (from
+    :func:`ready_event`; None: nothing to wait for); on exit the host waits for the side stream, so
     what the block wrote is complete for every stream and thread. A no-op for a CPU tensor."""
     if t.device.type != "cuda":
         yield
         return
     s = side_stream(t.device)
-    if ready is not None:
-        s.wait_event(ready)
+    for ev in ready:
+        if ev is not None:
+            s.wait_event(ev)
     with torch.cuda.stream(s):
         yield
     s.synchronize()

@@ -206,16 +206,12 @@ class TorchCommunicator(Communicator):
         self._c(t, "t")
         self._check_rank(dest, "dest")
         work = dist.isend(t, dst=self._g(dest), group=self._group, tag=tag)
-        if t.device.type == "cuda":  # NCCL's work reports completion itself (and ignores tags: order matches)
-            return _CallbackRequest(work.wait, work.is_completed, None, keep=t)
         return _p2p_request(work, None, t)
 
     def irecv(self, t: torch.Tensor, source: int, tag: int = 0) -> Request:
         self._c(t, "t")
         self._check_rank(source, "source")
         work = dist.irecv(t, src=self._g(source), group=self._group, tag=tag)
-        if t.device.type == "cuda":
-            return _CallbackRequest(work.wait, work.is_completed, t, keep=t)
         return _p2p_request(work, t, t)
 
     # -- groups and objects --------------------------------------------------------------------
@@ -283,7 +279,10 @@ class TorchCommunicator(Communicator):
 
 def _p2p_request(work: Any, out: torch.Tensor | None, keep: torch.Tensor) -> Request:
     """Gloo's send/recv work reports completion only inside wait(), so test() could never succeed:
-    a helper thread waits, and test() asks whether it has finished. Errors reach wait()'s caller."""
+    a helper thread waits, and test() asks whether it has finished. Errors reach wait()'s caller.
+    NCCL's work (CUDA tensors) reports completion itself: no thread (NCCL ignores tags; order matches)."""
+    if keep.device.type == "cuda":
+        return _CallbackRequest(work.wait, work.is_completed, out, keep=keep)
     error: list[BaseException] = []
 
     def run() -> None:

@@ -1,0 +1,38 @@
+"""The model's device, and what follows from it: batches moved there (as DDP does with ``device_ids``)
+and bf16 autocast for that device type. For a CPU model each is one device check."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+__all__ = ["model_device", "to_device", "autocast"]
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """The device of `model`'s first parameter (else first buffer); the CPU for a model with neither."""
+    for t in model.parameters():
+        return t.device
+    for t in model.buffers():
+        return t.device
+    return torch.device("cpu")
+
+
+def to_device(x: Any, device: torch.device) -> Any:
+    """`x` (a tensor or any pytree of them) with its tensors on `device`: the same objects where they
+    are there already (a CPU model's batch is returned as is, untouched). Copies to a CUDA device are
+    asynchronous on the current stream (``non_blocking``: from pinned memory they overlap compute)."""
+    if device.type == "cpu":
+        return x
+    return tree_map(lambda t: t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t, x)
+
+
+def autocast(precision: str | None, device: torch.device) -> contextlib.AbstractContextManager[object]:
+    """bf16 autocast on `device`'s type when `precision` is "bf16", else nothing."""
+    if precision == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
