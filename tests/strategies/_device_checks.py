@@ -72,13 +72,15 @@ def train_fit(comm, device: torch.device, precision: str = "fp32") -> list[torch
     return [p.detach().cpu() for p in model.parameters()]
 
 
-def train_one_process(size: int, device: torch.device) -> list[torch.Tensor]:
+def train_one_process(size: int, device: torch.device, precision: str = "fp32") -> list[torch.Tensor]:
     """The reference: the same steps on the concatenated batch in this process."""
     model = fresh_model(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     for x, y in global_batches(size):
         opt.zero_grad()
-        F.cross_entropy(model(x.to(device)), y.to(device)).backward()
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
+            loss = F.cross_entropy(model(x.to(device)), y.to(device))
+        loss.backward()
         opt.step()
     return [p.detach().cpu() for p in model.parameters()]
 
