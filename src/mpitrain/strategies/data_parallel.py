@@ -82,6 +82,7 @@ class DataParallel(nn.Module):
       that built its graph (as in DDP).
     * `broadcast_buffers`: in training-mode forwards with grad enabled, rank 0's buffers (e.g. batch
       norm statistics) are broadcast first, so every rank must run those forwards together.
+    * With one worker nothing is pushed: the sum over one worker is the gradient itself.
     * Devices: buckets live on the parameters' device. For a model on a CUDA device, the forward's
       tensor arguments are moved there first (as DDP with ``device_ids``; CPU inputs are copied), and
       each bucket is reduced after an event recorded on the backward's stream, on a side stream: the
@@ -123,6 +124,8 @@ class DataParallel(nn.Module):
         self._slot = {p: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         self._keys = [b.key for b in self.buckets]
         self._scale = 1.0 / self.kv.num_workers if self.kv.num_workers > 1 else None
+        # one worker: the sum over workers is the gradient itself, so buckets are not pushed at all
+        self._solo = self.kv.num_workers == 1
         for b in self.buckets:
             self.kv.init(b.key, b.buffer)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
@@ -231,7 +234,8 @@ class DataParallel(nn.Module):
                     v.zero_()
                     self._absent.append((b, i))
                 b.used[i] = mark if used else 0.0
-        self.kv.pushpull(b.key, b.buffer, priority=-b.index)
+        if not self._solo:
+            self.kv.pushpull(b.key, b.buffer, priority=-b.index)
 
     @torch.no_grad()
     def _finalize(self) -> None:
@@ -243,7 +247,8 @@ class DataParallel(nn.Module):
             for b in self.buckets[self._next:]:
                 self._push(b)
             self._next = len(self.buckets)
-            self.kv.wait(self._keys)
+            if not self._solo:
+                self.kv.wait(self._keys)
             for b, i in self._absent:
                 if b.used[i].item() > 0:
                     b.params[i].grad = b.views[i]  # the average of the other ranks' gradients
