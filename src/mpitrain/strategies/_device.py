@@ -15,11 +15,10 @@ __all__ = ["model_device", "to_device", "autocast"]
 
 def model_device(model: nn.Module) -> torch.device:
     """The device of `model`'s first parameter (else first buffer); the CPU for a model with neither."""
-    for t in model.parameters():
-        return t.device
-    for t in model.buffers():
-        return t.device
-    return torch.device("cpu")
+    first = next(iter(model.parameters()), None)
+    if first is None:
+        first = next(iter(model.buffers()), None)
+    return first.device if first is not None else torch.device("cpu")
 
 
 def to_device(x: Any, device: torch.device) -> Any:
