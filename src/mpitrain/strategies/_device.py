@@ -15,7 +15,7 @@ __all__ = ["model_device", "to_device", "autocast"]
 
 def model_device(model: nn.Module) -> torch.device:
     """The device of `model`'s first parameter (else first buffer); the CPU for a model with neither."""
-    first = next(iter(model.parameters()), None)
+    first: torch.Tensor | None = next(iter(model.parameters()), None)
     if first is None:
         first = next(iter(model.buffers()), None)
     return first.device if first is not None else torch.device("cpu")
