@@ -96,3 +96,8 @@ def test_staged_data_parallel_of_a_cuda_model_is_bitwise_the_default_path(comm, 
         dc.assert_one_process(comm, got, ref, "staged vs CUDA-aware", atol=1e-6)
     else:
         dc.assert_bitwise(comm, got, ref, "staged vs default (staged too)")
+
+
+def test_synchronous_pipe_sgd_of_a_cuda_model_equals_one_process(comm, dev):
+    got = dc.train_pipe_sgd_sync(comm, dev)
+    dc.assert_one_process(comm, got, dc.train_one_process(comm.size, dev), f"pipe-sgd K=1 on {dev}")

@@ -97,3 +97,11 @@ def assert_bitwise(comm, a: list[torch.Tensor], b: list[torch.Tensor], what: str
 def assert_one_process(comm, got: list[torch.Tensor], ref: list[torch.Tensor], what: str, atol: float = ATOL) -> None:
     for i, (p, q) in enumerate(zip(got, ref)):
         assert_close_all_ranks(comm, p, q, atol=atol, what=f"{what}: parameter {i}")
+
+
+def train_pipe_sgd_sync(comm, device: torch.device) -> list[torch.Tensor]:
+    """fit(strategy="pipe-sgd", staleness=1): synchronous SGD, so the one-process steps are its reference."""
+    model = fresh_model(device)
+    fit(model, global_batches(comm.size), F.cross_entropy, lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+        strategy="pipe-sgd", comm=comm, progress=False, staleness=1)
+    return [p.detach().cpu() for p in model.parameters()]

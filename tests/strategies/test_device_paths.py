@@ -1,6 +1,6 @@
-"""DataParallel and fit(strategy="data") over the MPI backend's host-staging path (what CUDA buckets take
-when MPI is not CUDA-aware), forced for CPU tensors: bitwise the direct path's parameters, and within
-float32 rounding of one process."""
+"""The device-agnostic paths of DataParallel, fit(strategy="data") and Pipe-SGD on the CPU: over the MPI
+backend's host-staging path (what CUDA buckets take when MPI is not CUDA-aware), forced for CPU tensors,
+bitwise the direct path's parameters; and within float32 rounding of one process."""
 
 from __future__ import annotations
 
@@ -34,3 +34,9 @@ def test_fit_data_over_staging_is_bitwise_the_direct_path(comm, staged):
     through_host = dc.train_fit(staged, CPU)
     dc.assert_bitwise(comm, through_host, direct, "fit(data) staged vs direct")
     dc.assert_one_process(comm, through_host, dc.train_one_process(comm.size, CPU), "fit(data) vs one process")
+
+
+def test_synchronous_pipe_sgd_on_the_cpu_equals_one_process(comm):
+    """The device-parameterised pipe-sgd check the GPU suite runs on CUDA, here on the CPU."""
+    dc.assert_one_process(comm, dc.train_pipe_sgd_sync(comm, CPU), dc.train_one_process(comm.size, CPU),
+                          "pipe-sgd K=1")
