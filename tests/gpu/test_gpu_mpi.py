@@ -101,3 +101,15 @@ def test_staged_data_parallel_of_a_cuda_model_is_bitwise_the_default_path(comm, 
 def test_synchronous_pipe_sgd_of_a_cuda_model_equals_one_process(comm, dev):
     got = dc.train_pipe_sgd_sync(comm, dev)
     dc.assert_one_process(comm, got, dc.train_one_process(comm.size, dev), f"pipe-sgd K=1 on {dev}")
+
+
+def test_model_and_hybrid_fit_of_a_cuda_model_equal_one_process(comm, dev):
+    ref = dc.train_pipeline_one_process(comm.size, dev)
+    for strategy, parts in dc.pipeline_layouts(comm.size):
+        got = dc.train_pipeline(comm, dev, strategy, parts)
+        dc.assert_one_process(comm, got, ref, f"{strategy} P={parts} on {dev}")
+
+
+def test_spatial_fit_of_a_cuda_model_equals_one_process(comm, dev):
+    got, ref = dc.train_spatial(comm, dev)
+    dc.assert_one_process(comm, got, ref, f"spatial on {dev}")

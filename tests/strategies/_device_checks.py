@@ -105,3 +105,57 @@ def train_pipe_sgd_sync(comm, device: torch.device) -> list[torch.Tensor]:
     fit(model, global_batches(comm.size), F.cross_entropy, lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
         strategy="pipe-sgd", comm=comm, progress=False, staleness=1)
     return [p.detach().cpu() for p in model.parameters()]
+
+
+def mlp(device: torch.device) -> nn.Module:
+    torch.manual_seed(4321)
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(),
+                         nn.Linear(32, 10)).to(device)
+
+
+def pipeline_layouts(size: int) -> list[tuple[str, int]]:
+    """(strategy, partitions) to check at `size` ranks: the model over every rank, and hybrid where
+    two partitions divide the ranks."""
+    out = [("model", size)]
+    if size % 2 == 0 and size > 2:
+        out.append(("hybrid", 2))
+    return out
+
+
+def train_pipeline(comm, device: torch.device, strategy: str, partitions: int) -> list[torch.Tensor]:
+    """fit(strategy="model"/"hybrid") of the MLP on `device`, CPU batches; parameters on the CPU."""
+    result = fit(mlp(device), global_batches(comm.size), F.cross_entropy,
+                 lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), strategy=strategy, partitions=partitions,
+                 micro_batches=2, progress=False, balance="params", comm=comm)
+    return [p.detach().cpu() for p in result.model.parameters()]
+
+
+def train_pipeline_one_process(size: int, device: torch.device) -> list[torch.Tensor]:
+    model = mlp(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for x, y in global_batches(size):
+        opt.zero_grad()
+        F.cross_entropy(model(x.to(device)), y.to(device)).backward()
+        opt.step()
+    return [p.detach().cpu() for p in model.parameters()]
+
+
+def train_spatial(comm, device: torch.device) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """fit(strategy="spatial") of a small mesh model on `device` over a (size x 1) grid, and the same
+    steps in one process; both parameter lists on the CPU."""
+    from mpitrain.spatial.mesh import mesh_batch, mesh_model
+
+    torch.manual_seed(0)
+    model = mesh_model(in_channels=3, widths=(4, 6), convs_per_block=1).to(device)
+    torch.manual_seed(0)
+    ref = mesh_model(in_channels=3, widths=(4, 6), convs_per_block=1).to(device)
+    data = [mesh_batch(2, 24, in_channels=3, blocks=2, seed=s) for s in range(2)]
+    sgd = lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9)  # noqa: E731
+    result = fit(model, data, nn.CrossEntropyLoss(), sgd, strategy="spatial", grid=(comm.size, 1), samples=1,
+                 progress=False, comm=comm)
+    opt = sgd(ref.parameters())
+    for x, y in data:
+        opt.zero_grad()
+        nn.CrossEntropyLoss()(ref(x.to(device)), y.to(device)).backward()
+        opt.step()
+    return [p.detach().cpu() for p in result.model.parameters()], [p.detach().cpu() for p in ref.parameters()]

@@ -40,3 +40,16 @@ def test_synchronous_pipe_sgd_on_the_cpu_equals_one_process(comm):
     """The device-parameterised pipe-sgd check the GPU suite runs on CUDA, here on the CPU."""
     dc.assert_one_process(comm, dc.train_pipe_sgd_sync(comm, CPU), dc.train_one_process(comm.size, CPU),
                           "pipe-sgd K=1")
+
+
+def test_pipeline_device_check_on_the_cpu_equals_one_process(comm):
+    """The device-parameterised model/hybrid check the GPU suite runs on CUDA, here on the CPU."""
+    ref = dc.train_pipeline_one_process(comm.size, CPU)
+    for strategy, parts in dc.pipeline_layouts(comm.size):
+        dc.assert_one_process(comm, dc.train_pipeline(comm, CPU, strategy, parts), ref, f"{strategy} P={parts}")
+
+
+def test_spatial_device_check_on_the_cpu_equals_one_process(comm):
+    """The device-parameterised spatial check the GPU suite runs on CUDA, here on the CPU."""
+    got, ref = dc.train_spatial(comm, CPU)
+    dc.assert_one_process(comm, got, ref, "spatial")

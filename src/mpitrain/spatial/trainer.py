@@ -13,6 +13,7 @@ from torch import nn
 
 from ..comm.base import Communicator
 from ..strategies._broadcast import broadcast_tensors
+from ..strategies._device import model_device, to_device
 from ..strategies.base import Batch, FitError, FitSpec, LossFn, OptimizerFactory, StrategyOptions, is_int
 from .batchnorm import STATS
 from .data import RegionBatch, read_block
@@ -70,11 +71,14 @@ class SpatialTrainer:
     """Trains `model` on `dist`: each global mini-batch is scattered (samples over the groups, pixels over
     each group's grid), the outputs are gathered on every rank and the loss is computed there on the full
     outputs, so any loss function gives the single-process loss and gradients; the parameter gradients
-    are summed over all ranks during backward, and every rank steps its own optimizer identically."""
+    are summed over all ranks during backward, and every rank steps its own optimizer identically.
+    Tensor batches and targets are moved to the model's device (a RegionBatch's blocks are read on the
+    CPU: not yet moved); :meth:`eval_step` returns its outputs on the CPU."""
 
     def __init__(self, model: nn.Module, loss_fn: LossFn, optimizer: OptimizerFactory, dist: Distribution,
                  bn_stats: str = "global", overlap: bool = True) -> None:
         self.model, self.loss_fn, self.dist = model, loss_fn, dist
+        self.device = model_device(model)
         self.parallel: SpatialParallel = parallelize(model, dist, bn_stats=bn_stats, overlap=overlap)
         _broadcast_state(model, dist.comm)
         self.optimizer = optimizer(model.parameters())
@@ -88,14 +92,14 @@ class SpatialTrainer:
             raise SpatialError(f"strategy 'spatial' takes NCHW tensors or RegionBatch inputs, got "
                                f"{type(inputs).__name__}")
         self.dist.check_shape(tuple(inputs.shape), "input batch")
-        return self.dist.scatter(inputs)
+        return self.dist.scatter(to_device(inputs, self.device))
 
     def train_step(self, inputs: Batch | RegionBatch, targets: torch.Tensor) -> float:
         x = self._block(inputs)
         if not self.parallel.training:  # eval_step restores training mode; train() walks every module
             self.parallel.train()
         outputs = gather(self.parallel(x))
-        loss = self.loss_fn(outputs, targets)
+        loss = self.loss_fn(outputs, to_device(targets, self.device))
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         self.optimizer.step()
@@ -106,7 +110,7 @@ class SpatialTrainer:
         self.parallel.eval()
         try:
             with torch.no_grad():
-                return gather(self.parallel(x))
+                return gather(self.parallel(x)).cpu()
         finally:
             self.parallel.train()
 
