@@ -27,7 +27,7 @@ _streams_lock = threading.Lock()
 def ready_event(t: torch.Tensor) -> Any:
     """An event recorded on the current stream of `t`'s device (the point after which `t` is
     produced), or None for a tensor that is not on a CUDA device."""
-    if t.device.type != "cuda":
+    if not t.is_cuda:
         return None
     ev = torch.cuda.Event()
     ev.record(torch.cuda.current_stream(t.device))
@@ -44,14 +44,18 @@ def side_stream(dev: torch.device) -> Any:
         return s
 
 
-@contextlib.contextmanager
-def after(t: torch.Tensor, *ready: Any) -> Iterator[None]:
+_NOTHING = contextlib.nullcontext()  # stateless: shared by every CPU call of `after`
+
+
+def after(t: torch.Tensor, *ready: Any) -> contextlib.AbstractContextManager[Any]:
     """Run the block on `t`'s device's side stream, ordered after the `ready` events (from
     :func:`ready_event`; None: nothing to wait for); on exit the host waits for the side stream, so
-    what the block wrote is complete for every stream and thread. A no-op for a CPU tensor."""
-    if t.device.type != "cuda":
-        yield
-        return
+    what the block wrote is complete for every stream and thread. For a CPU tensor: nothing at all."""
+    return _after(t, ready) if t.is_cuda else _NOTHING
+
+
+@contextlib.contextmanager
+def _after(t: torch.Tensor, ready: tuple[Any, ...]) -> Iterator[None]:
     s = side_stream(t.device)
     for ev in ready:
         if ev is not None:

@@ -48,7 +48,7 @@ def _buf(t: torch.Tensor) -> list[Any]:
     """Zero-copy [memory, datatype] of a contiguous tensor: a numpy view of a CPU tensor's storage; a
     CUDA tensor itself (``__cuda_array_interface__``, for CUDA-aware MPI) once the current stream has
     produced it (MPI knows no streams)."""
-    if t.device.type == "cpu":
+    if t.is_cpu:
         arr = t.view(torch.int16).numpy() if t.dtype == torch.bfloat16 else t.numpy()
         return [arr, _MPI_TYPES[t.dtype]]
     host_wait(t)
@@ -75,6 +75,7 @@ class MPICommunicator(Communicator):
     stages CPU tensors too (the staging path, checkable against the direct one without a GPU)."""
 
     backend = "mpi"
+    _devices = DEVICES
 
     def __init__(self, comm: MPI.Intracomm, *, _direct: frozenset[str] | None = None) -> None:
         self._comm = comm
@@ -82,11 +83,23 @@ class MPICommunicator(Communicator):
         self._size = comm.Get_size()
         self._hierarchy: Hierarchy | None = None  # hosts and leaders: built by the first large allreduce
         self._direct = _direct if _direct is not None else _default_direct()
+        self._stage_cpu = "cpu" not in self._direct  # flags, not set lookups: read on every call
+        self._cuda_direct = "cuda" in self._direct
         self._staged_to: MPICommunicator | None = None  # the direct CPU view staged calls run on
         self._staging: Staging | None = None
 
-    def _check(self, t: Any, name: str, op: str | None = None, devices: tuple[str, ...] = DEVICES) -> None:
-        super()._check(t, name, op, devices)
+    def _staged_call(self, t: torch.Tensor, reduce: bool = False) -> bool:
+        """Whether a call on `t` (not a CPU tensor, or staging forced) runs on host mirrors: a CPU tensor
+        when staging is forced; a tensor on a device MPI does not take (the staging path's checks refuse
+        devices nobody takes); and, for an allreduce (`reduce`), a direct device tensor whose reduction
+        goes hierarchical, whose leaders' ring works on host memory (a verdict from sizes only, alike on
+        every rank). Callers check `t` (``_check``), then test ``t.is_cpu`` first, so a CPU tensor pays
+        that attribute and one flag."""
+        if t.is_cpu:
+            return self._stage_cpu
+        if not (t.is_cuda and self._cuda_direct):
+            return True
+        return reduce and self._hierarchical(t) is not None
 
     def _stage(self, t: Any, name: str, op: str | None = None) -> tuple[MPICommunicator, Staging]:
         """Check `t`, then (the CPU communicator over the same MPI communicator, the host mirrors) that
@@ -124,7 +137,10 @@ class MPICommunicator(Communicator):
 
     # -- collectives ---------------------------------------------------------------------------
     def allreduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        if t.device.type not in self._direct:
+        self._check(t, "t", op)
+        # device tensors are staged where MPI cannot read them, and where the allreduce goes hierarchical
+        # (its leaders' ring works on host memory); the verdict depends on sizes only, alike on every rank
+        if (not t.is_cpu or self._stage_cpu) and self._staged_call(t, reduce=True):
             host, staging = self._stage(t, "t", op)
             return staging.inplace(t, lambda h: host.allreduce(h, op))
         if not _staged(t):
@@ -133,7 +149,7 @@ class MPICommunicator(Communicator):
         return t
 
     def _allreduce_inplace(self, t: torch.Tensor, op: str) -> torch.Tensor:
-        self._check(t, "t", op)
+        """The direct allreduce of a checked `t` (see :meth:`allreduce`)."""
         hier = self._hierarchical(t) if t.numel() and self._size > 1 else None
         if hier is not None:
             hier.wait(hier.submit(_buf(t), t, _MPI_OPS[op], op in ("sum", "avg")))
@@ -145,20 +161,20 @@ class MPICommunicator(Communicator):
         return t
 
     def broadcast(self, t: torch.Tensor, root: int = 0) -> torch.Tensor:
-        if t.device.type not in self._direct:
+        self._check(t, "t")
+        if (not t.is_cpu or self._stage_cpu) and self._staged_call(t):
             host, staging = self._stage(t, "t")
             return staging.inplace(t, lambda h: host.broadcast(h, root))
-        self._check(t, "t")
         self._check_rank(root, "root")
         if t.numel() and self._size > 1:
             self._comm.Bcast(_buf(t), root=root)
         return t
 
     def allgather(self, t: torch.Tensor) -> torch.Tensor:
-        if t.device.type not in self._direct:
+        self._check(t, "t")
+        if (not t.is_cpu or self._stage_cpu) and self._staged_call(t):
             host, staging = self._stage(t, "t")
             return staging.out(t, host.allgather)
-        self._check(t, "t")
         src = t.reshape(1) if t.dim() == 0 else t
         out = torch.empty((self._size * src.shape[0], *src.shape[1:]), dtype=t.dtype, device=t.device)
         if out.numel():
@@ -166,10 +182,10 @@ class MPICommunicator(Communicator):
         return out
 
     def reduce_scatter(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        if t.device.type not in self._direct:
+        self._check(t, "t", op)
+        if (not t.is_cpu or self._stage_cpu) and self._staged_call(t):
             host, staging = self._stage(t, "t", op)
             return staging.out(t, lambda h: host.reduce_scatter(h, op))
-        self._check(t, "t", op)
         if t.dim() == 0:
             raise CommError("argument 't' of reduce_scatter must have at least one dimension")
         rows = split_sizes(t.shape[0], self._size)
@@ -184,10 +200,10 @@ class MPICommunicator(Communicator):
         return out.to(t.dtype) if staged else out
 
     def alltoallv(self, send: torch.Tensor, send_counts: Sequence[int], recv_counts: Sequence[int]) -> torch.Tensor:
-        if send.device.type not in self._direct:
+        self._check(send, "send")
+        if (not send.is_cpu or self._stage_cpu) and self._staged_call(send):
             host, staging = self._stage(send, "send")
             return staging.out(send, lambda h: host.alltoallv(h, send_counts, recv_counts))
-        self._check(send, "send")
         if send.dim() == 0:
             raise CommError("argument 'send' of alltoallv must have at least one dimension")
         sc = self._check_counts(send_counts, "send_counts", rows=send.shape[0])
@@ -206,7 +222,8 @@ class MPICommunicator(Communicator):
 
     # -- point to point ------------------------------------------------------------------------
     def send(self, t: torch.Tensor, dest: int, tag: int = 0) -> None:
-        if t.device.type not in self._direct:
+        self._check(t, "t")
+        if (not t.is_cpu or self._stage_cpu) and self._staged_call(t):
             host, staging = self._stage(t, "t")
             h = staging.to_host(t)
             try:
@@ -214,25 +231,25 @@ class MPICommunicator(Communicator):
             finally:
                 staging.give(h)
             return
-        self._check(t, "t")
         self._check_rank(dest, "dest")
         self._comm.Send(_buf(t), dest=dest, tag=tag)
 
     def recv(self, t: torch.Tensor, source: int, tag: int = 0) -> torch.Tensor:
-        if t.device.type not in self._direct:
+        self._check(t, "t")
+        if (not t.is_cpu or self._stage_cpu) and self._staged_call(t):
             host, staging = self._stage(t, "t")
             return staging.inplace(t, lambda h: host.recv(h, source, tag), read=False)
-        self._check(t, "t")
         self._check_rank(source, "source")
         self._comm.Recv(_buf(t), source=source, tag=tag)
         return t
 
     def sendrecv(self, send: torch.Tensor, dest: int, recv: torch.Tensor, source: int,
                  sendtag: int = 0, recvtag: int = 0) -> torch.Tensor:
-        if send.device.type not in self._direct or recv.device.type not in self._direct:
-            return self._staged_sendrecv(send, dest, recv, source, sendtag, recvtag)
         self._check(send, "send")
         self._check(recv, "recv")
+        if (not send.is_cpu or not recv.is_cpu or self._stage_cpu) and \
+                (self._staged_call(send) or self._staged_call(recv)):
+            return self._staged_sendrecv(send, dest, recv, source, sendtag, recvtag)
         self._check_rank(dest, "dest")
         self._check_rank(source, "source")
         self._comm.Sendrecv(_buf(send), dest, sendtag, _buf(recv), source, recvtag)
@@ -264,10 +281,10 @@ class MPICommunicator(Communicator):
         return _CallbackRequest(req.wait, req.test, t if write else None, finish, keep=h)
 
     def iallreduce(self, t: torch.Tensor, op: str = "sum") -> Request:
-        if t.device.type not in self._direct:
+        self._check(t, "t", op)
+        if (not t.is_cpu or self._stage_cpu) and self._staged_call(t, reduce=True):
             host, staging = self._stage(t, "t", op)
             return self._staged_request(t, lambda h: host.iallreduce(h, op), staging)
-        self._check(t, "t", op)
         if not t.numel() or self._size == 1:
             return _DoneRequest(t.div_(self._size) if op == "avg" else t)
         staged = _staged(t)
@@ -290,10 +307,10 @@ class MPICommunicator(Communicator):
                                 keep=work)
 
     def ibroadcast(self, t: torch.Tensor, root: int = 0) -> Request:
-        if t.device.type not in self._direct:
+        self._check(t, "t")
+        if (not t.is_cpu or self._stage_cpu) and self._staged_call(t):
             host, staging = self._stage(t, "t")
             return self._staged_request(t, lambda h: host.ibroadcast(h, root), staging)
-        self._check(t, "t")
         self._check_rank(root, "root")
         if not t.numel() or self._size == 1:
             return _DoneRequest(t)
@@ -301,19 +318,19 @@ class MPICommunicator(Communicator):
         return _CallbackRequest(req.Wait, req.Test, t)
 
     def isend(self, t: torch.Tensor, dest: int, tag: int = 0) -> Request:
-        if t.device.type not in self._direct:
+        self._check(t, "t")
+        if (not t.is_cpu or self._stage_cpu) and self._staged_call(t):
             host, staging = self._stage(t, "t")
             return self._staged_request(t, lambda h: host.isend(h, dest, tag), staging, write=False)
-        self._check(t, "t")
         self._check_rank(dest, "dest")
         req = self._comm.Isend(_buf(t), dest=dest, tag=tag)
         return _CallbackRequest(req.Wait, req.Test, None, keep=t)
 
     def irecv(self, t: torch.Tensor, source: int, tag: int = 0) -> Request:
-        if t.device.type not in self._direct:
+        self._check(t, "t")
+        if (not t.is_cpu or self._stage_cpu) and self._staged_call(t):
             host, staging = self._stage(t, "t")
             return self._staged_request(t, lambda h: host.irecv(h, source, tag), staging, read=False)
-        self._check(t, "t")
         self._check_rank(source, "source")
         req = self._comm.Irecv(_buf(t), source=source, tag=tag)
         return _CallbackRequest(req.Wait, req.Test, t)

@@ -39,7 +39,7 @@ class Staging:
             free = self._free.get(key)
             flat = free.pop() if free else None
         if flat is None:
-            flat = torch.empty(like.numel(), dtype=like.dtype, pin_memory=like.device.type == "cuda")
+            flat = torch.empty(like.numel(), dtype=like.dtype, pin_memory=like.is_cuda)
         return flat.view(like.shape)
 
     def give(self, host: torch.Tensor) -> None:
@@ -84,10 +84,10 @@ class Staging:
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
     """``dst.copy_(src)``, complete on return. Between a device and the host the copy runs on the
     device's side stream, after the caller's current stream (which is not waited for itself)."""
-    dev = src.device if src.device.type == "cuda" else dst.device
-    if dev.type != "cuda":
+    if not (src.is_cuda or dst.is_cuda):
         dst.copy_(src)
         return
+    dev = src.device if src.is_cuda else dst.device
     s = side_stream(dev)
     s.wait_stream(torch.cuda.current_stream(dev))  # what the caller's stream produced so far
     with torch.cuda.stream(s):
@@ -96,7 +96,7 @@ def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 
 def _to_device(host: torch.Tensor, dev: torch.device) -> torch.Tensor:
-    if dev.type != "cuda":
+    if dev.type == "cpu":
         return host
     out = torch.empty(host.shape, dtype=host.dtype, device=dev)
     _copy(out, host)

@@ -281,7 +281,7 @@ def _p2p_request(work: Any, out: torch.Tensor | None, keep: torch.Tensor) -> Req
     """Gloo's send/recv work reports completion only inside wait(), so test() could never succeed:
     a helper thread waits, and test() asks whether it has finished. Errors reach wait()'s caller.
     NCCL's work (CUDA tensors) reports completion itself: no thread (NCCL ignores tags; order matches)."""
-    if keep.device.type == "cuda":
+    if keep.is_cuda:
         return _CallbackRequest(work.wait, work.is_completed, out, keep=keep)
     error: list[BaseException] = []
 

@@ -164,14 +164,18 @@ class Communicator(abc.ABC):
         if self._closed:
             raise CommError(f"{self!r} was freed/finalized and cannot be used any more")
 
-    def _check(self, t: Any, name: str, op: str | None = None, devices: tuple[str, ...] = ("cpu",)) -> None:
+    #: Device types this backend takes (a backend may pass others per call).
+    _devices: tuple[str, ...] = ("cpu",)
+
+    def _check(self, t: Any, name: str, op: str | None = None, devices: tuple[str, ...] | None = None) -> None:
         """Refuse what no backend can do, naming argument and reason (raises before any message)."""
         self._check_open()
         if not isinstance(t, torch.Tensor):
             raise CommError(f"argument '{name}' must be a torch.Tensor, got {type(t).__name__}")
         if t.dtype not in DTYPES:
             raise CommError(f"argument '{name}' has dtype {t.dtype}; supported: {[str(d) for d in DTYPES]}")
-        if t.device.type not in devices:
+        devices = devices or self._devices
+        if not t.is_cpu and t.device.type not in devices:  # is_cpu first: cheaper than device.type
             hint = _DEVICE_HINTS.get(self.backend, "")
             raise CommError(f"argument '{name}' is on device {t.device}; the {self.backend} backend takes "
                             f"tensors on {devices}: move it there first (t.to(...)){hint}")

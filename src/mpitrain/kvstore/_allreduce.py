@@ -45,7 +45,7 @@ class Entry:
     def __init__(self, key: Key, buf: torch.Tensor, finish: Callable[[], None] | None) -> None:
         self.key, self.buf, self.finish, self.seq = key, buf, finish, 0
         self.aux: torch.Tensor | None = None  # a type's private buffer (depchain's comm buffer)
-        self.ready = ready_event(buf)  # None for a CPU buffer
+        self.ready = None if buf.is_cpu else ready_event(buf)
 
 
 class Tracker:

@@ -344,7 +344,7 @@ def _itemsize(dtype: torch.dtype) -> int:
 def _signature(t: torch.Tensor) -> Sig:
     """What every rank must agree on for a key: shape, dtype and device type (a key on a GPU on one rank
     and on the CPU on another would fuse differently: refused by name instead)."""
-    dtype = str(t.dtype) if t.device.type == "cpu" else f"{t.dtype} on {t.device.type}"
+    dtype = str(t.dtype) if t.is_cpu else f"{t.dtype} on {t.device.type}"
     return tuple(t.shape), dtype
 
 

@@ -22,7 +22,7 @@ from ._broadcast import (
     module_tensors,
 )
 from ._buckets import MB, Bucket, plan_buckets
-from ._device import autocast, model_device, to_device
+from ._device import CPU, autocast, model_device, to_device
 from ._grad_allreduce import allreduce_gradients, start_allreduce_gradients
 from .base import (
     DEFAULT_LOOP,
@@ -106,6 +106,7 @@ class DataParallel(nn.Module):
         _check_args(module, kvstore, bucket_mb, first_bucket_mb, comm)
         self.module, self.comm, self.broadcast_buffers = module, comm, broadcast_buffers
         self.device = model_device(module)  # batches go here; buckets live on the parameters' devices
+        self._moves_inputs = self.device != CPU
         params = [p for p in _unique(module.parameters()) if p.requires_grad]
         kv_name = kvstore if isinstance(kvstore, str) else type(kvstore).__name__
         named = module_tensors(module)
@@ -143,7 +144,7 @@ class DataParallel(nn.Module):
             buffers = [b for _, b in self.module.named_buffers()]
             if buffers:
                 broadcast_tensors(buffers, self.comm, 0)
-        if self.device.type != "cpu":
+        if self._moves_inputs:
             args, kwargs = to_device((args, kwargs), self.device)
         out = self.module(*args, **kwargs)
         return _watch_outputs(out, self) if grad and self._sync_graph and self.buckets else out
@@ -401,7 +402,7 @@ class DataTrainer:
             broadcast_tensors(self._buffers, self.comm, 0)
         pieces = [(x, y) for b in batches if b.share.rows
                   for x, y in zip(split_rows(b.inputs, self.micro_batches), split_rows(b.targets, self.micro_batches))]
-        if self.device.type != "cpu":
+        if self.device != CPU:
             pieces = to_device(pieces, self.device)
         local = torch.zeros((), dtype=torch.float64, device=self.device)  # sum of this rank's per-sample losses
         weight = self.comm.size / total  # DataParallel averages over ranks: undo it, divide by the samples

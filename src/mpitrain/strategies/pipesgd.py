@@ -185,7 +185,7 @@ class CommThread:
             self.comm.free()
 
     def _reduce(self, buf: torch.Tensor) -> None:
-        if buf.device.type != "cpu":  # a device buffer: the ring (and its residual) work on a host mirror
+        if not buf.is_cpu:  # a device buffer: the ring (and its residual) work on a host mirror
             host = self._staging.to_host(buf)
             self._reduce(host)
             self._staging.back(buf, host)
@@ -283,7 +283,7 @@ class PipeSGDTrainer:
             if b.share.rows == 0 or b.targets is None:
                 continue
             m = batch_size(b.targets)
-            x, y = (b.inputs, b.targets) if self.device.type == "cpu" else to_device((b.inputs, b.targets), self.device)
+            x, y = to_device((b.inputs, b.targets), self.device)  # themselves on the CPU
             with autocast(self.loop.precision, self.device):
                 loss = self.loss_fn(self.model(x), y)
             (loss * (m * self.comm.size / total)).backward()
