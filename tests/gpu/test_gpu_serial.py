@@ -39,7 +39,7 @@ def test_mpi_backend_reduces_cuda_tensors_direct_and_staged():
 def test_data_parallel_on_cuda_at_world_size_one_equals_plain_torch(kvstore):
     comm = mpitrain.init()
     got = dc.train_data_parallel(comm, kvstore, CUDA)
-    dc.assert_one_process(comm, got, dc.train_one_process(1, CUDA), f"{kvstore} on cuda", atol=1e-6)
+    dc.assert_one_process(comm, got, dc.train_one_process(1, CUDA), f"{kvstore} on cuda")
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -47,7 +47,7 @@ def test_fit_data_on_cuda_at_world_size_one_equals_plain_torch(precision):
     comm = mpitrain.init()
     got = dc.train_fit(comm, CUDA, precision)
     ref = dc.train_one_process(1, CUDA, precision)
-    dc.assert_one_process(comm, got, ref, f"fit {precision} on cuda", atol=1e-6 if precision == "fp32" else 1e-2)
+    dc.assert_one_process(comm, got, ref, f"fit {precision} on cuda", atol=dc.ATOL if precision == "fp32" else 1e-2)
 
 
 def test_torch_backend_runs_nccl_for_cuda_and_gloo_for_cpu_in_one_job():
