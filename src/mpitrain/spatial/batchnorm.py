@@ -31,7 +31,7 @@ def _combine(comm: Communicator, n: int, mean: torch.Tensor, var: torch.Tensor
              ) -> tuple[float, torch.Tensor, torch.Tensor]:
     """Count, mean and biased variance of the union of every rank's cells (Chan's formula, float64)."""
     c = mean.numel()
-    mine = torch.empty(2 * c + 1, dtype=torch.float64)
+    mine = torch.empty(2 * c + 1, dtype=torch.float64, device=mean.device)
     mine[0] = n
     mine[1:c + 1] = mean
     mine[c + 1:] = var

@@ -7,7 +7,6 @@ only its block of its group's samples)."""
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -19,6 +18,7 @@ from torch.utils.data import Dataset
 from ..comm.base import Communicator
 from ..strategies._batching import slice_share
 from ..strategies._broadcast import broadcast_tensors
+from ..strategies._device import autocast, model_device, to_device
 from ..strategies.base import (
     DEFAULT_LOOP,
     Batch,
@@ -97,12 +97,15 @@ class SpatialTrainer:
     gradients are summed over all ranks during backward, so after it every rank holds the gradient of
     the step's mean loss (any loss function whose value is the mean over its rows), as one process would,
     and steps its own optimizer identically (clipping by that global gradient's norm). BatchNorm
-    statistics "global" cover the whole global batch (exact)."""
+    statistics "global" cover the whole global batch (exact). Batches and targets are moved to the
+    model's device (blocks read by region are read on the CPU, then moved); :meth:`eval_step` returns
+    its outputs on the CPU."""
 
     def __init__(self, model: nn.Module, loss_fn: LossFn, optimizer: OptimizerFactory, dist: Distribution,
                  bn_stats: str = "global", overlap: bool = True, loop: LoopSpec = DEFAULT_LOOP) -> None:
         self.model, self.loss_fn, self.dist, self.loop = model, loss_fn, dist, loop
         self.bn_stats = bn_stats
+        self.device = model_device(model)
         self.parallel: SpatialParallel = parallelize(model, dist, bn_stats=bn_stats, overlap=overlap)
         _broadcast_state(model, dist.comm)
         self.optimizer = optimizer(model.parameters())
@@ -144,13 +147,14 @@ class SpatialTrainer:
             else:  # whole samples of my rows: crop (a view)
                 shape = (b.n, *x.shape[1:])
                 block = x[(slice(None), slice(None), *region_of(dist, shape[1:]))]
+            block = to_device(block, self.device)
         elif x is not None:
             raise SpatialError(f"strategy 'spatial' takes NCHW tensors or RegionBatch inputs, got {type(x).__name__}")
         if b.n < dist.samples:  # some group has no sample: it learns the shape from rank 0 (group 0 has one)
             shape, dtype = dist.comm.broadcast_object((shape, None if block is None else block.dtype)
                                                       if dist.comm.rank == 0 else None)
             if block is None:
-                block = torch.empty((0, *dist.local_shape(shape)[1:]), dtype=dtype)
+                block = torch.empty((0, *dist.local_shape(shape)[1:]), dtype=dtype, device=self.device)
         assert block is not None and shape is not None
         dist.check_shape((max(shape[0], dist.samples), *shape[1:]), "input batch")
         return tag(block, Layout(dist, "block", shape)), shape
@@ -164,10 +168,10 @@ class SpatialTrainer:
         local = torch.zeros(1, dtype=torch.float64)  # this group's summed per-sample loss (spatial rank 0)
         for b in batches:
             x, _ = self._share_block(b, blocks=True)
-            with _autocast(self.loop):
+            with autocast(self.loop.precision, self.device):
                 outputs = gather_group(self.parallel(x))
                 if b.share.rows:
-                    loss = self.loss_fn(outputs, b.targets)  # type: ignore[arg-type]
+                    loss = self.loss_fn(outputs, to_device(b.targets, self.device))
             if b.share.rows:
                 (loss * (b.share.rows / total)).backward()
                 if self.dist.spatial_rank == 0:
@@ -194,9 +198,9 @@ class SpatialTrainer:
         x, _ = self._share_block(slice_share(inputs, targets, self.share(n)), blocks=False)  # type: ignore[arg-type]
         self.parallel.eval()
         try:
-            with torch.no_grad(), _autocast(self.loop):
+            with torch.no_grad(), autocast(self.loop.precision, self.device):
                 out = gather(self.parallel(x))
-            return out.float() if out.dtype == torch.bfloat16 else out
+            return (out.float() if out.dtype == torch.bfloat16 else out).cpu()
         finally:
             self.parallel.train()
 
@@ -226,13 +230,6 @@ class SpatialTrainer:
 
     def trained_model(self) -> nn.Module:
         return self.model
-
-
-def _autocast(loop: LoopSpec) -> contextlib.AbstractContextManager[object]:
-    """CPU bf16 autocast when the loop asks for it."""
-    if loop.precision == "bf16":
-        return torch.autocast("cpu", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
 
 
 #: The loop features fit may ask of this strategy (see :data:`~mpitrain.strategies.base.FEATURE_NAMES`).
