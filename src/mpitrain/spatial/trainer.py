@@ -28,7 +28,8 @@ class SpatialOptions(StrategyOptions):
     rank, ``(world size, 1)``), ``samples`` groups (default world size / (ph*pw)), ``bn_stats``
     ("global" = exact, "spatial", "local"), ``overlap`` (conv interiors while halos fly) and
     ``nonspatial`` ("replicate": a non-spatial op redistributes its block to whole samples, warned;
-    "error": it is refused)."""
+    "error": it is refused) and ``switch_at`` (a submodule name: from its input on, the model runs
+    sample-parallel over every rank, §V-C's per-layer distributions; see ``parallelize``)."""
 
     strategy: ClassVar[str] = "spatial"
     grid: tuple[int, int] | None = None
@@ -36,6 +37,7 @@ class SpatialOptions(StrategyOptions):
     bn_stats: str = "global"
     overlap: bool = True
     nonspatial: str = "replicate"
+    switch_at: str | None = None
 
     def __post_init__(self) -> None:
         if self.grid is not None:
@@ -48,6 +50,8 @@ class SpatialOptions(StrategyOptions):
         self.require("bn_stats", self.bn_stats in STATS, f"one of {STATS}")
         self.require("overlap", isinstance(self.overlap, bool), "True or False")
         self.require("nonspatial", self.nonspatial in NONSPATIAL, f"one of {NONSPATIAL}")
+        self.require("switch_at", self.switch_at is None or (isinstance(self.switch_at, str) and self.switch_at != ""),
+                     "None or a submodule name")
 
     def layout(self, comm: Communicator) -> tuple[tuple[int, int], int]:
         """(grid, samples) for the ranks of `comm`, defaults filled in (FitError if they do not fit)."""
@@ -73,9 +77,10 @@ class SpatialTrainer:
     are summed over all ranks during backward, and every rank steps its own optimizer identically."""
 
     def __init__(self, model: nn.Module, loss_fn: LossFn, optimizer: OptimizerFactory, dist: Distribution,
-                 bn_stats: str = "global", overlap: bool = True) -> None:
+                 bn_stats: str = "global", overlap: bool = True, switch_at: str | None = None) -> None:
         self.model, self.loss_fn, self.dist = model, loss_fn, dist
-        self.parallel: SpatialParallel = parallelize(model, dist, bn_stats=bn_stats, overlap=overlap)
+        self.parallel: SpatialParallel = parallelize(model, dist, bn_stats=bn_stats, overlap=overlap,
+                                                     switch_at=switch_at)
         _broadcast_state(model, dist.comm)
         self.optimizer = optimizer(model.parameters())
 
@@ -124,4 +129,4 @@ def make_trainer(model: nn.Module, loss_fn: LossFn, optimizer: OptimizerFactory,
     opts = SpatialOptions.from_spec(spec)
     grid, samples = opts.layout(comm)
     dist = Distribution(comm, grid, samples, nonspatial=opts.nonspatial, stall=spec.stall)
-    return SpatialTrainer(model, loss_fn, optimizer, dist, opts.bn_stats, opts.overlap)
+    return SpatialTrainer(model, loss_fn, optimizer, dist, opts.bn_stats, opts.overlap, opts.switch_at)
