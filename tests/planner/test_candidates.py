@@ -31,7 +31,8 @@ def _profile(batch: int, seconds_per_sample: float, param_bytes: int, hw: int = 
                         node_param_bytes=[param_bytes // 2, 0, param_bytes // 2, 0],
                         node_is_conv=[True, False, True, False],
                         crossing_bytes_per_sample=[0.0] + [1e5] * nodes, cuts=[1, 2, 3],
-                        convs=[ConvShape(batch, 3, hw, hw, 8, 3), ConvShape(batch, 8, hw, hw, 8, 3)])
+                        convs=[ConvShape(batch, 3, hw, hw, 8, 3), ConvShape(batch, 8, hw, hw, 8, 3)],
+                        switch_points=[(1, "1", hw), (2, "2", hw), (3, "3", hw)])
 
 
 def _measured(prof: ModelProfile, world: int = 4, net: Network | None = None, spatial_ok: bool = True) -> Measured:
@@ -102,3 +103,29 @@ def test_near_ties_go_to_the_plan_with_less_machinery():
     # with negligible communication every pipe-sgd plan is within the margin of data: data comes first
     assert plans[0].strategy == "data"
     assert machinery(plans[0]) == 0 and {machinery(p) for p in plans[1:]} <= {1, 2}
+
+
+def test_the_best_mix_is_a_runnable_spatial_plan_switching_at_a_module():
+    # 6 samples on 4 ranks: data cannot split them; the mix computes the late nodes on whole samples
+    plans, dropped = candidates(_measured(_profile(6, 0.01, 10_000)), {"data", "mixed"}, 1e12)
+    assert [p.strategy for p in plans] == ["spatial"]
+    opts = plans[0].options
+    assert opts["grid"] == (4, 1) and opts["samples"] == 1 and opts["switch_at"] in ("1", "2", "3")
+    assert plans[0].step_s == pytest.approx(sum(plans[0].breakdown.values()))
+    assert any(d.strategy == "data" for d in dropped)
+
+
+def test_a_model_without_a_switch_point_has_no_mixed_plan_and_says_why():
+    prof = _profile(8, 0.01, 10_000)
+    prof.switch_points = []
+    plans, dropped = candidates(_measured(prof), {"mixed"}, 1e12)
+    assert plans == [] and "module to switch at" in dropped[0].reason
+
+
+def test_the_mixed_path_switches_only_at_a_switch_point_into_a_tall_enough_block():
+    prof = _profile(8, 0.01, 10_000, hw=2)  # 2 rows cannot be split over 4 ranks
+    prof.switch_points = [(2, "2", 2)]
+    assert mixed_path(_measured(prof), switch=True) is None
+    prof.switch_points = [(2, "2", 256)]
+    _, path = mixed_path(_measured(prof), switch=True)
+    assert path == ["spatial", "spatial", "sample", "sample"]

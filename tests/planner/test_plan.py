@@ -100,3 +100,24 @@ def test_fit_auto_refuses_layout_keywords_it_chooses_itself(comm):
 
 def test_plan_is_exported_lazily_from_the_package():
     assert mpitrain.plan is plan and mpitrain.Plan.__name__ == "Plan"
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_mixed_plan_runs_under_fit_as_one_process_trains(comm):
+    x, y = cnn_batch(n=2 * comm.size + 1)  # a batch that does not split equally: data cannot run it
+    batches = [(x.double(), y), (x.double().flip(0), y.flip(0))]
+    model = tiny_cnn().double()
+    reference = copy.deepcopy(model)
+    plans = plan(model, batches[0], CE, comm=comm, cache=False, strategies={"mixed"})
+    assert_all_ranks(comm, len(plans) == 1 and "switch_at" in plans[0].options, f"{plans.explanation()}")
+    chosen = plans[0]
+    opt = lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9)  # noqa: E731
+    result = fit(model, batches, CE, opt, strategy=chosen.strategy, progress=False, comm=comm, **chosen.options)
+    ref_opt = opt(reference.parameters())
+    for xb, yb in batches:
+        ref_opt.zero_grad()
+        CE(reference(xb), yb).backward()
+        ref_opt.step()
+    got = torch.cat([p.detach().flatten() for p in result.model.parameters()])
+    want = torch.cat([p.detach().flatten() for p in reference.parameters()])
+    assert_close_all_ranks(comm, got, want, atol=1e-10, what=f"mixed plan {chosen.describe()}")

@@ -14,7 +14,7 @@ from ..perf.calibrate import Calibration, Network
 from ..perf.pipeline import micro_batch_candidates, pipeline_step
 from ..perf.spatial import halo_messages, layer_path
 from ..perf.timing import TimingInputs, predict, ring_allreduce_time
-from ..strategies.pipeline._partition import balanced_bounds
+from ..strategies.pipeline import balanced_bounds
 from ._overhead import Overheads
 from ._profile import ModelProfile
 from ._types import Dropped, Plan
@@ -210,17 +210,21 @@ def _spatial(m: Measured) -> Iterator[Plan | Dropped]:
             yield Plan("spatial", opts, step, int(mem), breakdown)
 
 
-def mixed_path(m: Measured) -> tuple[float, list[str]] | None:
-    """§V-C's shortest path over (node, distribution): every layer either spatial on the W ranks'
-    widest grid (W, 1) or sample-parallel over W; a spatial -> sample edge redistributes the layer's
-    output by alltoall; sample -> spatial is not allowed (the paper's early-spatial, late-sample
-    shape). Returns (seconds, distribution per node) or None when it cannot be priced."""
+def mixed_path(m: Measured, switch: bool = False) -> tuple[float, list[str]] | None:
+    """§V-C's shortest path over (node, distribution): every node either spatial on the W ranks'
+    grid (W, 1) (its share of the step on B/W samples' worth of pixels, plus §V-A's halos of a conv)
+    or sample-parallel over W (its share on the largest rank's ceil(B/W) samples); a spatial -> sample
+    edge redistributes the node's output by one alltoall forward and one backward, and is allowed
+    only into a node the spatial strategy can switch at (``ModelProfile.switch_points``); sample ->
+    spatial is not allowed (the paper's early-spatial, late-sample shape). With `switch`, the path
+    must switch (the first node spatial, the last sample-parallel): the best *mixed* plan. Returns
+    (seconds, distribution per node) or None when it cannot be priced or no path exists."""
     prof, W, B = m.prof, m.world, m.prof.batch
-    if not prof.node_share or not prof.convs or B % W or W < 2:
+    if not prof.node_share or not prof.convs or B < W or W < 2:
         return None
     grid = (W, 1)
-    sample_s = prof.step_s(B / W)
-    spatial_s = prof.step_s(B / W)  # the same pixels per rank: B samples on W-row blocks
+    sample_s = prof.step_s(math.ceil(B / W))
+    spatial_s = prof.step_s(B / W) * _halo_inflation(prof, grid)
     conv_iter = iter(prof.convs)
     costs: list[list[float]] = []
     for share, conv in zip(prof.node_share, prof.node_is_conv):
@@ -228,35 +232,49 @@ def mixed_path(m: Measured) -> tuple[float, list[str]] | None:
         if conv:
             shape = next(conv_iter, None)
             halo = 0.0 if shape is None else sum(2 * k * m.net.p2p.time(b) for k, b in halo_messages(shape, grid, 1))
+            halo += m.overheads.spatial_conv
         costs.append([share * spatial_s + halo, share * sample_s])
+    if switch:
+        costs[0][1] = costs[-1][0] = math.inf
+    ok = {c for c, _, h in prof.switch_points if h >= W}
 
     def shuffle(i: int, d: int, e: int) -> float:
         if d == e:
             return 0.0
-        if d == 1:
+        if d == 1 or i + 1 not in ok:
             return math.inf
         return 2 * m.net.alltoall.time(prof.node_bytes_per_sample[i] * B / W)
 
     total, path = layer_path(costs, shuffle)
+    if not math.isfinite(total):
+        return None
     return total, ["spatial" if d == 0 else "sample" for d in path]
 
 
 def _mixed(m: Measured) -> Iterator[Plan | Dropped]:
-    found = mixed_path(m)
-    if found is None:
-        yield Dropped("mixed", {}, "no per-layer path: needs a captured NCHW conv model and a batch divisible "
-                                   "by the ranks")
+    """The best per-layer mix (:func:`mixed_path` with a switch) as a runnable spatial plan: grid
+    (W, 1), one sample group, ``switch_at`` the module where the path turns sample-parallel. Its step
+    adds to the path the update, the gradient allreduce over every rank, the BatchNorm statistics of
+    the spatial part and the gather of the outputs, as the spatial plans do."""
+    prof, W, B = m.prof, m.world, m.prof.batch
+    found = mixed_path(m, switch=True)
+    why = prof.spatial_error or m.spatial_check((W, 1), 1)
+    if found is None or why:
+        yield Dropped("mixed", {}, why or "no per-layer path: needs a captured NCHW conv model, a batch of at "
+                                         "least one sample per rank and a module to switch at (a call whose "
+                                         "input is the only value crossing it, an NCHW block)")
         return
     total, path = found
-    k = path.count("spatial")
-    if 0 < k < len(path):
-        yield Dropped("mixed", {"spatial_layers": k},
-                      f"§V shortest path: {k} spatial node(s) then sample-parallel, predicted "
-                      f"{total * 1e3:.1f} ms of layers; fit runs one distribution for every layer, so it "
-                      f"cannot run a per-layer redistribution yet")
-    else:
-        yield Dropped("mixed", {}, f"§V shortest path keeps one distribution ({path[0] if path else '-'}) for "
-                                   f"every layer: the same as that plan")
+    k = path.index("sample")
+    name = next(n for c, n, _ in prof.switch_points if c == k)
+    stats = 4 * m.bn_layers * ring_allreduce_time(64, W, m.cal.alpha, m.cal.beta, m.cal.gamma)
+    comm = m.net.allreduce.time(prof.param_bytes) + stats + m.net.p2p.time(prof.output_bytes_per_sample * B)
+    update = _update_s(m, prof.param_bytes)
+    mem = (_state_bytes(prof.param_bytes) + prof.param_bytes + prof.activation_bytes_per_sample * math.ceil(B / W)
+           + prof.output_bytes_per_sample * B)
+    opts = {"grid": (W, 1), "samples": 1, "switch_at": name}
+    # the path's seconds hold its halos and alltoalls too: shown as compute (the path is one sum)
+    yield Plan("spatial", opts, total + update + comm, int(mem), {"compute": total + update, "communication": comm})
 
 
 _GENERATORS: dict[str, Callable[[Measured], Iterator[Plan | Dropped]]] = {
@@ -269,9 +287,11 @@ def candidates(m: Measured, strategies: set[str], memory_limit: float) -> tuple[
     ties keep generation order (stable sort): the same order on every rank."""
     plans: list[Plan] = []
     dropped: list[Dropped] = []
-    for gen in _GENERATORS.values():
+    for name, gen in _GENERATORS.items():
+        if name == "mixed" and name not in strategies:
+            continue
         for c in gen(m):
-            if c.strategy not in strategies:
+            if c.strategy not in strategies and name != "mixed":  # a mix runs as a spatial plan
                 continue
             if isinstance(c, Dropped):
                 dropped.append(c)

@@ -148,7 +148,8 @@ def plan(model: nn.Module, sample_batch: tuple[Batch, torch.Tensor], loss_fn: Lo
     returned :class:`Plan` runs as ``fit(model, data, loss_fn, opt, strategy=p.strategy, **p.options)``.
     Candidates: data; model and hybrid for every P dividing the world (M by HyPar-Flow's halving
     search); spatial grids and sample x spatial; pipe-sgd with K in {1, 2} and each compression; and
-    §V's per-layer shortest path (reported in ``dropped``: fit cannot run a per-layer mix yet). Plans
+    §V-C's per-layer shortest path with a switch ("mixed": a spatial plan whose ``switch_at`` names
+    the module from which on it runs sample-parallel). Plans
     predicted over `memory_limit` bytes per rank (default: the node's available memory divided by
     its ranks), or that cannot run, are left out and listed in the result's ``dropped`` with the
     reason; `explain` also prints the table and those reasons on rank 0.

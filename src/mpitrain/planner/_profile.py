@@ -37,7 +37,9 @@ class ModelProfile:
     two sizes: the compute of any share is the affine fit through them. `forward_share`: the part of it
     that is forward. `nodes`: the captured graph's compute nodes, each with its share of the step time,
     its output bytes per sample and its parameter bytes; `cuts`: where the graph may be cut (empty
-    when the capture failed, `capture_error` says why). `convs`: every Conv2d's global shape."""
+    when the capture failed, `capture_error` says why). `convs`: every Conv2d's global shape.
+    `switch_points`: (node index, module name, input height) of every node at which the spatial
+    strategy's ``switch_at`` can move to sample parallelism (see :func:`switch_points`)."""
 
     batch: int
     step_at: list[tuple[float, float]]
@@ -55,6 +57,7 @@ class ModelProfile:
     capture_error: str = ""
     convs: list[ConvShape] = field(default_factory=list)
     spatial_error: str = ""
+    switch_points: list[tuple[int, str, int]] = field(default_factory=list)
 
     def step_s(self, samples: float) -> float:
         """Seconds of forward + backward of the whole model on `samples` (fractional: a block of pixels)."""
@@ -104,7 +107,7 @@ def _timed_step(model: nn.Module, loss_fn: LossFn, inputs: Batch, targets: torch
 
 def _node_profile(model: nn.Module, inputs: Batch, samples: int, prof: ModelProfile, passes: int) -> None:
     """Fill the per-node fields from the pipeline strategy's capture and per-node measurement."""
-    from ..strategies.pipeline import _graph  # the one capture of a model into nodes (pipeline's)
+    from ..strategies import pipeline as _graph  # the one capture of a model into nodes (pipeline's)
 
     try:
         traced = _graph.capture(model, inputs)
@@ -131,6 +134,28 @@ def _node_profile(model: nn.Module, inputs: Batch, samples: int, prof: ModelProf
         sum(nbytes[i] for i, n in enumerate(traced.nodes[:c]) if n.name not in local and last[n.name] >= c)
         for c in range(len(traced.nodes) + 1)]
     prof.cuts = _graph.cut_points(traced, meta)
+    prof.switch_points = switch_points(traced, meta, prof.cuts, last, local)
+
+
+def switch_points(traced: Any, meta: dict[str, Any], cuts: Sequence[int], last: dict[str, int],
+                  local: set[str]) -> list[tuple[int, str, int]]:
+    """(index, module name, input height) of each node that ``switch_at`` can name: a call of a
+    submodule (called once) at a cut point where the one value crossing the cut is that call's
+    first argument, an NCHW activation still split spatially (height and width above one: not
+    after a global pool)."""
+    targets = [str(n.target) for n in traced.nodes if n.op == "call_module"]
+    out = []
+    for c in cuts:
+        node = traced.nodes[c]
+        if node.op != "call_module" or targets.count(str(node.target)) != 1 or not node.args:
+            continue
+        crossing = [n.name for n in traced.nodes[:c] if n.name not in local and last[n.name] >= c]
+        first = node.args[0]
+        m = meta.get(getattr(first, "name", ""))
+        if crossing != [getattr(first, "name", None)] or m is None or len(m.shape) != 4 or min(m.shape[2:]) < 2:
+            continue
+        out.append((c, str(node.target), int(m.shape[2])))
+    return out
 
 
 def measure_model(model: nn.Module, loss_fn: LossFn, sample_batch: tuple[Batch, torch.Tensor], shares: Sequence[int],
@@ -263,5 +288,6 @@ def profile_from_dict(data: dict[str, Any]) -> ModelProfile:
     d["step_at"] = [tuple(x) for x in d["step_at"]]
     d["input_shape"] = None if d["input_shape"] is None else tuple(d["input_shape"])
     d["convs"] = [ConvShape(**c) for c in d["convs"]]
+    d["switch_points"] = [tuple(s) for s in d.get("switch_points", [])]
     return ModelProfile(**d)
 
