@@ -129,3 +129,22 @@ def test_the_mixed_path_switches_only_at_a_switch_point_into_a_tall_enough_block
     prof.switch_points = [(2, "2", 256)]
     _, path = mixed_path(_measured(prof), switch=True)
     assert path == ["spatial", "spatial", "sample", "sample"]
+
+
+def test_one_host_levels_price_exactly_as_one_level():
+    prof = _profile(32, 0.01, 10_000)
+    one = candidates(_measured(prof), set(STRATEGY_NAMES), 1e12)[0]
+    m = _measured(prof)
+    levels = Measured(m.prof, m.net, m.cal, m.world, 0, m.spatial_check, intra=m.net, hosts=(0, 0, 0, 0))
+    assert [p.to_dict() for p in candidates(levels, set(STRATEGY_NAMES), 1e12)[0]] == [p.to_dict() for p in one]
+
+
+def test_patterns_inside_a_host_are_priced_on_the_intra_host_network():
+    prof = _profile(4, 0.01, 10_000)
+    slow, fast = _net(1e-3, 1e-7), _net(1e-6, 1e-10)
+    m = Measured(prof, slow, CAL, 4, 0, lambda g, s: None, intra=fast, hosts=(0, 0, 1, 1))
+    plans, _ = candidates(m, {"spatial"}, 1e12)
+    halo = {(p.options["grid"], p.options["samples"]): p.breakdown["halo"] for p in plans}
+    # two samples of a (2, 1) grid each on one host: halos on the fast level; (4, 1) crosses hosts
+    assert halo[((2, 1), 2)] < halo[((4, 1), 1)] / 100
+    assert m.level([range(0, 2), range(2, 4)]) is fast and m.level([range(4)]) is slow

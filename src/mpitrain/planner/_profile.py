@@ -239,15 +239,17 @@ def agree(comm: Communicator, prof: ModelProfile) -> ModelProfile:
     return prof.with_times(times.tolist())
 
 
-def model_signature(model: nn.Module, sample_batch: tuple[Batch, torch.Tensor], world_size: int) -> str:
-    """A key naming (machine, model, batch, ranks): equal on two runs that would measure the same."""
+def model_signature(model: nn.Module, sample_batch: tuple[Batch, torch.Tensor], world_size: int,
+                    extra: str = "") -> str:
+    """A key naming (machine, model, batch, ranks, `extra`): equal on two runs that would measure the
+    same."""
     inputs, targets = sample_batch
     leaves = torch.utils._pytree.tree_leaves(inputs)
     parts = [socket.gethostname(), str(os.cpu_count()), torch.__version__, str(torch.get_num_threads()),
              str(world_size), type(model).__module__ + "." + type(model).__qualname__,
              repr([(n, tuple(p.shape)) for n, p in model.named_parameters()]),
              repr([(tuple(t.shape), str(t.dtype)) for t in leaves if isinstance(t, torch.Tensor)]),
-             repr(tuple(targets.shape))]
+             repr(tuple(targets.shape)), extra]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
 
 
