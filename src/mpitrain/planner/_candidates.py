@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from ..perf.calibrate import Calibration, Network
 from ..perf.pipeline import micro_batch_candidates, pipeline_step
-from ..perf.spatial import halo_messages, layer_path
+from ..perf.spatial import ConvShape, halo_messages, layer_path
 from ..perf.timing import TimingInputs, predict, ring_allreduce_time
 from ..strategies.pipeline import balanced_bounds
 from ._overhead import Overheads
@@ -185,20 +185,24 @@ def _halo_s(m: Measured, grid: tuple[int, int], samples: int) -> float:
     return sum(2 * k * net.p2p.time(b) for s in m.prof.convs for k, b in halo_messages(s, grid, samples))
 
 
+def _padded_area(shape: ConvShape, grid: tuple[int, int]) -> float:
+    """(local block + halo) / local block area of one conv on `grid`: §V-A's C is timed on the padded
+    block, so a rank's conv compute grows by this factor."""
+    o = shape.k // 2
+    h, w = shape.h / grid[0], shape.w / grid[1]
+    return (h + (2 * o if grid[0] > 1 else 0)) * (w + (2 * o if grid[1] > 1 else 0)) / (h * w)
+
+
 def _halo_inflation(prof: ModelProfile, grid: tuple[int, int]) -> float:
     """Factor by which a rank's compute grows because each conv also computes over its halo: per conv
-    node, (local block + halo) / local block area (§V-A's C is timed on the padded block), weighted by
-    the node's share of the step. 1.0 without a per-node profile."""
+    node, :func:`_padded_area` - 1, weighted by the node's share of the step. 1.0 without a per-node
+    profile."""
     convs = iter(prof.convs)
     extra = 0.0
     for share, is_conv in zip(prof.node_share, prof.node_is_conv):
         shape = next(convs, None) if is_conv else None
-        if shape is None:
-            continue
-        o = shape.k // 2
-        h, w = shape.h / grid[0], shape.w / grid[1]
-        padded = (h + (2 * o if grid[0] > 1 else 0)) * (w + (2 * o if grid[1] > 1 else 0))
-        extra += share * (padded / (h * w) - 1)
+        if shape is not None:
+            extra += share * (_padded_area(shape, grid) - 1)
     return 1.0 + extra
 
 
@@ -269,16 +273,16 @@ def mixed_path(m: Measured, switch: bool = False) -> tuple[float, list[str]] | N
     grid = (W, 1)
     net = m.level([range(W)])
     sample_s = prof.step_s(math.ceil(B / W))
-    spatial_s = prof.step_s(B / W) * _halo_inflation(prof, grid)
+    spatial_s = prof.step_s(B / W)
     conv_iter = iter(prof.convs)
     costs: list[list[float]] = []
     for share, conv in zip(prof.node_share, prof.node_is_conv):
-        halo = 0.0
-        if conv:
-            shape = next(conv_iter, None)
-            halo = 0.0 if shape is None else sum(2 * k * net.p2p.time(b) for k, b in halo_messages(shape, grid, 1))
-            halo += m.overheads.spatial_conv
-        costs.append([share * spatial_s + halo, share * sample_s])
+        shape = next(conv_iter, None) if conv else None
+        spatial = share * spatial_s
+        if shape is not None:  # a conv computes over its halo too, after exchanging it
+            spatial = spatial * _padded_area(shape, grid) + m.overheads.spatial_conv
+            spatial += sum(2 * k * net.p2p.time(b) for k, b in halo_messages(shape, grid, 1))
+        costs.append([spatial, share * sample_s])
     if switch:
         costs[0][1] = costs[-1][0] = math.inf
     ok = {c for c, _, h in prof.switch_points if h >= W}
