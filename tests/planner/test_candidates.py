@@ -148,3 +148,26 @@ def test_patterns_inside_a_host_are_priced_on_the_intra_host_network():
     # two samples of a (2, 1) grid each on one host: halos on the fast level; (4, 1) crosses hosts
     assert halo[((2, 1), 2)] < halo[((4, 1), 1)] / 100
     assert m.level([range(0, 2), range(2, 4)]) is fast and m.level([range(4)]) is slow
+
+
+def test_switch_points_name_whole_residual_blocks_not_the_convs_inside_them():
+    import torch
+    from torch import nn
+
+    from mpitrain.planner._profile import measure_model
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(4, 4, 3, padding=1)
+
+        def forward(self, x):
+            return x + self.conv(x)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), Block(), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                          nn.Flatten(), nn.Linear(4, 2))
+    batch = (torch.randn(4, 3, 8, 8), torch.randint(0, 2, (4,)))
+    prof = measure_model(model, nn.functional.cross_entropy, batch, [2, 4], repeats=1)
+    names = [name for _, name, _ in prof.switch_points]
+    assert names == ["1", "2", "3"] and all(h == 8 for _, _, h in prof.switch_points)

@@ -100,3 +100,30 @@ def test_switch_after_a_global_pool_is_refused_on_every_rank(comm):
     except SpatialError as e:
         msg = str(e)
     assert_all_ranks(comm, "global pool" in msg, msg or "a replicated input was switched")
+
+
+class _Residual(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(6, 6, 3, padding=1)
+
+    def forward(self, x):
+        return x + self.conv(x)
+
+
+def test_switching_at_a_residual_block_moves_its_input_for_both_paths(comm):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 6, 3, padding=1), _Residual(), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                          nn.Flatten(), nn.Linear(6, 5)).double()
+    ref = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(4)
+    x, y = torch.randn(comm.size, 3, 8, 8, generator=g, dtype=torch.float64), torch.randint(0, 5, (comm.size,))
+    loss_fn = nn.CrossEntropyLoss()
+    result = fit(model, [(x, y)], loss_fn, sgd, strategy="spatial", grid=(comm.size, 1), switch_at="1",
+                 progress=False)
+    opt = sgd(ref.parameters())
+    opt.zero_grad()
+    loss_fn(ref(x), y).backward()
+    opt.step()
+    for (name, a), b in zip(result.model.state_dict().items(), ref.state_dict().values()):
+        assert_close_all_ranks(comm, a, b, 1e-10, 1e-10, f"{name} after a step switching at the residual block")

@@ -139,22 +139,40 @@ def _node_profile(model: nn.Module, inputs: Batch, samples: int, prof: ModelProf
 
 def switch_points(traced: Any, meta: dict[str, Any], cuts: Sequence[int], last: dict[str, int],
                   local: set[str]) -> list[tuple[int, str, int]]:
-    """(index, module name, input height) of each node that ``switch_at`` can name: a call of a
-    submodule (called once) at a cut point where the one value crossing the cut is that call's
-    first argument, an NCHW activation still split spatially (height and width above one: not
-    after a global pool)."""
-    targets = [str(n.target) for n in traced.nodes if n.op == "call_module"]
+    """(index, module name, input height) of each cut at which ``switch_at`` can move to sample
+    parallelism: one value crosses the cut, an NCHW activation still split spatially (height and
+    width above one: not after a global pool), and a submodule called once (fx's module stack) runs
+    exactly the nodes from the cut on to its end and holds every use of that value, so wrapping it
+    moves every use (a residual block, not the conv inside it whose block also adds its input).
+    The innermost such module is named."""
+    nodes = traced.nodes
+    index = {n.name: i for i, n in enumerate(nodes)}
+
+    def stack(n: Any) -> list[tuple[str, str]]:
+        return [(key, str(value[0])) for key, value in (n.meta.get("nn_module_stack") or {}).items()]
+
+    span: dict[str, tuple[int, int]] = {}
+    for i, n in enumerate(nodes):
+        for key, _ in stack(n):
+            lo, hi = span.get(key, (i, i))
+            span[key] = (min(lo, i), max(hi, i))
+    placeholders = {p.name for p in traced.placeholders}
     out = []
     for c in cuts:
-        node = traced.nodes[c]
-        if node.op != "call_module" or targets.count(str(node.target)) != 1 or not node.args:
+        crossing = [n for n in nodes[:c] if n.name not in local and last[n.name] >= c]
+        m = meta.get(crossing[0].name) if len(crossing) == 1 else None
+        if m is None or len(m.shape) != 4 or min(m.shape[2:]) < 2:
             continue
-        crossing = [n.name for n in traced.nodes[:c] if n.name not in local and last[n.name] >= c]
-        first = node.args[0]
-        m = meta.get(getattr(first, "name", ""))
-        if crossing != [getattr(first, "name", None)] or m is None or len(m.shape) != 4 or min(m.shape[2:]) < 2:
-            continue
-        out.append((c, str(node.target), int(m.shape[2])))
+        users = [index.get(u.name, len(nodes)) for u in crossing[0].users]
+        for key, name in reversed(stack(nodes[c])):  # innermost first
+            lo, hi = span[key]
+            inside = nodes[lo:hi + 1]
+            if ("@" in key or lo != c or not all(lo <= u <= hi for u in users)
+                    or not all(key in dict(stack(n)) for n in inside)
+                    or any(a.name in placeholders for n in inside for a in n.all_input_nodes)):
+                continue
+            out.append((c, name, int(m.shape[2])))
+            break
     return out
 
 
