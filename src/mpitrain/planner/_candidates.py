@@ -261,7 +261,8 @@ def _spatial(m: Measured) -> Iterator[Plan | Dropped]:
 def mixed_path(m: Measured, switch: bool = False) -> tuple[float, list[str]] | None:
     """§V-C's shortest path over (node, distribution): every node either spatial on the W ranks'
     grid (W, 1) (its share of the step on B/W samples' worth of pixels, plus §V-A's halos of a conv)
-    or sample-parallel over W (its share on the largest rank's ceil(B/W) samples); a spatial -> sample
+    or sample-parallel over W (its share on the largest rank's ceil(B/W) samples; a conv also the
+    spatial runtime's per-conv overhead, as it still runs as a spatial layer); a spatial -> sample
     edge redistributes the node's output by one alltoall forward and one backward, and is allowed
     only into a node the spatial strategy can switch at (``ModelProfile.switch_points``); sample ->
     spatial is not allowed (the paper's early-spatial, late-sample shape). With `switch`, the path
@@ -278,11 +279,14 @@ def mixed_path(m: Measured, switch: bool = False) -> tuple[float, list[str]] | N
     costs: list[list[float]] = []
     for share, conv in zip(prof.node_share, prof.node_is_conv):
         shape = next(conv_iter, None) if conv else None
-        spatial = share * spatial_s
+        spatial, sample = share * spatial_s, share * sample_s
         if shape is not None:  # a conv computes over its halo too, after exchanging it
             spatial = spatial * _padded_area(shape, grid) + m.overheads.spatial_conv
             spatial += sum(2 * k * net.p2p.time(b) for k, b in halo_messages(shape, grid, 1))
-        costs.append([spatial, share * sample_s])
+            # after the switch the layers still run as the spatial strategy's (on a 1 x 1 grid): the
+            # runtime's per-layer cost, measured per conv on the probe, stays
+            sample += m.overheads.spatial_conv
+        costs.append([spatial, sample])
     if switch:
         costs[0][1] = costs[-1][0] = math.inf
     ok = {c for c, _, h in prof.switch_points if h >= W}
