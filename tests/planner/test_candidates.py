@@ -31,7 +31,8 @@ def _profile(batch: int, seconds_per_sample: float, param_bytes: int, hw: int = 
                         node_param_bytes=[param_bytes // 2, 0, param_bytes // 2, 0],
                         node_is_conv=[True, False, True, False],
                         crossing_bytes_per_sample=[0.0] + [1e5] * nodes, cuts=[1, 2, 3],
-                        convs=[ConvShape(batch, 3, hw, hw, 8, 3), ConvShape(batch, 8, hw, hw, 8, 3)])
+                        convs=[ConvShape(batch, 3, hw, hw, 8, 3), ConvShape(batch, 8, hw, hw, 8, 3)],
+                        switch_points=[(1, "1", hw), (2, "2", hw), (3, "3", hw)])
 
 
 def _measured(prof: ModelProfile, world: int = 4, net: Network | None = None, spatial_ok: bool = True) -> Measured:
@@ -102,3 +103,71 @@ def test_near_ties_go_to_the_plan_with_less_machinery():
     # with negligible communication every pipe-sgd plan is within the margin of data: data comes first
     assert plans[0].strategy == "data"
     assert machinery(plans[0]) == 0 and {machinery(p) for p in plans[1:]} <= {1, 2}
+
+
+def test_the_best_mix_is_a_runnable_spatial_plan_switching_at_a_module():
+    # 6 samples on 4 ranks: data cannot split them; the mix computes the late nodes on whole samples
+    plans, dropped = candidates(_measured(_profile(6, 0.01, 10_000)), {"data", "mixed"}, 1e12)
+    assert [p.strategy for p in plans] == ["spatial"]
+    opts = plans[0].options
+    assert opts["grid"] == (4, 1) and opts["samples"] == 1 and opts["switch_at"] in ("1", "2", "3")
+    assert plans[0].step_s == pytest.approx(sum(plans[0].breakdown.values()))
+    assert any(d.strategy == "data" for d in dropped)
+
+
+def test_a_model_without_a_switch_point_has_no_mixed_plan_and_says_why():
+    prof = _profile(8, 0.01, 10_000)
+    prof.switch_points = []
+    plans, dropped = candidates(_measured(prof), {"mixed"}, 1e12)
+    assert plans == [] and "module to switch at" in dropped[0].reason
+
+
+def test_the_mixed_path_switches_only_at_a_switch_point_into_a_tall_enough_block():
+    prof = _profile(8, 0.01, 10_000, hw=2)  # 2 rows cannot be split over 4 ranks
+    prof.switch_points = [(2, "2", 2)]
+    assert mixed_path(_measured(prof), switch=True) is None
+    prof.switch_points = [(2, "2", 256)]
+    _, path = mixed_path(_measured(prof), switch=True)
+    assert path == ["spatial", "spatial", "sample", "sample"]
+
+
+def test_one_host_levels_price_exactly_as_one_level():
+    prof = _profile(32, 0.01, 10_000)
+    one = candidates(_measured(prof), set(STRATEGY_NAMES), 1e12)[0]
+    m = _measured(prof)
+    levels = Measured(m.prof, m.net, m.cal, m.world, 0, m.spatial_check, intra=m.net, hosts=(0, 0, 0, 0))
+    assert [p.to_dict() for p in candidates(levels, set(STRATEGY_NAMES), 1e12)[0]] == [p.to_dict() for p in one]
+
+
+def test_patterns_inside_a_host_are_priced_on_the_intra_host_network():
+    prof = _profile(4, 0.01, 10_000)
+    slow, fast = _net(1e-3, 1e-7), _net(1e-6, 1e-10)
+    m = Measured(prof, slow, CAL, 4, 0, lambda g, s: None, intra=fast, hosts=(0, 0, 1, 1))
+    plans, _ = candidates(m, {"spatial"}, 1e12)
+    halo = {(p.options["grid"], p.options["samples"]): p.breakdown["halo"] for p in plans}
+    # two samples of a (2, 1) grid each on one host: halos on the fast level; (4, 1) crosses hosts
+    assert halo[((2, 1), 2)] < halo[((4, 1), 1)] / 100
+    assert m.level([range(0, 2), range(2, 4)]) is fast and m.level([range(4)]) is slow
+
+
+def test_switch_points_name_whole_residual_blocks_not_the_convs_inside_them():
+    import torch
+    from torch import nn
+
+    from mpitrain.planner._profile import measure_model
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(4, 4, 3, padding=1)
+
+        def forward(self, x):
+            return x + self.conv(x)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), Block(), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                          nn.Flatten(), nn.Linear(4, 2))
+    batch = (torch.randn(4, 3, 8, 8), torch.randint(0, 2, (4,)))
+    prof = measure_model(model, nn.functional.cross_entropy, batch, [2, 4], repeats=1)
+    names = [name for _, name, _ in prof.switch_points]
+    assert names == ["1", "2", "3"] and all(h == 8 for _, _, h in prof.switch_points)

@@ -33,3 +33,13 @@ def test_plan_command_refuses_a_bad_shape_with_a_message_and_status_2():
     r = _run("tests.planner.models:tiny_mlp", "--batch-shape", "12,x")
     assert r.returncode != 0
     assert "comma-separated positive ints" in r.stdout + r.stderr
+
+
+def test_plan_command_prices_another_world_size_without_measuring():
+    r = _run("tests.planner.models:tiny_mlp", "--batch-shape", "16,16", "--json", "--measure", "1", "--no-cache",
+             "--strategies", "data,model,hybrid", "--world-size", "4")
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = json.loads(r.stdout[r.stdout.index("{"):])
+    assert out["plans"] and not any(p["measured"] for p in out["plans"]) and out["measured_step_s"] == []
+    assert all(4 % p["options"].get("partitions", 1) == 0 for p in out["plans"])
+    assert any(p["options"].get("partitions") == 4 or p["options"].get("replicas") == 2 for p in out["plans"])

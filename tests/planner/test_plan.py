@@ -40,7 +40,7 @@ def test_every_rank_reaches_the_same_ranked_plans(comm, tmp_path_factory):
     ({"sample_batch": torch.zeros(3)}, "sample_batch"),
     ({"memory_limit": "-4G"}, "memory_limit"),
     ({"strategies": ["data", "warp-drive"]}, "warp-drive"),
-    ({"world_size": 99}, "world_size=99"),
+    ({"world_size": 0}, "world_size"),
 ])
 def test_bad_input_is_refused_on_every_rank_before_any_message(comm, bad, message):
     args = {"model": tiny_mlp(), "sample_batch": mlp_batches(1)[0], "loss_fn": CE}
@@ -100,3 +100,49 @@ def test_fit_auto_refuses_layout_keywords_it_chooses_itself(comm):
 
 def test_plan_is_exported_lazily_from_the_package():
     assert mpitrain.plan is plan and mpitrain.Plan.__name__ == "Plan"
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_mixed_plan_runs_under_fit_as_one_process_trains(comm):
+    x, y = cnn_batch(n=2 * comm.size + 1)  # a batch that does not split equally: data cannot run it
+    batches = [(x.double(), y), (x.double().flip(0), y.flip(0))]
+    model = tiny_cnn().double()
+    reference = copy.deepcopy(model)
+    plans = plan(model, batches[0], CE, comm=comm, cache=False, strategies={"mixed"})
+    assert_all_ranks(comm, len(plans) == 1 and "switch_at" in plans[0].options, f"{plans.explanation()}")
+    chosen = plans[0]
+    opt = lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9)  # noqa: E731
+    result = fit(model, batches, CE, opt, strategy=chosen.strategy, progress=False, comm=comm, **chosen.options)
+    ref_opt = opt(reference.parameters())
+    for xb, yb in batches:
+        ref_opt.zero_grad()
+        CE(reference(xb), yb).backward()
+        ref_opt.step()
+    got = torch.cat([p.detach().flatten() for p in result.model.parameters()])
+    want = torch.cat([p.detach().flatten() for p in reference.parameters()])
+    assert_close_all_ranks(comm, got, want, atol=1e-10, what=f"mixed plan {chosen.describe()}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_plans_for_another_world_size_are_priced_for_it_and_marked_not_measured(comm):
+    W = 2 * comm.size
+    x, y = cnn_batch(n=4 * W)
+    plans = plan(tiny_cnn(), (x, y), CE, comm=comm, cache=False, world_size=W, strategies={"data", "model", "hybrid"})
+    mine = [p.to_dict() for p in plans]
+    seen = comm.allgather_object(mine)
+    assert_all_ranks(comm, all(s == seen[0] for s in seen), "ranks disagree")
+    assert_all_ranks(comm, len(plans) > 0 and not any(p.measured for p in plans), f"{mine}")
+    parts = {p.options.get("partitions") for p in plans if p.strategy in ("model", "hybrid")}
+    assert_all_ranks(comm, all(W % P == 0 for P in parts) and (W in parts or "model" in plans.explanation()),
+                     f"partitions {parts} for {W} ranks; {plans.explanation()}")
+    assert_all_ranks(comm, "not measured" in plans.table(), plans.table())
+
+
+@pytest.mark.mpi(min_size=2)
+def test_on_one_host_the_intra_and_inter_levels_are_one_measurement(comm):
+    from mpitrain.planner._plan import host_layout, measure_levels
+
+    hosts = host_layout(comm)
+    assert_all_ranks(comm, hosts == (0,) * comm.size, f"one machine, hosts {hosts}")
+    inter, intra = measure_levels(comm, hosts)
+    assert_all_ranks(comm, inter is intra and inter.ranks == comm.size and inter.allreduce.beta > 0, f"{inter}")

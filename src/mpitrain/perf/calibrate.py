@@ -6,6 +6,7 @@ measurement is the maximum over ranks: the slowest link/core bounds a synchronou
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ from ..comm.base import Communicator
 from ..comm.codecs import get_codec
 
 __all__ = ["Calibration", "calibrate", "fit_alpha_beta", "codec_cost", "best_time", "LinkCost", "Network",
-           "measure_network"]
+           "measure_network", "extrapolate_network", "extrapolate_calibration"]
 
 #: Message sizes (bytes) of the latency/bandwidth fit: small ones pin alpha, large ones beta.
 SIZES = (8, 1024, 16384, 262144, 1048576, 4194304)
@@ -167,3 +168,43 @@ def measure_network(comm: Communicator, repeats: int = 5, sizes: Sequence[int] =
     comm.allreduce(local, op="max")
     costs = [LinkCost(*fit_alpha_beta(list(sizes), local[:, k].tolist())) for k in range(3)]
     return Network(level, comm.size, *costs)
+
+
+def _ring_scale(n: int) -> tuple[float, float]:
+    """(latency terms, bytes per rank moved per byte) of a ring allreduce over n ranks (Pipe-SGD
+    eqs. 5-6: 2(n-1) steps, 2(n-1)/n of the data)."""
+    return 2.0 * (n - 1), 2.0 * (n - 1) / n
+
+
+def _alltoall_scale(n: int) -> tuple[float, float]:
+    """(messages, bytes sent per byte) of an alltoall over n ranks: n-1 messages, (n-1)/n of the data."""
+    return float(n - 1), (n - 1) / n
+
+
+def extrapolate_network(net: Network, world: int) -> Network:
+    """`net` (measured on ``net.ranks`` >= 2 ranks) priced for `world` ranks: the per-link alpha and
+    beta behind each pattern's fit are kept and the pattern's step and byte counts rescaled (ring
+    allreduce 2(W-1) steps and 2(W-1)/W of the bytes; alltoall W-1 messages and (W-1)/W; a ring shift
+    is one message whatever W). An estimate, not a measurement: contention that grows with W (more
+    ranks per core, per link) is not in it."""
+    n = net.ranks
+    if world == n:
+        return net
+    if n < 2:
+        raise ValueError("extrapolating a network needs a measurement on at least 2 ranks")
+
+    def rescale(link: LinkCost, scale: Callable[[int], tuple[float, float]]) -> LinkCost:
+        (a0, b0), (a1, b1) = scale(n), scale(max(world, 1))
+        return LinkCost(link.alpha / a0 * a1, link.beta / b0 * b1)
+
+    return Network(net.level, world, net.p2p, rescale(net.allreduce, _ring_scale),
+                   rescale(net.alltoall, _alltoall_scale))
+
+
+def extrapolate_calibration(cal: Calibration, measured_ranks: int, world: int) -> Calibration:
+    """Pipe-SGD's constants for `world` ranks from a calibration on `measured_ranks`: alpha, beta and
+    gamma are per link and per byte (the formulas take the rank count), the barrier S grows with the
+    log of the ranks (a dissemination barrier's rounds)."""
+    rounds = math.log2(max(world, 2)) / math.log2(max(measured_ranks, 2))
+    return Calibration(cal.alpha, cal.beta, cal.gamma, cal.S * rounds, dict(cal.codec_per_byte),
+                       dict(cal.wire_ratio))

@@ -93,7 +93,7 @@ def predict(shapes: Sequence[ConvShape], grid: tuple[int, int], samples: int,
 
 def conv_shapes(model: torch.nn.Module, input_shape: tuple[int, ...]) -> list[ConvShape]:
     """The ConvShape of every Conv2d of `model` for an input of `input_shape` (one pass of a meta-device
-    copy: no compute, `model` untouched)."""
+    copy: no compute, `model` untouched; the input takes the dtype of the model's first parameter)."""
     shapes: list[ConvShape] = []
 
     def hook(m: torch.nn.Module, args: tuple[torch.Tensor, ...], _out: object) -> None:
@@ -105,8 +105,9 @@ def conv_shapes(model: torch.nn.Module, input_shape: tuple[int, ...]) -> list[Co
     for m in meta.modules():
         if isinstance(m, torch.nn.Conv2d):
             m.register_forward_hook(hook)
+    dtype = next((p.dtype for p in meta.parameters() if p.is_floating_point()), torch.get_default_dtype())
     with torch.no_grad():
-        meta(torch.empty(input_shape, device="meta"))
+        meta(torch.empty(input_shape, device="meta", dtype=dtype))
     return shapes
 
 

@@ -7,14 +7,14 @@ Pure functions of the agreed measurements (no message, no clock), so every rank 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from ..perf.calibrate import Calibration, Network
 from ..perf.pipeline import micro_batch_candidates, pipeline_step
-from ..perf.spatial import halo_messages, layer_path
+from ..perf.spatial import ConvShape, halo_messages, layer_path
 from ..perf.timing import TimingInputs, predict, ring_allreduce_time
-from ..strategies.pipeline._partition import balanced_bounds
+from ..strategies.pipeline import balanced_bounds
 from ._overhead import Overheads
 from ._profile import ModelProfile
 from ._types import Dropped, Plan
@@ -38,7 +38,12 @@ class Measured:
     allreduces), `spatial_check(grid, samples)` (None or why the spatial strategy cannot run it) and
     the runtime's measured per-step overheads, which every plan of a strategy adds to its formula.
     `spare_cores`: cores per rank beyond the compute thread's one (0 .. 1): how much of a
-    communication thread's work can run beside compute (eq. 4's overlap needs a core to run on)."""
+    communication thread's work can run beside compute (eq. 4's overlap needs a core to run on).
+
+    Network levels: `net` is the world's (inter-host when the ranks span hosts), `intra` the ranks
+    of one host (None: the same as `net`, as on one host), `hosts` the host index of every rank
+    (empty: one host). A pattern among ranks of one host is priced with `intra`
+    (:meth:`level`)."""
 
     prof: ModelProfile
     net: Network
@@ -48,6 +53,16 @@ class Measured:
     spatial_check: SpatialCheck
     overheads: Overheads = Overheads()
     spare_cores: float = 1.0
+    intra: Network | None = None
+    hosts: tuple[int, ...] = ()
+
+    def level(self, groups: Iterable[Iterable[int]]) -> Network:
+        """The network that prices a pattern run by each of `groups` (world ranks) at once: `intra`
+        if every group lies on one host, else `net` (the slowest group bounds the step)."""
+        if self.intra is None or not self.hosts:
+            return self.net
+        one_host = all(len({self.hosts[r] for r in g}) <= 1 for g in groups)
+        return self.intra if one_host else self.net
 
 
 def _divisors(n: int) -> list[int]:
@@ -69,7 +84,8 @@ def _data(m: Measured) -> Iterator[Plan | Dropped]:
         yield Dropped("data", {}, f"the batch of {B} does not split into {W} equal slices")
         return
     compute = prof.step_s(B / W) + _update_s(m, prof.param_bytes)
-    comm = (m.net.allreduce.time(prof.param_bytes) if W > 1 else 0.0) + m.overheads.of_data(prof.param_bytes)
+    net = m.level([range(W)])
+    comm = (net.allreduce.time(prof.param_bytes) if W > 1 else 0.0) + m.overheads.of_data(prof.param_bytes)
     mem = _state_bytes(prof.param_bytes) + prof.param_bytes + prof.activation_bytes_per_sample * B / W
     yield Plan("data", {}, compute + comm, int(mem), {"compute": compute, "communication": comm})
 
@@ -129,12 +145,15 @@ def _pipelines(m: Measured) -> Iterator[Plan | Dropped]:
         grads = max(_stage_sums([float(b) for b in prof.node_param_bytes], bounds))
         acts = max(_stage_sums(prof.node_bytes_per_sample, bounds))
         cross = max(prof.crossing_bytes_per_sample[c] for c in bounds[1:-1])
+        pipes = m.level([range(r * P, (r + 1) * P) for r in range(R)])  # rank r*P + p: replica r, stage p
+        groups = m.level([range(p, W, P) for p in range(P)])
         best: Plan | None = None
         for M in micro_batch_candidates(B // R):
             n = B // (R * M)
-            ar = ring_allreduce_time(grads, R, m.cal.alpha, m.cal.beta, m.cal.gamma, m.cal.S)
+            link = _link(m, groups)
+            ar = ring_allreduce_time(grads, R, link[0], link[1], m.cal.gamma, m.cal.S)
             ar += m.overheads.of_data(grads) * (R > 1) + m.overheads.pipeline_slot * (M + P - 1)
-            cost = pipeline_step([prof.step_s(n) * s for s in shares], M, m.net.p2p.time(cross * n), ar,
+            cost = pipeline_step([prof.step_s(n) * s for s in shares], M, pipes.p2p.time(cross * n), ar,
                                  _update_s(m, grads))
             mem = _state_bytes(grads) + acts * n * min(M, P) + 2 * cross * n
             plan = Plan(strategy, {**base, "micro_batches": M}, cost.total, int(mem),
@@ -146,43 +165,72 @@ def _pipelines(m: Measured) -> Iterator[Plan | Dropped]:
             yield best
 
 
+def _link(m: Measured, net: Network) -> tuple[float, float]:
+    """(alpha, beta) of one link for Pipe-SGD's ring formula: the calibration's ring shift, scaled by
+    the ratio of `net`'s point-to-point cost to the world's where `net` is a faster level."""
+    if net is m.net or m.net.p2p.alpha <= 0 or m.net.p2p.beta <= 0:
+        return m.cal.alpha, m.cal.beta
+    return (m.cal.alpha * net.p2p.alpha / m.net.p2p.alpha, m.cal.beta * net.p2p.beta / m.net.p2p.beta)
+
+
+def _spatial_groups(m: Measured, grid: tuple[int, int], samples: int) -> list[range]:
+    per = grid[0] * grid[1]
+    return [range(g * per, (g + 1) * per) for g in range(samples)]
+
+
 def _halo_s(m: Measured, grid: tuple[int, int], samples: int) -> float:
-    """§V-A's halo terms of every conv, forward and backward (not hidden behind compute here)."""
-    return sum(2 * k * m.net.p2p.time(b) for s in m.prof.convs for k, b in halo_messages(s, grid, samples))
+    """§V-A's halo terms of every conv, forward and backward (not hidden behind compute here), on the
+    network level of the spatial groups."""
+    net = m.level(_spatial_groups(m, grid, samples))
+    return sum(2 * k * net.p2p.time(b) for s in m.prof.convs for k, b in halo_messages(s, grid, samples))
+
+
+def _padded_area(shape: ConvShape, grid: tuple[int, int]) -> float:
+    """(local block + halo) / local block area of one conv on `grid`: §V-A's C is timed on the padded
+    block, so a rank's conv compute grows by this factor."""
+    o = shape.k // 2
+    h, w = shape.h / grid[0], shape.w / grid[1]
+    return (h + (2 * o if grid[0] > 1 else 0)) * (w + (2 * o if grid[1] > 1 else 0)) / (h * w)
 
 
 def _halo_inflation(prof: ModelProfile, grid: tuple[int, int]) -> float:
     """Factor by which a rank's compute grows because each conv also computes over its halo: per conv
-    node, (local block + halo) / local block area (§V-A's C is timed on the padded block), weighted by
-    the node's share of the step. 1.0 without a per-node profile."""
+    node, :func:`_padded_area` - 1, weighted by the node's share of the step. 1.0 without a per-node
+    profile."""
     convs = iter(prof.convs)
     extra = 0.0
     for share, is_conv in zip(prof.node_share, prof.node_is_conv):
         shape = next(convs, None) if is_conv else None
-        if shape is None:
-            continue
-        o = shape.k // 2
-        h, w = shape.h / grid[0], shape.w / grid[1]
-        padded = (h + (2 * o if grid[0] > 1 else 0)) * (w + (2 * o if grid[1] > 1 else 0))
-        extra += share * (padded / (h * w) - 1)
+        if shape is not None:
+            extra += share * (_padded_area(shape, grid) - 1)
     return 1.0 + extra
 
 
 def _spatial_cost(m: Measured, grid: tuple[int, int], samples: int) -> tuple[float, dict[str, float], float]:
     """(step seconds, breakdown, memory bytes) of spatial training on `grid` x `samples` groups: the
     step of a share of B / samples / (ph pw) samples (grown by the convs' halo areas), §V-A's halos, the
-    BatchNorm statistics allreduces over the spatial group, the fused gradient allreduce over every
-    rank, and the gather of outputs."""
+    BatchNorm statistics allreduces (global statistics: over every rank), the fused gradient allreduce
+    over every rank, and the gather of outputs."""
     prof, B = m.prof, m.prof.batch
     per = grid[0] * grid[1]
     work = math.ceil(B / samples) / per
     compute = prof.step_s(work) * _halo_inflation(prof, grid) + _update_s(m, prof.param_bytes)
     halo = _halo_s(m, grid, samples) + m.overheads.spatial_conv * len(prof.convs)
-    stats = 4 * m.bn_layers * ring_allreduce_time(64, per, m.cal.alpha, m.cal.beta, m.cal.gamma)
-    comm = m.net.allreduce.time(prof.param_bytes) + stats + m.net.p2p.time(prof.output_bytes_per_sample * B)
+    comm = _spatial_comm(m)
     mem = (_state_bytes(prof.param_bytes) + prof.param_bytes + prof.activation_bytes_per_sample * work
            + prof.output_bytes_per_sample * B)
     return compute + halo + comm, {"compute": compute, "communication": comm, "halo": halo}, mem
+
+
+def _spatial_comm(m: Measured) -> float:
+    """Seconds of a spatial step's collectives over every rank: BatchNorm's global statistics (an
+    allgather forward, an allreduce backward, twice per layer), the gradient allreduce, the gather of
+    the outputs."""
+    W, prof = m.world, m.prof
+    net = m.level([range(W)])
+    link = _link(m, net)
+    stats = 4 * m.bn_layers * ring_allreduce_time(64, W, link[0], link[1], m.cal.gamma)
+    return net.allreduce.time(prof.param_bytes) + stats + net.p2p.time(prof.output_bytes_per_sample * prof.batch)
 
 
 def _grids(per: int) -> list[tuple[int, int]]:
@@ -210,53 +258,75 @@ def _spatial(m: Measured) -> Iterator[Plan | Dropped]:
             yield Plan("spatial", opts, step, int(mem), breakdown)
 
 
-def mixed_path(m: Measured) -> tuple[float, list[str]] | None:
-    """§V-C's shortest path over (node, distribution): every layer either spatial on the W ranks'
-    widest grid (W, 1) or sample-parallel over W; a spatial -> sample edge redistributes the layer's
-    output by alltoall; sample -> spatial is not allowed (the paper's early-spatial, late-sample
-    shape). Returns (seconds, distribution per node) or None when it cannot be priced."""
+def mixed_path(m: Measured, switch: bool = False) -> tuple[float, list[str]] | None:
+    """§V-C's shortest path over (node, distribution): every node either spatial on the W ranks'
+    grid (W, 1) (its share of the step on B/W samples' worth of pixels, plus §V-A's halos of a conv)
+    or sample-parallel over W (its share on the largest rank's ceil(B/W) samples; a conv also the
+    spatial runtime's per-conv overhead, as it still runs as a spatial layer); a spatial -> sample
+    edge redistributes the node's output by one alltoall forward and one backward, and is allowed
+    only into a node the spatial strategy can switch at (``ModelProfile.switch_points``); sample ->
+    spatial is not allowed (the paper's early-spatial, late-sample shape). With `switch`, the path
+    must switch (the first node spatial, the last sample-parallel): the best *mixed* plan. Returns
+    (seconds, distribution per node) or None when it cannot be priced or no path exists."""
     prof, W, B = m.prof, m.world, m.prof.batch
-    if not prof.node_share or not prof.convs or B % W or W < 2:
+    if not prof.node_share or not prof.convs or B < W or W < 2:
         return None
     grid = (W, 1)
-    sample_s = prof.step_s(B / W)
-    spatial_s = prof.step_s(B / W)  # the same pixels per rank: B samples on W-row blocks
+    net = m.level([range(W)])
+    sample_s = prof.step_s(math.ceil(B / W))
+    spatial_s = prof.step_s(B / W)
     conv_iter = iter(prof.convs)
     costs: list[list[float]] = []
     for share, conv in zip(prof.node_share, prof.node_is_conv):
-        halo = 0.0
-        if conv:
-            shape = next(conv_iter, None)
-            halo = 0.0 if shape is None else sum(2 * k * m.net.p2p.time(b) for k, b in halo_messages(shape, grid, 1))
-        costs.append([share * spatial_s + halo, share * sample_s])
+        shape = next(conv_iter, None) if conv else None
+        spatial, sample = share * spatial_s, share * sample_s
+        if shape is not None:  # a conv computes over its halo too, after exchanging it
+            spatial = spatial * _padded_area(shape, grid) + m.overheads.spatial_conv
+            spatial += sum(2 * k * net.p2p.time(b) for k, b in halo_messages(shape, grid, 1))
+            # after the switch the layers still run as the spatial strategy's (on a 1 x 1 grid): the
+            # runtime's per-layer cost, measured per conv on the probe, stays
+            sample += m.overheads.spatial_conv
+        costs.append([spatial, sample])
+    if switch:
+        costs[0][1] = costs[-1][0] = math.inf
+    ok = {c for c, _, h in prof.switch_points if h >= W}
 
     def shuffle(i: int, d: int, e: int) -> float:
         if d == e:
             return 0.0
-        if d == 1:
+        if d == 1 or i + 1 not in ok:
             return math.inf
-        return 2 * m.net.alltoall.time(prof.node_bytes_per_sample[i] * B / W)
+        return 2 * net.alltoall.time(prof.node_bytes_per_sample[i] * B / W)
 
     total, path = layer_path(costs, shuffle)
+    if not math.isfinite(total):
+        return None
     return total, ["spatial" if d == 0 else "sample" for d in path]
 
 
 def _mixed(m: Measured) -> Iterator[Plan | Dropped]:
-    found = mixed_path(m)
-    if found is None:
-        yield Dropped("mixed", {}, "no per-layer path: needs a captured NCHW conv model and a batch divisible "
-                                   "by the ranks")
+    """The best per-layer mix (:func:`mixed_path` with a switch) as a runnable spatial plan: grid
+    (W, 1), one sample group, ``switch_at`` the module where the path turns sample-parallel. Its step
+    adds to the path the update, the gradient allreduce over every rank, the BatchNorm statistics of
+    the spatial part and the gather of the outputs, as the spatial plans do."""
+    prof, W, B = m.prof, m.world, m.prof.batch
+    found = mixed_path(m, switch=True)
+    why = prof.spatial_error or m.spatial_check((W, 1), 1)
+    if found is None or why:
+        yield Dropped("mixed", {}, why or "no per-layer path: needs a captured NCHW conv model, a batch of at "
+                                         "least one sample per rank and a module to switch at (a call whose "
+                                         "input is the only value crossing it, an NCHW block)")
         return
     total, path = found
-    k = path.count("spatial")
-    if 0 < k < len(path):
-        yield Dropped("mixed", {"spatial_layers": k},
-                      f"§V shortest path: {k} spatial node(s) then sample-parallel, predicted "
-                      f"{total * 1e3:.1f} ms of layers; fit runs one distribution for every layer, so it "
-                      f"cannot run a per-layer redistribution yet")
-    else:
-        yield Dropped("mixed", {}, f"§V shortest path keeps one distribution ({path[0] if path else '-'}) for "
-                                   f"every layer: the same as that plan")
+    k = path.index("sample")
+    name = next(n for c, n, _ in prof.switch_points if c == k)
+    comm = _spatial_comm(m)
+    update = _update_s(m, prof.param_bytes)
+    mem = (_state_bytes(prof.param_bytes) + prof.param_bytes + prof.activation_bytes_per_sample * math.ceil(B / W)
+           + prof.output_bytes_per_sample * B)
+    opts = {"grid": (W, 1), "samples": 1, "switch_at": name}
+    # the path's seconds hold its halos and alltoalls too: shown as compute (the path is one sum)
+    yield Plan("spatial", opts, total + update + comm, int(mem), {"compute": total + update, "communication": comm})
 
 
 _GENERATORS: dict[str, Callable[[Measured], Iterator[Plan | Dropped]]] = {
@@ -269,9 +339,11 @@ def candidates(m: Measured, strategies: set[str], memory_limit: float) -> tuple[
     ties keep generation order (stable sort): the same order on every rank."""
     plans: list[Plan] = []
     dropped: list[Dropped] = []
-    for gen in _GENERATORS.values():
+    for name, gen in _GENERATORS.items():
+        if name == "mixed" and name not in strategies:
+            continue
         for c in gen(m):
-            if c.strategy not in strategies:
+            if c.strategy not in strategies and name != "mixed":  # a mix runs as a spatial plan
                 continue
             if isinstance(c, Dropped):
                 dropped.append(c)

@@ -32,6 +32,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=5, help="timed steps per measured plan")
     p.add_argument("--no-cache", action="store_true", help="measure again instead of using the cached calibration")
     p.add_argument("--explain", action="store_true", help="also list the dropped candidates and why")
+    p.add_argument("--world-size", type=int, metavar="W",
+                   help="price plans for W ranks from the calibration on these (extrapolated; not measurable)")
     return p
 
 
@@ -87,13 +89,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     names = args.strategies.split(",") if args.strategies else None
     try:
         plans = plan(model, batch, loss_fn, comm=comm, memory_limit=limit, strategies=names,
-                     cache=not args.no_cache)
+                     cache=not args.no_cache, world_size=args.world_size)
     except PlanError as e:
         if comm.rank == 0:
             print(f"mpitrain plan: {e}", flush=True)
         return 2
     measured: list[float] = []
-    for p in plans[:args.measure]:
+    for p in plans[:args.measure] if all(p.measured for p in plans) else []:  # plans for other ranks cannot run here
         measured.append(measure_plan(lambda: (torch.manual_seed(0), factory())[1], p, batch, loss_fn, comm,
                                      steps=args.steps))
     if comm.rank == 0:
@@ -101,7 +103,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(json.dumps({"plans": [p.to_dict() for p in plans], "measured_step_s": measured,
                               "dropped": [d.describe() for d in plans.dropped]}, indent=1))
         else:
-            print(f"# mpitrain plan {args.factory} on {comm.size} ranks, batch {shape}: fastest predicted first")
+            ranks = comm.size if args.world_size is None else args.world_size
+            print(f"# mpitrain plan {args.factory} for {ranks} ranks, batch {shape}: fastest predicted first")
             print(plans.table())
             for i, (p, t) in enumerate(zip(plans, measured)):
                 print(f"measured #{i} {p.describe()}: {t * 1e3:.1f} ms/step, predicted {p.step_s * 1e3:.1f} "

@@ -76,7 +76,11 @@ def measure_overheads(comm: Communicator, timer: Timer, comm_formula: Callable[[
     batch = (torch.randn(W * PROBE_M, 2, 4 * W, 4 * W, generator=g), torch.randint(0, 2, (W * PROBE_M,), generator=g))
     small, big = (lambda: probe_model()), (lambda: probe_model(BIG_HIDDEN))
     nbytes = [float(sum(p.numel() * 4 for p in f().parameters())) for f in (small, big)]
-    base = [_alone(f(), batch) / W for f in (small, big)]
+    # each rank's own compute: its share of the batch. Not the whole batch / W: a parameter-bound model
+    # (the big probe, a wide MLP) does its per-parameter work (weight gradients, zeroing) on every rank
+    # whatever its share, and that work must not be counted as per-byte overhead of the strategy
+    share = (batch[0][:PROBE_M], batch[1][:PROBE_M])
+    base = [_alone(f(), share) for f in (small, big)]
 
     def over(make: Callable[[], nn.Module], p: Plan, i: int = 0, formula: bool = True) -> float:
         return max(timer(make, p, batch) - base[i] - (comm_formula(nbytes[i]) if formula else 0.0), 0.0)

@@ -6,16 +6,24 @@ import copy
 import os
 import socket
 from collections.abc import Iterable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 import torch
 from torch import nn
 
 from ..comm.base import Communicator
-from ..perf.calibrate import Calibration, LinkCost, Network, calibrate, measure_network
+from ..perf.calibrate import (
+    Calibration,
+    LinkCost,
+    Network,
+    calibrate,
+    extrapolate_calibration,
+    extrapolate_network,
+    measure_network,
+)
 from ..runtime import world
-from ..strategies.base import Batch, LossFn, is_number
+from ..strategies.base import Batch, LossFn, is_int, is_number
 from ._candidates import STRATEGY_NAMES, Measured, candidates
 from ._measure import measure_plan
 from ._overhead import Overheads, measure_overheads
@@ -71,10 +79,11 @@ def _check(model: object, sample_batch: object, loss_fn: object, comm: Communica
                         "with the batch along dim 0")
     if not callable(loss_fn):
         raise PlanError(f"plan: loss_fn must be callable, got {type(loss_fn).__name__}")
-    if world_size is not None and world_size != comm.size:
-        raise PlanError(f"plan: world_size={world_size!r} but the communicator has {comm.size} ranks; the "
-                        f"planner measures on the ranks it plans for: run it on {world_size} ranks "
-                        f"(mpitrain plan -n {world_size} ...)")
+    if world_size is not None and not (is_int(world_size) and world_size >= 1):  # type: ignore[operator]
+        raise PlanError(f"plan: world_size must be a positive int, got {world_size!r}")
+    if world_size is not None and world_size != comm.size and comm.size < 2:
+        raise PlanError(f"plan: world_size={world_size!r} from one rank: pricing other rank counts extrapolates "
+                        f"the network measured between ranks, so run the planner on at least 2 ranks")
     limit: float | None = None
     if memory_limit is not None:
         try:
@@ -97,15 +106,18 @@ def _check(model: object, sample_batch: object, loss_fn: object, comm: Communica
     return names, limit
 
 
-def _spatial_check(model: nn.Module, comm: Communicator) -> Any:
+def _spatial_check(model: nn.Module, comm: Communicator, own_ranks: bool = True) -> Any:
     """``check(grid, samples)``: None if the spatial strategy converts every layer of `model`, else why
-    (the spatial package's own conversion, on a copy; constructing a Distribution sends nothing)."""
+    (the spatial package's own conversion, on a copy; constructing a Distribution sends nothing).
+    Not `own_ranks` (a plan for another rank count): converted over `comm`'s ranks on one grid, as
+    whether a layer converts does not depend on the grid."""
     from ..spatial.distribution import Distribution, SpatialError
     from ..spatial.parallelize import convert
 
     def check(grid: tuple[int, int], samples: int) -> str | None:
+        layout = (grid, samples) if own_ranks else ((comm.size, 1), 1)
         try:
-            convert(copy.deepcopy(model), Distribution(comm, grid, samples))
+            convert(copy.deepcopy(model), Distribution(comm, *layout))
         except (SpatialError, ValueError, TypeError) as e:
             return f"the spatial strategy cannot convert the model ({e})"
         return None
@@ -113,29 +125,74 @@ def _spatial_check(model: nn.Module, comm: Communicator) -> Any:
     return check
 
 
+def host_layout(comm: Communicator) -> tuple[int, ...]:
+    """The host index of every rank of `comm`, hosts numbered by their lowest rank: from MPI's
+    shared-memory split (the MPI runtime's node identity) where `comm` is MPI's, else from host names.
+    Collective over `comm`; the same tuple on every rank."""
+    if comm.size == 1:
+        return (0,)
+    mpi_comm = getattr(comm, "mpi_comm", None)
+    if mpi_comm is not None:
+        from ..comm._rendezvous import host_leaders  # the one host identity (comm exports no public form)
+
+        leaders = host_leaders(mpi_comm)
+    else:
+        names = comm.allgather_object(socket.gethostname())
+        leaders = [names.index(n) for n in names]
+    order = sorted(set(leaders))
+    return tuple(order.index(leader) for leader in leaders)
+
+
+def measure_levels(comm: Communicator, hosts: tuple[int, ...]) -> tuple[Network, Network]:
+    """(inter, intra): alpha-beta of the world's ranks and of one host's ranks. On one host they are
+    one measurement (inter is intra). Across hosts each host's ranks measure their own level at once
+    and every number is the maximum over hosts (the slowest host bounds a step). Collective over
+    `comm`; the same Networks on every rank."""
+    if len(set(hosts)) <= 1:
+        net = measure_network(comm, level="world")
+        return net, net
+    node = comm.split(hosts[comm.rank], comm.rank)
+    assert node is not None  # every rank passes a colour
+    try:
+        own = measure_network(node, level="intra")
+    finally:
+        node.free()
+    links = (own.p2p, own.allreduce, own.alltoall)
+    values = torch.tensor([own.ranks, *(v for c in links for v in (c.alpha, c.beta))], dtype=torch.float64)
+    comm.allreduce(values, op="max")
+    v = values.tolist()
+    intra = Network("intra", int(v[0]), LinkCost(v[1], v[2]), LinkCost(v[3], v[4]), LinkCost(v[5], v[6]))
+    return measure_network(comm, level="inter"), intra
+
+
 def _measure(model: nn.Module, loss_fn: LossFn, sample_batch: tuple[Batch, torch.Tensor],
-             comm: Communicator) -> dict[str, Any]:
-    """Calibrate on every rank at once and agree (max over ranks, then rank 0's numbers broadcast)."""
+             comm: Communicator, hosts: tuple[int, ...], world: int) -> dict[str, Any]:
+    """Calibrate on every rank at once and agree (max over ranks, then rank 0's numbers broadcast).
+    The model is timed on the shares of a `world`-rank plan (B/(4 world) and B/world samples)."""
     B, W = len(sample_batch[1]), comm.size
-    prof = agree(comm, measure_model(model, loss_fn, sample_batch, [max(1, B // (4 * W)), max(1, B // W)]))
-    net = measure_network(comm)
+    prof = agree(comm, measure_model(model, loss_fn, sample_batch, [max(1, B // (4 * world)), max(1, B // world)]))
+    net, intra = measure_levels(comm, hosts)
     cal = calibrate(comm, repeats=5, max_bytes=CALIBRATION_BYTES)
     over = measure_overheads(comm, lambda make, p, b: measure_plan(make, p, b, nn.functional.cross_entropy, comm),
                              net.allreduce.time)
-    data = {"profile": profile_to_dict(prof), "network": asdict(net), "calibration": asdict(cal),
-            "overheads": asdict(over)}
+    data = {"profile": profile_to_dict(prof), "network": asdict(net), "intra": asdict(intra),
+            "calibration": asdict(cal), "overheads": asdict(over)}
     out: dict[str, Any] = comm.broadcast_object(data, 0) if W > 1 else data
     return out
 
 
-def _restore(data: dict[str, Any]) -> tuple[Any, Network, Calibration, Overheads]:
-    n = dict(data["network"])
-    net = Network(n["level"], n["ranks"], *(LinkCost(**n[k]) for k in ("p2p", "allreduce", "alltoall")))
+def _network(n: dict[str, Any]) -> Network:
+    return Network(n["level"], n["ranks"], *(LinkCost(**n[k]) for k in ("p2p", "allreduce", "alltoall")))
+
+
+def _restore(data: dict[str, Any]) -> tuple[Any, Network, Network, Calibration, Overheads]:
+    net = _network(data["network"])
+    intra = _network(data["intra"]) if "intra" in data else net
     o = dict(data["overheads"])
     pipe = o["pipe_sgd"]
     over = Overheads((o["data"][0], o["data"][1]), ((pipe[0][0], pipe[0][1]), (pipe[1][0], pipe[1][1])),
                      o["pipeline_slot"], o["spatial_conv"])
-    return profile_from_dict(data["profile"]), net, Calibration(**data["calibration"]), over
+    return profile_from_dict(data["profile"]), net, intra, Calibration(**data["calibration"]), over
 
 
 def plan(model: nn.Module, sample_batch: tuple[Batch, torch.Tensor], loss_fn: LossFn, *,
@@ -148,10 +205,17 @@ def plan(model: nn.Module, sample_batch: tuple[Batch, torch.Tensor], loss_fn: Lo
     returned :class:`Plan` runs as ``fit(model, data, loss_fn, opt, strategy=p.strategy, **p.options)``.
     Candidates: data; model and hybrid for every P dividing the world (M by HyPar-Flow's halving
     search); spatial grids and sample x spatial; pipe-sgd with K in {1, 2} and each compression; and
-    §V's per-layer shortest path (reported in ``dropped``: fit cannot run a per-layer mix yet). Plans
+    §V-C's per-layer shortest path with a switch ("mixed": a spatial plan whose ``switch_at`` names
+    the module from which on it runs sample-parallel). Plans
     predicted over `memory_limit` bytes per rank (default: the node's available memory divided by
     its ranks), or that cannot run, are left out and listed in the result's ``dropped`` with the
     reason; `explain` also prints the table and those reasons on rank 0.
+
+    `world_size`: price plans for that many ranks instead of ``comm.size`` (at least 2 ranks
+    measuring): the model is timed on a W-rank share, the network's alpha-beta is extrapolated
+    (:func:`~mpitrain.perf.calibrate.extrapolate_network`) and every plan has ``measured=False``.
+    Network levels: where the ranks span hosts (MPI's shared-memory split), the ranks of each host
+    and the world are measured apart and a pattern among one host's ranks is priced on the first.
 
     Collective: every rank of `comm` must call it with the same arguments. Bad arguments raise
     :class:`PlanError` on every rank before any message; ranks given different models or batches
@@ -162,31 +226,39 @@ def plan(model: nn.Module, sample_batch: tuple[Batch, torch.Tensor], loss_fn: Lo
     returns the same plans in the same order."""
     comm = comm or world()
     names, limit = _check(model, sample_batch, loss_fn, comm, world_size, memory_limit, strategies)
-    key = model_signature(model, sample_batch, comm.size)
-    mine = (key, sorted(names), limit, socket.gethostname())
+    W = comm.size if world_size is None else int(world_size)
+    key = model_signature(model, sample_batch, W)
+    mine = (key, sorted(names), limit)
     seen = comm.allgather_object(mine) if comm.size > 1 else [mine]
-    bad = [r for r, s in enumerate(seen) if s[:3] != mine[:3]]
+    bad = [r for r, s in enumerate(seen) if s != mine]
     if bad:
         raise PlanError(f"plan: ranks {bad} were given a different model, batch or arguments than rank 0")
-    per_node = sum(1 for s in seen if s[3] == mine[3])
-    path = cache_path(cache, key)
+    hosts = host_layout(comm)
+    per_node = hosts.count(hosts[comm.rank])
+    path = cache_path(cache, model_signature(model, sample_batch, W, f"measured on {comm.size} ranks, hosts {hosts}"))
     data = load_cached(path) if comm.rank == 0 else None
     if comm.size > 1:
         data = comm.broadcast_object(data, 0)
     if data is None:
-        data = _measure(model, loss_fn, sample_batch, comm)
+        data = _measure(model, loss_fn, sample_batch, comm, hosts, W)
         if comm.rank == 0:
             store(path, data)
-    prof, net, cal, over = _restore(data)
+    prof, net, intra, cal, over = _restore(data)
     if limit is None:  # the smallest available memory of any node bounds its ranks
         own = torch.tensor([available_memory() / per_node], dtype=torch.float64)
         limit = float((comm.allreduce(own, op="min") if comm.size > 1 else own)[0])
     spare = torch.tensor([min(max((os.cpu_count() or 1) / per_node - 1, 0.0), 1.0)], dtype=torch.float64)
     if comm.size > 1:
         comm.allreduce(spare, op="min")
-    measured = Measured(prof, net, cal, comm.size, sum(isinstance(m, nn.BatchNorm2d) for m in model.modules()),
-                        _spatial_check(model, comm), over, float(spare[0]))
+    if W != comm.size:  # priced for W ranks, per host as many as here: an estimate, marked not measured
+        hosts = tuple(r // max(hosts.count(h) for h in hosts) for r in range(W)) if len(set(hosts)) > 1 else ()
+        net, cal = extrapolate_network(net, W), extrapolate_calibration(cal, comm.size, W)
+        intra = intra if hosts else net
+    measured = Measured(prof, net, cal, W, sum(isinstance(m, nn.BatchNorm2d) for m in model.modules()),
+                        _spatial_check(model, comm, W == comm.size), over, float(spare[0]), intra, hosts)
     plans, dropped = candidates(measured, names, limit)
+    if W != comm.size:
+        plans = [replace(p, measured=False) for p in plans]
     out = Plans(plans, dropped)
     if explain and comm.rank == 0:
         print(out.table(), flush=True)

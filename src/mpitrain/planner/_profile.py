@@ -37,7 +37,9 @@ class ModelProfile:
     two sizes: the compute of any share is the affine fit through them. `forward_share`: the part of it
     that is forward. `nodes`: the captured graph's compute nodes, each with its share of the step time,
     its output bytes per sample and its parameter bytes; `cuts`: where the graph may be cut (empty
-    when the capture failed, `capture_error` says why). `convs`: every Conv2d's global shape."""
+    when the capture failed, `capture_error` says why). `convs`: every Conv2d's global shape.
+    `switch_points`: (node index, module name, input height) of every node at which the spatial
+    strategy's ``switch_at`` can move to sample parallelism (see :func:`switch_points`)."""
 
     batch: int
     step_at: list[tuple[float, float]]
@@ -55,6 +57,7 @@ class ModelProfile:
     capture_error: str = ""
     convs: list[ConvShape] = field(default_factory=list)
     spatial_error: str = ""
+    switch_points: list[tuple[int, str, int]] = field(default_factory=list)
 
     def step_s(self, samples: float) -> float:
         """Seconds of forward + backward of the whole model on `samples` (fractional: a block of pixels)."""
@@ -104,7 +107,7 @@ def _timed_step(model: nn.Module, loss_fn: LossFn, inputs: Batch, targets: torch
 
 def _node_profile(model: nn.Module, inputs: Batch, samples: int, prof: ModelProfile, passes: int) -> None:
     """Fill the per-node fields from the pipeline strategy's capture and per-node measurement."""
-    from ..strategies.pipeline import _graph  # the one capture of a model into nodes (pipeline's)
+    from ..strategies import pipeline as _graph  # the one capture of a model into nodes (pipeline's)
 
     try:
         traced = _graph.capture(model, inputs)
@@ -131,6 +134,46 @@ def _node_profile(model: nn.Module, inputs: Batch, samples: int, prof: ModelProf
         sum(nbytes[i] for i, n in enumerate(traced.nodes[:c]) if n.name not in local and last[n.name] >= c)
         for c in range(len(traced.nodes) + 1)]
     prof.cuts = _graph.cut_points(traced, meta)
+    prof.switch_points = switch_points(traced, meta, prof.cuts, last, local)
+
+
+def switch_points(traced: Any, meta: dict[str, Any], cuts: Sequence[int], last: dict[str, int],
+                  local: set[str]) -> list[tuple[int, str, int]]:
+    """(index, module name, input height) of each cut at which ``switch_at`` can move to sample
+    parallelism: one value crosses the cut, an NCHW activation still split spatially (height and
+    width above one: not after a global pool), and a submodule called once (fx's module stack) runs
+    exactly the nodes from the cut on to its end and holds every use of that value, so wrapping it
+    moves every use (a residual block, not the conv inside it whose block also adds its input).
+    The innermost such module is named."""
+    nodes = traced.nodes
+    index = {n.name: i for i, n in enumerate(nodes)}
+
+    def stack(n: Any) -> list[tuple[str, str]]:
+        return [(key, str(value[0])) for key, value in (n.meta.get("nn_module_stack") or {}).items()]
+
+    span: dict[str, tuple[int, int]] = {}
+    for i, n in enumerate(nodes):
+        for key, _ in stack(n):
+            lo, hi = span.get(key, (i, i))
+            span[key] = (min(lo, i), max(hi, i))
+    placeholders = {p.name for p in traced.placeholders}
+    out = []
+    for c in cuts:
+        crossing = [n for n in nodes[:c] if n.name not in local and last[n.name] >= c]
+        m = meta.get(crossing[0].name) if len(crossing) == 1 else None
+        if m is None or len(m.shape) != 4 or min(m.shape[2:]) < 2:
+            continue
+        users = [index.get(u.name, len(nodes)) for u in crossing[0].users]
+        for key, name in reversed(stack(nodes[c])):  # innermost first
+            lo, hi = span[key]
+            inside = nodes[lo:hi + 1]
+            if ("@" in key or lo != c or not all(lo <= u <= hi for u in users)
+                    or not all(key in dict(stack(n)) for n in inside)
+                    or any(a.name in placeholders for n in inside for a in n.all_input_nodes)):
+                continue
+            out.append((c, name, int(m.shape[2])))
+            break
+    return out
 
 
 def measure_model(model: nn.Module, loss_fn: LossFn, sample_batch: tuple[Batch, torch.Tensor], shares: Sequence[int],
@@ -214,15 +257,17 @@ def agree(comm: Communicator, prof: ModelProfile) -> ModelProfile:
     return prof.with_times(times.tolist())
 
 
-def model_signature(model: nn.Module, sample_batch: tuple[Batch, torch.Tensor], world_size: int) -> str:
-    """A key naming (machine, model, batch, ranks): equal on two runs that would measure the same."""
+def model_signature(model: nn.Module, sample_batch: tuple[Batch, torch.Tensor], world_size: int,
+                    extra: str = "") -> str:
+    """A key naming (machine, model, batch, ranks, `extra`): equal on two runs that would measure the
+    same."""
     inputs, targets = sample_batch
     leaves = torch.utils._pytree.tree_leaves(inputs)
     parts = [socket.gethostname(), str(os.cpu_count()), torch.__version__, str(torch.get_num_threads()),
              str(world_size), type(model).__module__ + "." + type(model).__qualname__,
              repr([(n, tuple(p.shape)) for n, p in model.named_parameters()]),
              repr([(tuple(t.shape), str(t.dtype)) for t in leaves if isinstance(t, torch.Tensor)]),
-             repr(tuple(targets.shape))]
+             repr(tuple(targets.shape)), extra]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
 
 
@@ -263,5 +308,6 @@ def profile_from_dict(data: dict[str, Any]) -> ModelProfile:
     d["step_at"] = [tuple(x) for x in d["step_at"]]
     d["input_shape"] = None if d["input_shape"] is None else tuple(d["input_shape"])
     d["convs"] = [ConvShape(**c) for c in d["convs"]]
+    d["switch_points"] = [tuple(s) for s in d.get("switch_points", [])]
     return ModelProfile(**d)
 

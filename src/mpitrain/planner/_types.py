@@ -30,21 +30,24 @@ class Plan:
     `step_s`: predicted seconds per optimizer step on the global batch; `memory_bytes`: predicted peak
     bytes per rank (parameters, gradients, one optimizer state, kept activations, message buffers);
     `breakdown`: `step_s` split into compute, communication, bubble and halo seconds (for display; they
-    sum to `step_s`)."""
+    sum to `step_s`). `measured`: False when priced for a rank count other than the ranks that
+    calibrated (``plan(world_size=W)``): the network's alpha-beta is extrapolated, not measured."""
 
     strategy: str
     options: dict[str, Any]
     step_s: float
     memory_bytes: int
     breakdown: dict[str, float] = field(default_factory=dict)
+    measured: bool = True
 
     def describe(self) -> str:
-        return f"{self.strategy} {format_options(self.options)}"
+        return f"{self.strategy} {format_options(self.options)}" + ("" if self.measured else " (not measured)")
 
     def to_dict(self) -> dict[str, Any]:
         return {"strategy": self.strategy, "options": {k: list(v) if isinstance(v, tuple) else v
                                                        for k, v in self.options.items()},
-                "step_s": self.step_s, "memory_bytes": self.memory_bytes, "breakdown": dict(self.breakdown)}
+                "step_s": self.step_s, "memory_bytes": self.memory_bytes, "breakdown": dict(self.breakdown),
+                "measured": self.measured}
 
 
 @dataclass(frozen=True)
@@ -70,10 +73,13 @@ class Plans(list[Plan]):
         """The ranked table as text: rank, strategy, options, step, memory and breakdown."""
         rows = [["#", "strategy", "options", "step ms", "memory MiB", *(f"{k} ms" for k in BREAKDOWN)]]
         for i, p in enumerate(self[:limit]):
-            rows.append([str(i), p.strategy, format_options(p.options), f"{p.step_s * 1e3:.1f}",
+            name = p.strategy + ("" if p.measured else "*")
+            rows.append([str(i), name, format_options(p.options), f"{p.step_s * 1e3:.1f}",
                          f"{p.memory_bytes / 2**20:.0f}", *(f"{p.breakdown.get(k, 0.0) * 1e3:.1f}" for k in BREAKDOWN)])
         widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
-        return "\n".join("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows)
+        note = ["* not measured: priced for another rank count from the calibration's ranks (extrapolated)"]
+        return "\n".join(["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
+                         + (note if any(not p.measured for p in self[:limit]) else []))
 
     def explanation(self) -> str:
         return "\n".join(f"dropped: {d.describe()}" for d in self.dropped)

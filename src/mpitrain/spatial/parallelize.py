@@ -19,14 +19,14 @@ from .batchnorm import SpatialBatchNorm2d, SpatialBatchNorm3d
 from .conv import SpatialConv2d
 from .distribution import Distribution
 from .pooling import SpatialAdaptiveAvgPool2d, SpatialAvgPool2d, SpatialMaxPool2d
-from .redistribute import Redistribute
+from .redistribute import Redistribute, SampleSwitch, sample_distribution
 from .resample import SpatialConvTranspose2d, SpatialUpsample
 from .tensor import SpatialError, layout_of, tag
 from .volume import SpatialAvgPool3d, SpatialConv3d, SpatialMaxPool3d
 
-__all__ = ["parallelize", "SpatialParallel", "SpatialSequential", "convert"]
+__all__ = ["parallelize", "SpatialParallel", "SpatialSequential", "convert", "switch_to_samples"]
 
-_SPATIAL = (WindowLayer, SpatialBatchNorm2d, SpatialAdaptiveAvgPool2d, SpatialUpsample, Redistribute)
+_SPATIAL = (WindowLayer, SpatialBatchNorm2d, SpatialAdaptiveAvgPool2d, SpatialUpsample, Redistribute, SampleSwitch)
 _REFUSED = (nn.Conv1d, nn.ConvTranspose1d, nn.ConvTranspose3d,
             nn.AdaptiveMaxPool2d, nn.MaxPool1d,
             nn.LPPool2d, nn.FractionalMaxPool2d, nn.SyncBatchNorm, nn.GroupNorm, nn.InstanceNorm2d,
@@ -131,8 +131,30 @@ def _param_slots(module: nn.Module) -> list[tuple[nn.Parameter, list[tuple[nn.Mo
     return list(slots.values())
 
 
+def switch_to_samples(converted: nn.Module, name: str, dist: Distribution) -> Distribution:
+    """Wrap the submodule `name` of a :func:`convert`-ed model in a :class:`SampleSwitch` (in place: the
+    converted containers are copies, the user's model is untouched), so that it and what runs after
+    it are sample-parallel. Returns the sample distribution (not yet connected). Local: a name that is
+    not a submodule raises :class:`SpatialError` on every rank before any message."""
+    if not isinstance(name, str) or not name:
+        raise SpatialError(f"switch_at must name a submodule (e.g. 'layer3' or '4'), got {name!r}")
+    parent_name, _, leaf = name.rpartition(".")
+    try:
+        parent = converted.get_submodule(parent_name)
+        inner = parent.get_submodule(leaf)
+    except AttributeError:
+        names = [n for n, _ in converted.named_children()]
+        raise SpatialError(f"switch_at={name!r} is not a submodule of the model (its children: {names})"
+                           ) from None
+    if isinstance(inner, SampleSwitch):
+        return inner.dst
+    sample = sample_distribution(dist)
+    parent._modules[leaf] = SampleSwitch(inner, dist, sample)
+    return sample
+
+
 def parallelize(module: nn.Module, dist: Distribution, *, bn_stats: str = "global",
-                overlap: bool = True) -> SpatialParallel:
+                overlap: bool = True, switch_at: str | None = None) -> SpatialParallel:
     """The spatially parallel form of `module` over `dist`, sharing its weights and BN buffers.
 
     Conv2d, ConvTranspose2d, MaxPool2d, AvgPool2d, AdaptiveAvgPool2d, BatchNorm2d and Upsample — and on a
@@ -143,7 +165,16 @@ def parallelize(module: nn.Module, dist: Distribution, *, bn_stats: str = "globa
     ``"global"`` (exact), ``"spatial"`` or ``"local"``. `overlap`: compute conv interiors while halos
     are in flight. Every rank must call it (and the result) the same way: it is collective over
     ``dist.comm`` (it splits the distribution's communicators) only after every module was accepted, so
-    an unsupported one raises :class:`SpatialError` on every rank before any message."""
+    an unsupported one raises :class:`SpatialError` on every rank before any message.
+
+    `switch_at`: the name of a submodule (``"layer3"``, ``"4"``) from whose input on the model runs
+    sample-parallel (§V-C's per-layer distributions): its spatially split input is redistributed by
+    one alltoall so that each rank holds whole samples (see :class:`SampleSwitch`), and the layers
+    that run after it compute on those (BatchNorm's ``"global"`` statistics then reduce over every
+    rank, exact). The batch must have at least as many samples as there are ranks."""
     converted = convert(module, dist, bn_stats, overlap)
+    sample = None if switch_at is None else switch_to_samples(converted, switch_at, dist)
     dist.connect()
+    if sample is not None:
+        sample.connect()
     return SpatialParallel(module, converted, dist)

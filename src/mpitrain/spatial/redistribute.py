@@ -7,12 +7,13 @@ import math
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 
 from .distribution import Distribution
 from .tensor import Layout, SpatialError, layout_of, plain, tag
 
-__all__ = ["Redistribute", "redistribute"]
+__all__ = ["Redistribute", "redistribute", "SampleSwitch", "sample_distribution"]
 
 #: ``((n0, n1), (h0, h1), (w0, w1))`` (or with a depth range): a block of a global tensor, channels whole.
 Ranges = tuple[tuple[int, int], ...]
@@ -92,3 +93,47 @@ class Redistribute(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return redistribute(x, self.src, self.dst)
+
+
+def sample_distribution(dist: Distribution) -> Distribution:
+    """Sample parallelism over the ranks of `dist`: a 1 x 1 (x 1) grid and one sample group per rank of
+    ``dist.comm`` (rank r holds samples ``ranges(N, W)[r]``; with N divisible by W these are its share
+    of its own spatial group's samples). It shares `dist`'s queue of halo sends (it has none of its
+    own: a 1 x 1 grid exchanges no halos). Sends nothing; its communicators are split by
+    ``connect()`` (collective over ``dist.comm``)."""
+    out = Distribution(dist.comm, (1,) * len(dist.grid), dist.comm.size, nonspatial=dist.nonspatial)
+    out.sends = dist.sends
+    return out
+
+
+class SampleSwitch(nn.Module):
+    """`inner` run sample-parallel (§V-C's per-layer distributions: spatial for the early layers, then
+    whole samples): every spatially split block among its inputs is first moved by one alltoall (over
+    ``src.comm``) from `src` to the sample distribution `dst` (:func:`sample_distribution`), so each
+    rank holds whole samples, and `inner` and every layer after it (spatial layers follow their
+    input's distribution) run on them. Backward is the reverse alltoall. Parameter gradients stay
+    partial sums over each rank's data, summed over the world like the spatial layers' (exact: the
+    loss sees the gathered outputs). Inputs replicated over a spatial group (after a global pool) are
+    refused: switch before the pool."""
+
+    def __init__(self, inner: nn.Module, src: Distribution, dst: Distribution) -> None:
+        super().__init__()
+        self.inner, self.src, self.dst = inner, src, dst
+
+    def extra_repr(self) -> str:
+        return f"{self.src} -> samples over {self.dst.comm.size} ranks"
+
+    def _move(self, t: object) -> object:
+        layout = layout_of(t)
+        if layout is None or layout.dist is self.dst:
+            return t
+        if layout.kind != "block":
+            raise SpatialError(f"switch to sample parallelism at {type(self.inner).__name__}: its input is "
+                               f"already whole samples replicated over the spatial group (after a global "
+                               f"pool); switch at a module before the pool")
+        assert isinstance(t, torch.Tensor)
+        return redistribute(t, layout.dist, self.dst)
+
+    def forward(self, *args: object, **kwargs: object) -> object:
+        args, kwargs = pytree.tree_map(self._move, (args, kwargs))
+        return self.inner(*args, **kwargs)

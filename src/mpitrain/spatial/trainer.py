@@ -47,7 +47,8 @@ class SpatialOptions(StrategyOptions):
     rank, ``(world size, 1)``), ``samples`` groups (default world size / (ph*pw)), ``bn_stats``
     ("global" = exact, "spatial", "local"), ``overlap`` (conv interiors while halos fly) and
     ``nonspatial`` ("replicate": a non-spatial op redistributes its block to whole samples, warned;
-    "error": it is refused)."""
+    "error": it is refused) and ``switch_at`` (a submodule name: from its input on, the model runs
+    sample-parallel over every rank, §V-C's per-layer distributions; see ``parallelize``)."""
 
     strategy: ClassVar[str] = "spatial"
     grid: tuple[int, int] | None = None
@@ -55,6 +56,7 @@ class SpatialOptions(StrategyOptions):
     bn_stats: str = "global"
     overlap: bool = True
     nonspatial: str = "replicate"
+    switch_at: str | None = None
 
     def __post_init__(self) -> None:
         if self.grid is not None:
@@ -67,6 +69,8 @@ class SpatialOptions(StrategyOptions):
         self.require("bn_stats", self.bn_stats in STATS, f"one of {STATS}")
         self.require("overlap", isinstance(self.overlap, bool), "True or False")
         self.require("nonspatial", self.nonspatial in NONSPATIAL, f"one of {NONSPATIAL}")
+        self.require("switch_at", self.switch_at is None or (isinstance(self.switch_at, str) and self.switch_at != ""),
+                     "None or a submodule name")
 
     def layout(self, comm: Communicator) -> tuple[tuple[int, int], int]:
         """(grid, samples) for the ranks of `comm`, defaults filled in (FitError if they do not fit)."""
@@ -102,11 +106,13 @@ class SpatialTrainer:
     its outputs on the CPU."""
 
     def __init__(self, model: nn.Module, loss_fn: LossFn, optimizer: OptimizerFactory, dist: Distribution,
-                 bn_stats: str = "global", overlap: bool = True, loop: LoopSpec = DEFAULT_LOOP) -> None:
+                 bn_stats: str = "global", overlap: bool = True, loop: LoopSpec = DEFAULT_LOOP,
+                 switch_at: str | None = None) -> None:
         self.model, self.loss_fn, self.dist, self.loop = model, loss_fn, dist, loop
-        self.bn_stats = bn_stats
+        self.bn_stats, self.switch_at = bn_stats, switch_at
         self.device = model_device(model)
-        self.parallel: SpatialParallel = parallelize(model, dist, bn_stats=bn_stats, overlap=overlap)
+        self.parallel: SpatialParallel = parallelize(model, dist, bn_stats=bn_stats, overlap=overlap,
+                                                     switch_at=switch_at)
         _broadcast_state(model, dist.comm)
         self.optimizer = optimizer(model.parameters())
         self._sample_shape: tuple[int, ...] | None = None  # set by rank_view: inputs arrive as blocks
@@ -159,6 +165,12 @@ class SpatialTrainer:
         dist.check_shape((max(shape[0], dist.samples), *shape[1:]), "input batch")
         return tag(block, Layout(dist, "block", shape)), shape
 
+    def _group_outputs(self, y: torch.Tensor) -> torch.Tensor:
+        """This group's whole output samples on each of its ranks. After a switch to sample parallelism
+        (``switch_at``, one sample group: make_trainer refuses more) the outputs are spread over the world
+        by samples, and the group is the world: gather them all."""
+        return gather(y) if self.switch_at is not None else gather_group(y)
+
     def train_shares(self, batches: Sequence[BatchShare], total: int) -> float:
         """One optimizer step on this group's rows of `batches` (:class:`~mpitrain.strategies.base.ShardedTrainer`):
         one forward and backward per batch (gradients accumulate), then clip and step."""
@@ -169,7 +181,7 @@ class SpatialTrainer:
         for b in batches:
             x, _ = self._share_block(b, blocks=True)
             with autocast(self.loop.precision, self.device):
-                outputs = gather_group(self.parallel(x))
+                outputs = self._group_outputs(self.parallel(x))
                 if b.share.rows:
                     loss = self.loss_fn(outputs, to_device(b.targets, self.device))
             if b.share.rows:
@@ -245,5 +257,10 @@ def make_trainer(model: nn.Module, loss_fn: LossFn, optimizer: OptimizerFactory,
                        "micro_batches at 1")
     opts = SpatialOptions.from_spec(spec)
     grid, samples = opts.layout(comm)
+    if opts.switch_at is not None and samples != 1:
+        # After the switch the world holds samples split evenly over its ranks, which does not refine a
+        # split over several sample groups (the loss of each group needs its rows back): not built yet.
+        raise FitError(f"strategy 'spatial': switch_at={opts.switch_at!r} needs samples=1 (one spatial group "
+                       f"over all {comm.size} ranks), got samples={samples}; drop switch_at or use samples=1")
     dist = Distribution(comm, grid, samples, nonspatial=opts.nonspatial, stall=spec.stall)
-    return SpatialTrainer(model, loss_fn, optimizer, dist, opts.bn_stats, opts.overlap, spec.loop)
+    return SpatialTrainer(model, loss_fn, optimizer, dist, opts.bn_stats, opts.overlap, spec.loop, opts.switch_at)
