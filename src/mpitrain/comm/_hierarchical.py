@@ -28,6 +28,7 @@ import torch
 from mpi4py import MPI
 
 from .._utils.stall import watched
+from ._host_stage import HostStage
 from .ring import ring_allreduce
 
 __all__ = ["Hierarchy", "HIERARCHY_ABOVE", "RING_ABOVE"]
@@ -69,6 +70,8 @@ class Hierarchy:
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._worker: threading.Thread | None = None
         self._leader_comm: Any = None
+        self._stage = HostStage(self.node)
+        self._shared = all(self.node.allgather(HostStage.available()))
 
     @property
     def hosts(self) -> int:
@@ -113,6 +116,7 @@ class Hierarchy:
             self._queue.put(None)
             self._worker.join()
             self._worker = None
+        self._stage.close()
         for c in (self.leaders, self.node):
             if c is not None:
                 c.Free()
@@ -131,6 +135,9 @@ class Hierarchy:
                 job.done.set()
 
     def _allreduce(self, job: _Job) -> None:
+        if job.ring and self.node.Get_size() > 1 and self._shared:
+            self._stage.allreduce(job.tensor.view(-1), self._across)
+            return
         if self.node.Get_size() > 1:
             send = MPI.IN_PLACE if self.is_leader else job.buf
             self.node.Reduce(send, job.buf if self.is_leader else None, op=job.op, root=0)
@@ -141,6 +148,14 @@ class Hierarchy:
                 self.leaders.Allreduce(MPI.IN_PLACE, job.buf, op=job.op)
         if self.node.Get_size() > 1:
             self.node.Bcast(job.buf, root=0)
+
+    def _across(self, flat: torch.Tensor, others: list[torch.Tensor]) -> None:
+        """On a leader: `flat` plus the host's `others`, summed over all hosts by the leaders' ring."""
+        if self.leaders is not None and self.leaders.Get_size() > 1:
+            ring_allreduce(self._ring_comm(), flat, addends=others)
+        else:
+            for o in others:
+                flat.add_(o)
 
     def _ring_comm(self) -> Any:
         """The leaders as a Communicator for the ring (its point-to-point calls only)."""
