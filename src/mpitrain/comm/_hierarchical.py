@@ -6,7 +6,10 @@ leader inside each host. Across the network each link then carries a host's data
 per rank, and the leaders' allreduce is chosen by size: below :data:`RING_ABOVE` bytes Open MPI's
 allreduce (latency-bound; its recursive doubling), above it our pipelined ring
 (:func:`mpitrain.comm.ring.ring_allreduce`: reduce-scatter + allgather, 2S(n-1)/n bytes per link, the
-bandwidth floor), which Open MPI's default over TCP does not reach (docs/multihost.md).
+bandwidth floor), which Open MPI's default over TCP does not reach (docs/multihost.md). Ring allreduces
+of at least :data:`SHARED_STAGES_ABOVE` bytes do the host stages through shared memory instead
+(:mod:`._host_stage`: the ring adds the host's other tensors while it transfers, the other ranks wait
+asleep); the result is bitwise the same.
 
 Used by :class:`~mpitrain.comm._mpi.MPICommunicator` for allreduces of at least :data:`HIERARCHY_ABOVE`
 bytes when its ranks span more than one host (:func:`Hierarchy.applies`). All stages run on private
@@ -31,12 +34,15 @@ from .._utils.stall import watched
 from ._host_stage import HostStage
 from .ring import ring_allreduce
 
-__all__ = ["Hierarchy", "HIERARCHY_ABOVE", "RING_ABOVE"]
+__all__ = ["Hierarchy", "HIERARCHY_ABOVE", "RING_ABOVE", "SHARED_STAGES_ABOVE"]
 
 #: Allreduces smaller than this stay flat (one Open MPI call): latency, not bandwidth, dominates them.
 HIERARCHY_ABOVE = 256 << 10
 #: The leaders' allreduce is our ring from this size (floating sum/avg), Open MPI's below it.
 RING_ABOVE = 1 << 20
+#: From this size the host stages of a ring allreduce go through shared memory (HostStage); below it the
+#: non-leaders' sleeping waits cost more than the copies they save (docs/multihost.md).
+SHARED_STAGES_ABOVE = 4 << 20
 #: A wait on the worker longer than this warns (naming the tensor size), as every blocking wait does.
 _WARN_S = 60.0
 
@@ -135,7 +141,8 @@ class Hierarchy:
                 job.done.set()
 
     def _allreduce(self, job: _Job) -> None:
-        if job.ring and self.node.Get_size() > 1 and self._shared:
+        nbytes = job.tensor.numel() * job.tensor.element_size()
+        if job.ring and self.node.Get_size() > 1 and self._shared and nbytes >= SHARED_STAGES_ABOVE:
             self._stage.allreduce(job.tensor.view(-1), self._across)
             return
         if self.node.Get_size() > 1:

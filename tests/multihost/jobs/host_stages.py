@@ -1,43 +1,79 @@
-import sys, time
-import numpy as np, torch
+"""Where the hierarchical allreduce's time goes on emulated hosts (docs/multihost.md): per size, interleaved
+in one job, the slowest rank's median time of
+
+- mpi-stages: MPI_Reduce on the host, the leaders' ring, MPI_Bcast on the host (the former algorithm);
+- shm-stages: the host stages through shared memory (HostStage), the ring adding the host's slots;
+- allreduce: Communicator.allreduce (the same, on the hierarchy's worker thread);
+- ring-alone: the leaders' ring by itself while the other ranks sleep (the inter-host part's own limit);
+
+and each one's share of the floor 2S(H-1)/H / link. Run:
+python -m tests.multihost.emulated --hosts 4 --slots 2 --rate 1gbit -- run python
+tests/multihost/jobs/host_stages.py [MiB ...]
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
 from mpi4py import MPI
+
 import mpitrain
 from mpitrain.comm._hierarchical import Hierarchy
 from mpitrain.comm._host_stage import HostStage
 from mpitrain.comm.ring import ring_allreduce
+
+LINK_BPS = 1e9 / 8
 comm = mpitrain.init()
-h = Hierarchy(comm.mpi_comm)
-rc = h._ring_comm() if h.leaders is not None else None
-stage = HostStage(h.node)
 world = MPI.COMM_WORLD
-def old(t, buf):
+h = Hierarchy(comm.mpi_comm)
+ring_comm = h._ring_comm() if h.leaders is not None else None
+stage = HostStage(h.node)
+
+
+def mpi_stages(t: torch.Tensor, buf: list) -> None:
     h.node.Reduce(MPI.IN_PLACE if h.is_leader else buf, buf if h.is_leader else None, op=MPI.SUM, root=0)
-    if rc is not None: ring_allreduce(rc, t)
+    if ring_comm is not None:
+        ring_allreduce(ring_comm, t)
     h.node.Bcast(buf, root=0)
-def new(t, buf):
-    stage.allreduce(t, lambda f, o: ring_allreduce(rc, f, addends=o))
-def ringonly(t, buf):
-    if rc is not None: ring_allreduce(rc, t)
-    req = world.Ibarrier()
-    while not req.Test(): time.sleep(0.001)
-import os
-if os.environ.get("NOSS"):
-    open("/proc/sys/net/ipv4/tcp_slow_start_after_idle", "w").write("0")
-def idle(t, buf):
-    time.sleep(0.5)
-def viacomm(t, buf):
+
+
+def shm_stages(t: torch.Tensor, buf: list) -> None:
+    stage.allreduce(t, lambda flat, others: ring_allreduce(ring_comm, flat, addends=others))
+
+
+def allreduce(t: torch.Tensor, buf: list) -> None:
     comm.allreduce(t)
-fns = dict(old=old, new=new, comm=viacomm, new2=new, comm2=viacomm, ringonly=ringonly)
-for mib in [int(a) for a in sys.argv[1:]] or [16]:
-    n = mib * (1 << 20) // 4
-    t = torch.ones(n); buf = [t.numpy(), MPI.FLOAT]
-    res = {k: [] for k in fns}
-    for rep in range(4):
-        for k, f in fns.items():
+
+
+def ring_alone(t: torch.Tensor, buf: list) -> None:
+    if ring_comm is not None:
+        ring_allreduce(ring_comm, t)
+    req = world.Ibarrier()
+    while not req.Test():
+        time.sleep(1e-3)
+
+
+CONTENDERS: dict[str, Callable[[torch.Tensor, list], None]] = {
+    "mpi-stages": mpi_stages, "shm-stages": shm_stages, "allreduce": allreduce, "ring-alone": ring_alone}
+
+for mib in [int(a) for a in sys.argv[1:]] or [4, 16, 64]:
+    t = torch.ones(mib * (1 << 20) // 4)
+    buf = [t.numpy(), MPI.FLOAT]
+    times: dict[str, list[float]] = {k: [] for k in CONTENDERS}
+    for rep in range(4):  # the first round warms up (connections, slots)
+        for name, fn in CONTENDERS.items():
             world.Barrier()
-            t0 = time.perf_counter(); f(t, buf); dt = time.perf_counter() - t0
-            dt = max(world.allgather(dt))
-            if rep: res[k].append(dt)
+            t0 = time.perf_counter()
+            fn(t, buf)
+            slowest = max(world.allgather(time.perf_counter() - t0))
+            if rep:
+                times[name].append(slowest)
     if world.Get_rank() == 0:
-        floor = 2*mib*(1<<20)*3/4/1.25e8
-        print(f"AB {mib} MiB " + "  ".join(f"{k} {np.median(v)*1e3:.1f} ms ({floor/np.median(v):.3f})" for k, v in res.items()), flush=True)
+        hosts = h.hosts
+        floor = 2 * mib * (1 << 20) * (hosts - 1) / hosts / LINK_BPS
+        print(f"STAGES {mib} MiB floor {floor * 1e3:.1f} ms: " + "  ".join(
+            f"{k} {np.median(v) * 1e3:.1f} ms ({floor / np.median(v):.3f})" for k, v in times.items()), flush=True)
