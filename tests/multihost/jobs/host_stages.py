@@ -8,7 +8,8 @@ in one job, the slowest rank's median time of
 
 and each one's share of the floor 2S(H-1)/H / link. Run:
 python -m tests.multihost.emulated --hosts 4 --slots 2 --rate 1gbit -- run python
-tests/multihost/jobs/host_stages.py [MiB ...]
+tests/multihost/jobs/host_stages.py [MiB ...] [--with-open-mpi]
+(--with-open-mpi: Open MPI's allreduce and ours, alternating, instead.)
 """
 
 from __future__ import annotations
@@ -57,10 +58,16 @@ def ring_alone(t: torch.Tensor, buf: list) -> None:
         time.sleep(1e-3)
 
 
+def open_mpi(t: torch.Tensor, buf: list) -> None:
+    world.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+
+
 CONTENDERS: dict[str, Callable[[torch.Tensor, list], None]] = {
     "mpi-stages": mpi_stages, "shm-stages": shm_stages, "allreduce": allreduce, "ring-alone": ring_alone}
+if "--with-open-mpi" in sys.argv:  # Open MPI's own allreduce between the others, as the benchmark has it
+    CONTENDERS = {"open-mpi": open_mpi, "allreduce": allreduce, "open-mpi-2": open_mpi, "allreduce-2": allreduce}
 
-for mib in [int(a) for a in sys.argv[1:]] or [4, 16, 64]:
+for mib in [int(a) for a in sys.argv[1:] if a.isdigit()] or [4, 16, 64]:
     t = torch.ones(mib * (1 << 20) // 4)
     buf = [t.numpy(), MPI.FLOAT]
     times: dict[str, list[float]] = {k: [] for k in CONTENDERS}
