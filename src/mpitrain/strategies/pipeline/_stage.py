@@ -29,6 +29,7 @@ from torch.utils.checkpoint import checkpoint
 from ...comm._wait import StallPolicy, wait_request
 from ...comm.base import Communicator, Request
 from ...timeline import span
+from .._device import model_device, to_device
 from ._graph import Partition, ValueMeta, mutated_placeholders
 from .schedule import Action
 
@@ -73,6 +74,7 @@ class Stage:
                  micro_window: int, policy: StallPolicy, recompute: Callable[[int], bool] = lambda m: False) -> None:
         self.part, self.comm, self.ranks, self.recompute = part, comm, ranks, recompute
         self.last = part.index == len(ranks) - 1
+        self.device = model_device(part.module)  # receive buffers and data inputs go to the partition's device
         self.in_edges = [e for e in edges if e.dst == part.index]
         self.out_edges = [e for e in edges if e.src == part.index]
         self.grad_out = [e for e in self.out_edges if e.grad]
@@ -98,7 +100,7 @@ class Stage:
         for e in edges:
             m = metas[a.micro][e.value]
             assert m is not None  # edges carry tensors only (cut_points)
-            buf = torch.empty(m.shape, dtype=m.dtype)
+            buf = torch.empty(m.shape, dtype=m.dtype, device=self.device)
             reqs.append((self.comm.irecv(buf, self.ranks[peer(e)], self.tag(e, a.micro, a.kind == "B")), buf))
         self._posted[(a.kind, a.micro)] = reqs
 
@@ -132,7 +134,7 @@ class Stage:
         received = self._take(Action("F", micro))
         leaves = [t.requires_grad_() if (train and e.grad) else t for e, t in zip(self.in_edges, received)]
         args = [t.clone() if c and t.requires_grad else t for t, c in zip(leaves, self._clone)]
-        call = [inputs[i] for i in self.part.data_inputs] + args
+        call = [to_device(inputs[i], self.device) for i in self.part.data_inputs] + args
         if train and self.recompute(micro):
             out = checkpoint(self.part.module, *call, use_reentrant=False)
         else:
