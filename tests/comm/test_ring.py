@@ -75,6 +75,22 @@ def test_uncompressed_ring_equals_the_sum_and_is_bitwise_identical(comm, n, chun
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("n,chunk_bytes", [(1, 4), (5, 8), (1001, 64)])
+def test_addends_give_bitwise_the_ring_of_the_presummed_tensor(comm, n, chunk_bytes):
+    """`addends` (added chunk by chunk inside the ring) = adding them first, then the plain ring."""
+    xs = _inputs(n, 3 * comm.size, seed=7 * n)
+    mine, others = xs[3 * comm.rank], xs[3 * comm.rank + 1: 3 * comm.rank + 3]
+    t = mine.clone()
+    ring_allreduce(comm, t, chunk_bytes=chunk_bytes, addends=others)
+    ref = mine.clone()
+    for a in others:
+        ref.add_(a)
+    ring_allreduce(comm, ref, chunk_bytes=chunk_bytes)
+    assert_all_ranks(comm, torch.equal(t, ref), f"addends differ from presumming: {t} vs {ref}")
+    assert_close_all_ranks(comm, t, torch.stack(xs).double().sum(0), atol=1e-5, rtol=1e-6, what="ring sum")
+
+
+@pytest.mark.mpi
 @pytest.mark.parametrize("n", [1, 7, 1001])
 def test_int8_ring_matches_one_process_ring_and_stays_within_the_sum_of_half_steps(comm, n):
     xs = [x * 10 ** (i % 3) for i, x in enumerate(_inputs(n, comm.size, seed=3 * n))]
@@ -122,7 +138,8 @@ def test_bad_arguments_raise_on_every_rank_before_any_message(comm):
     cases = [dict(t=torch.zeros(4, 2).t(), kw={}), dict(t=torch.zeros(4), kw={"op": "max"}),
              dict(t=torch.zeros(4, dtype=torch.float64), kw={"codec": "bf16"}),
              dict(t=torch.zeros(4), kw={"error_feedback": torch.zeros(3)}),
-             dict(t=torch.zeros(4), kw={"codec": "lz4"}), dict(t=torch.zeros(4), kw={"chunk_bytes": 0})]
+             dict(t=torch.zeros(4), kw={"codec": "lz4"}), dict(t=torch.zeros(4), kw={"chunk_bytes": 0}),
+             dict(t=torch.zeros(4), kw={"addends": [torch.zeros(3)]})]
     raised = []
     for case in cases:
         try:

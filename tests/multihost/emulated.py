@@ -5,13 +5,18 @@ Layout: a "switch" namespace holds a bridge; host i's namespace holds ``eth0`` (
 subnet), a veth whose peer is a port of the bridge. Nothing is created in the caller's namespace: each
 namespace lives as long as one holder process (``unshare ... sh -c '...; read x'``) whose stdin is a pipe
 from this process, so the namespaces vanish when `close()` closes the pipes, and also when this process
-dies in any way (the pipe closes; no ``ip netns`` names persist).
+dies in any way (the pipe closes; no ``ip netns`` names persist). A namespace outlives its holder while
+any process is still inside it, so every process in the hosts' namespaces is killed: by `reap()` after each
+job (PRRTE puts every rank in a process group of its own, so killing the job's session misses ranks that
+outlive it, e.g. when prterun hangs after a remote abort), by `close()`, and, should this process die
+without closing, by each holder itself once its stdin reaches EOF.
 
 ``tc tbf`` can shape every link (both directions). This kernel may lack ``netem``: `has_netem()` says.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import os
 import shutil
@@ -20,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -50,13 +56,44 @@ def has_netem() -> bool:
     return probe.returncode == 0
 
 
+#: Run by a holder when its stdin closes: SIGKILL every other process in its network namespace, a few
+#: rounds (a process may fork while it is being killed). The harness normally has reaped them already;
+#: this covers a harness that died without closing.
+#: It never runs in the machine's own namespace (PID 1's), whatever happens.
+_HOLDER_REAP = ("me=$(readlink /proc/$$/ns/net); [ \"$me\" = \"$(readlink /proc/1/ns/net)\" ] && exit 0; "
+                "for round in 1 2 3 4 5; do found=; "
+                "for d in /proc/[0-9]*; do p=${d#/proc/}; [ \"$p\" = \"$$\" ] && continue; "
+                "[ \"$(readlink $d/ns/net 2>/dev/null)\" = \"$me\" ] || continue; "
+                "kill -9 $p 2>/dev/null && found=1; done; [ -z \"$found\" ] && break; sleep 0.2; done")
+
+
 @dataclass
 class _Holder:
     proc: subprocess.Popen[str]
+    net_ns: str = ""  # the holder's network namespace, "net:[inode]"
 
     @property
     def pid(self) -> int:
         return self.proc.pid
+
+
+def _net_ns(pid: int) -> str | None:
+    try:
+        return os.readlink(f"/proc/{pid}/ns/net")
+    except OSError:  # gone, or a kernel thread
+        return None
+
+
+def _outer_namespaces() -> set[str | None]:
+    """This process's and the machine's (PID 1's) network namespaces: never ones of the emulated hosts."""
+    return {_net_ns(os.getpid()), _net_ns(1), None, ""}
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
 
 
 @dataclass
@@ -73,6 +110,7 @@ class EmulatedHosts:
     addresses: list[str] = field(init=False)
     _switch: _Holder | None = field(init=False, default=None)
     _hosts: list[_Holder] = field(init=False, default_factory=list)
+    reaped: list[tuple[int, str]] = field(init=False, default_factory=list)  # killed after the last job
 
     def __post_init__(self) -> None:
         net = ipaddress.ip_network(self.subnet)
@@ -115,16 +153,21 @@ class EmulatedHosts:
 
     def _hold(self, flags: list[str], setup: str) -> _Holder:
         """A process holding new namespaces: runs `setup`, says ready, waits for stdin to close."""
-        script = f"set -e; {setup}; echo ready; read x || true"
+        script = f"set -e; {setup}; echo ready; read x || true; set +e; {_HOLDER_REAP}"
         proc = subprocess.Popen(["unshare", *flags, "--", "sh", "-c", script], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        holder = _Holder(proc)
         assert proc.stdout is not None
         line = proc.stdout.readline()  # ends at "ready", or at EOF when setup failed
         if line.strip() != "ready":
             err = proc.stderr.read() if proc.stderr else ""
             proc.wait(timeout=10)
             raise RuntimeError(f"namespace set-up failed: {setup!r}: {err.strip()}")
+        # Read only now that unshare has run: before, the holder is still in the caller's namespace.
+        holder = _Holder(proc, _net_ns(proc.pid) or "")
+        if holder.net_ns in _outer_namespaces():
+            proc.kill()
+            proc.wait(timeout=10)
+            raise RuntimeError("namespace holder is not in a network namespace of its own")
         return holder
 
     def _ns(self, pid: int, *cmd: str) -> None:
@@ -178,9 +221,40 @@ class EmulatedHosts:
             """).format(body=body, root=ROOT))
         self.agent.chmod(0o755)
 
-    def close(self) -> None:
-        """End every holder (its namespaces go with it) and remove the work directory. Idempotent."""
+    def processes(self) -> list[tuple[int, str]]:
+        """Every process inside the hosts' (or the switch's) namespaces but their holders: (pid, command)."""
         holders = [*self._hosts, *([self._switch] if self._switch else [])]
+        spaces = {h.net_ns for h in holders} - _outer_namespaces()
+        if not spaces:
+            return []
+        mine = {h.pid for h in holders}
+        out = []
+        for entry in os.listdir("/proc"):
+            if entry.isdigit() and int(entry) not in mine and _net_ns(int(entry)) in spaces:
+                out.append((int(entry), _cmdline(int(entry))))
+        return out
+
+    def reap(self, timeout: float = 10) -> list[tuple[int, str]]:
+        """SIGKILL every process in the hosts' namespaces (see `processes`) until none is left; returns
+        those it killed. Raises if some survive `timeout` seconds (then something is stuck in the kernel)."""
+        killed: dict[int, str] = {}
+        deadline = time.monotonic() + timeout
+        while left := self.processes():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"processes in the emulated hosts survive SIGKILL: {left}")
+            for pid, cmd in left:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+                    killed.setdefault(pid, cmd)
+            time.sleep(0.05)
+        return sorted(killed.items())
+
+    def close(self) -> None:
+        """Kill every process left in the hosts, end every holder (its namespaces go with it) and remove
+        the work directory. Idempotent."""
+        holders = [*self._hosts, *([self._switch] if self._switch else [])]
+        if holders:
+            self.reap()
         for h in holders:
             if h.proc.stdin and not h.proc.stdin.closed:
                 h.proc.stdin.close()
@@ -245,22 +319,31 @@ class EmulatedHosts:
             argv += ["--", *command] if verb is None else command
         full_env = {**os.environ, "PRTE_MCA_plm_ssh_agent": str(self.agent),
                     "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}", **(env or {})}
-        return _run_group(argv, timeout, full_env)
+        return self._run_job(argv, timeout, full_env)
 
-
-def _run_group(argv: list[str], timeout: float, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    """Run `argv` in its own session; on timeout kill the whole session (mpiexec, the agents, the remote
-    daemons and every rank are in it) and report what it printed."""
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
-                            start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        err += f"\n[emulated hosts] killed after {timeout} s"
-        return subprocess.CompletedProcess(argv, -signal.SIGKILL, out, err)
-    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+    def _run_job(self, argv: list[str], timeout: float, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+        """Run `argv` in its own session and report what it printed. On timeout kill that session, and on
+        any exit every process left in the hosts (`reap`): ranks sit in process groups of their own, out
+        of the session's reach, and one holding the output pipes open would block reading them. What was
+        killed after a job is named in its stderr and kept in `reaped`."""
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                cwd=ROOT, start_new_session=True)
+        note, code = "", None
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except BaseException as e:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            self.reaped = self.reap()
+            out, err = proc.communicate()
+            if not isinstance(e, subprocess.TimeoutExpired):
+                raise
+            note, code = f"\n[emulated hosts] killed after {timeout} s", -signal.SIGKILL
+        else:
+            self.reaped = self.reap()
+        if self.reaped:
+            note += f"\n[emulated hosts] killed what the job left running: {self.reaped}"
+        return subprocess.CompletedProcess(argv, proc.returncode if code is None else code, out, err + note)
 
 
 def main(argv: list[str] | None = None) -> int:

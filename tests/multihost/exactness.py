@@ -1,13 +1,14 @@
 """The hierarchical allreduce against a flat one (raw mpi4py on the same data), shared by the emulated-host
 job and the one-machine MPI test: sizes below, between and above the thresholds, exact data (integers,
-integer-valued floats), blocking and nonblocking, several in flight at once."""
+integer-valued floats; the largest goes through the shared-memory host stages), blocking and
+nonblocking, several in flight at once."""
 
 from __future__ import annotations
 
 import torch
 from mpi4py import MPI
 
-from mpitrain.comm._hierarchical import HIERARCHY_ABOVE, RING_ABOVE
+from mpitrain.comm._hierarchical import HIERARCHY_ABOVE, RING_ABOVE, SHARED_STAGES_ABOVE
 from mpitrain.comm._mpi import MPICommunicator
 
 __all__ = ["compare_with_flat"]
@@ -32,7 +33,7 @@ def _check(comm: MPICommunicator, numel: int, dtype: torch.dtype, op: str, nonbl
 def compare_with_flat(comm: MPICommunicator) -> list[str]:
     """Failures (empty: every case equal bitwise). Collective over `comm`."""
     failures = []
-    for nbytes in (4 << 10, HIERARCHY_ABOVE + 8, 2 * RING_ABOVE + 24):
+    for nbytes in (4 << 10, HIERARCHY_ABOVE + 8, 2 * RING_ABOVE + 24, SHARED_STAGES_ABOVE + 24):
         for dtype, op, nonblocking in _CASES:
             for nb in {False, nonblocking}:
                 bad = _check(comm, nbytes // torch.empty(0, dtype=dtype).element_size(), dtype, op, nb)

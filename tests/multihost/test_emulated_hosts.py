@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
-from tests.multihost.emulated import EmulatedHosts, has_netem, missing_prerequisite
+from tests.multihost.emulated import ROOT, EmulatedHosts, has_netem, missing_prerequisite
 
 JOBS = "tests/multihost/jobs"
 PY = sys.executable
@@ -83,11 +86,56 @@ def test_hosts_sharing_a_name_are_told_apart_by_mpi(debian_hosts):
         assert r["leaders"] == [0, 0, 2, 2] and r["backend"] == "torch" and r["sum"] == _expected_sum(4), r
 
 
-def test_failure_on_a_remote_host_ends_the_job_naming_the_rank(debian_hosts):
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").read_text().split(") ")[-1][:1] != "Z"
+
+
+def test_failure_on_a_remote_host_ends_the_job_naming_the_rank_and_nothing_outlives_it(debian_hosts):
     """Every rank is gone within seconds. prterun itself (Open MPI 5.0.11) sometimes then hangs in
-    PMIx_server_finalize with no daemon left (docs/multihost.md); the harness kills it at the timeout."""
+    PMIx_server_finalize with no daemon left (docs/multihost.md); the harness kills it at the timeout.
+    Each rank also left a process in a session of its own: the harness's teardown kills it too."""
     out = debian_hosts.run(3, debian_hosts.hostfile([1, 1, 1]), [PY, f"{JOBS}/fail.py"], timeout=30)
     assert out.returncode != 0 and "failure on the remote rank 2" in out.stdout + out.stderr, out.stderr
+    orphans = [int(ln.split()[1]) for ln in out.stdout.splitlines() if ln.startswith("ORPHAN ")]
+    assert len(orphans) == 3, out.stdout + out.stderr
+    assert not [p for p in orphans if _alive(p)] and debian_hosts.processes() == [], debian_hosts.processes()
+    assert {p for p, _ in debian_hosts.reaped} >= set(orphans), debian_hosts.reaped
+
+
+_DIES_HOLDING_HOSTS = """
+import subprocess, sys, time
+from tests.multihost.emulated import EmulatedHosts
+hosts = EmulatedHosts(["solo"]).start()
+sleeper = subprocess.Popen([*hosts.enter(0), "setsid", "sleep", "300"])
+time.sleep(0.5)
+print(" ".join(str(p) for p, cmd in hosts.processes() if cmd == "sleep 300"), hosts.workdir, flush=True)
+time.sleep(300)
+"""
+
+
+def test_processes_in_the_hosts_die_with_a_harness_killed_without_teardown():
+    """SIGKILL the harness itself: each host's holder sees its stdin close and kills what is inside."""
+    why = missing_prerequisite()
+    if why:
+        pytest.skip(why)
+    proc = subprocess.Popen([PY, "-c", _DIES_HOLDING_HOSTS], stdout=subprocess.PIPE, text=True, cwd=ROOT,
+                            start_new_session=True)
+    try:
+        assert proc.stdout is not None
+        *pids, workdir = proc.stdout.readline().split()
+        assert len(pids) == 1 and _alive(int(pids[0])), pids
+    finally:
+        proc.kill()  # the harness alone: its holders live on until they see their stdin close
+        proc.wait(timeout=30)
+    deadline = time.monotonic() + 20
+    while _alive(int(pids[0])) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    shutil.rmtree(workdir, ignore_errors=True)
+    assert not _alive(int(pids[0]))
 
 
 def test_bench_runs_across_hosts_with_a_hostfile(debian_hosts):

@@ -6,7 +6,10 @@ leader inside each host. Across the network each link then carries a host's data
 per rank, and the leaders' allreduce is chosen by size: below :data:`RING_ABOVE` bytes Open MPI's
 allreduce (latency-bound; its recursive doubling), above it our pipelined ring
 (:func:`mpitrain.comm.ring.ring_allreduce`: reduce-scatter + allgather, 2S(n-1)/n bytes per link, the
-bandwidth floor), which Open MPI's default over TCP does not reach (docs/multihost.md).
+bandwidth floor), which Open MPI's default over TCP does not reach (docs/multihost.md). Ring allreduces
+of at least :data:`SHARED_STAGES_ABOVE` bytes do the host stages through shared memory instead
+(:mod:`._host_stage`: the ring adds the host's other tensors while it transfers, the other ranks wait
+asleep); the result is bitwise the same.
 
 Used by :class:`~mpitrain.comm._mpi.MPICommunicator` for allreduces of at least :data:`HIERARCHY_ABOVE`
 bytes when its ranks span more than one host (:func:`Hierarchy.applies`). All stages run on private
@@ -28,14 +31,18 @@ import torch
 from mpi4py import MPI
 
 from .._utils.stall import watched
+from ._host_stage import HostStage
 from .ring import ring_allreduce
 
-__all__ = ["Hierarchy", "HIERARCHY_ABOVE", "RING_ABOVE"]
+__all__ = ["Hierarchy", "HIERARCHY_ABOVE", "RING_ABOVE", "SHARED_STAGES_ABOVE"]
 
 #: Allreduces smaller than this stay flat (one Open MPI call): latency, not bandwidth, dominates them.
 HIERARCHY_ABOVE = 256 << 10
 #: The leaders' allreduce is our ring from this size (floating sum/avg), Open MPI's below it.
 RING_ABOVE = 1 << 20
+#: From this size the host stages of a ring allreduce go through shared memory (HostStage); below it the
+#: non-leaders' sleeping waits cost more than the copies they save (docs/multihost.md).
+SHARED_STAGES_ABOVE = 4 << 20
 #: A wait on the worker longer than this warns (naming the tensor size), as every blocking wait does.
 _WARN_S = 60.0
 
@@ -69,6 +76,8 @@ class Hierarchy:
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._worker: threading.Thread | None = None
         self._leader_comm: Any = None
+        self._stage = HostStage(self.node)
+        self._shared = all(self.node.allgather(HostStage.available()))
 
     @property
     def hosts(self) -> int:
@@ -113,6 +122,7 @@ class Hierarchy:
             self._queue.put(None)
             self._worker.join()
             self._worker = None
+        self._stage.close()
         for c in (self.leaders, self.node):
             if c is not None:
                 c.Free()
@@ -131,6 +141,10 @@ class Hierarchy:
                 job.done.set()
 
     def _allreduce(self, job: _Job) -> None:
+        nbytes = job.tensor.numel() * job.tensor.element_size()
+        if job.ring and self.node.Get_size() > 1 and self._shared and nbytes >= SHARED_STAGES_ABOVE:
+            self._stage.allreduce(job.tensor.view(-1), self._across)
+            return
         if self.node.Get_size() > 1:
             send = MPI.IN_PLACE if self.is_leader else job.buf
             self.node.Reduce(send, job.buf if self.is_leader else None, op=job.op, root=0)
@@ -141,6 +155,14 @@ class Hierarchy:
                 self.leaders.Allreduce(MPI.IN_PLACE, job.buf, op=job.op)
         if self.node.Get_size() > 1:
             self.node.Bcast(job.buf, root=0)
+
+    def _across(self, flat: torch.Tensor, others: list[torch.Tensor]) -> None:
+        """On a leader: `flat` plus the host's `others`, summed over all hosts by the leaders' ring."""
+        if self.leaders is not None and self.leaders.Get_size() > 1:
+            ring_allreduce(self._ring_comm(), flat, addends=others)
+        else:
+            for o in others:
+                flat.add_(o)
 
     def _ring_comm(self) -> Any:
         """The leaders as a Communicator for the ring (its point-to-point calls only)."""

@@ -14,6 +14,7 @@ reduced, so the reduction of one chunk overlaps the transfer of the next (Fig. 3
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -91,7 +92,7 @@ def _validate(t: torch.Tensor, codec: Codec, op: str, chunk_bytes: int,
 def ring_allreduce(comm: Communicator, t: torch.Tensor, codec: str | Codec | None = None, op: str = "sum",
                    chunk_bytes: int = DEFAULT_CHUNK_BYTES, error_feedback: torch.Tensor | None = None,
                    warn_after: float = 60.0, stats: dict[str, float] | None = None,
-                   stall_warning_s: float | None = None) -> torch.Tensor:
+                   stall_warning_s: float | None = None, *, addends: Sequence[torch.Tensor] = ()) -> torch.Tensor:
     """Sum (or average) `t` over all ranks of `comm` in place, compressing every hop with `codec`.
 
     Every rank must call it with a tensor of the same shape and dtype and the same codec, op and
@@ -107,6 +108,9 @@ def ring_allreduce(comm: Communicator, t: torch.Tensor, codec: str | Codec | Non
     message is sent. A wait longer than `warn_after` seconds warns, naming the peer and block
     (`stall_warning_s` is its former name, deprecated: it warns, for one release). When
     `stats` is a dict, the seconds spent encoding/decoding are added to ``stats["codec_s"]``.
+    `addends`: contiguous tensors of t's shape and dtype (this rank's other contributions, e.g. the other
+    ranks of its host); the result is as if ``t += a`` had run for each, in order, before the ring, but
+    each chunk is added just before the ring first uses it, so the additions overlap the transfers.
     Uses point-to-point messages with tag :data:`RING_TAG`: run one ring per communicator at a time.
     """
     codec = get_codec(codec)
@@ -114,15 +118,22 @@ def ring_allreduce(comm: Communicator, t: torch.Tensor, codec: str | Codec | Non
         warn_after = renamed_options({"stall_warning_s": stall_warning_s}, {"stall_warning_s": "warn_after"},
                                      "ring_allreduce")["warn_after"]
     _validate(t, codec, op, chunk_bytes, error_feedback)
+    for a in addends:
+        if not isinstance(a, torch.Tensor) or a.shape != t.shape or a.dtype != t.dtype or not a.is_contiguous():
+            raise CommError(f"ring_allreduce: addends must be contiguous tensors of t's shape {tuple(t.shape)} "
+                            f"and dtype {t.dtype}")
     flat = t.view(-1)
     if error_feedback is not None:
         flat.add_(error_feedback.view(-1))
         if codec.lossless or comm.size == 1:
             error_feedback.zero_()
-    if comm.size > 1 and flat.numel():
+    if comm.size == 1 or not flat.numel():
+        for a in addends:
+            flat.add_(a.view(-1))
+    else:
         chunk_elems = max(1, chunk_bytes // t.element_size())
         ring = _Ring(comm, flat, codec, chunk_elems=chunk_elems, error_feedback=error_feedback,
-                     warn_after=warn_after)
+                     warn_after=warn_after, addends=[a.view(-1) for a in addends])
         ring.run()
         if stats is not None:
             stats["codec_s"] = stats.get("codec_s", 0.0) + ring.codec_s
@@ -135,7 +146,8 @@ class _Ring:
     """State of one ring allreduce on one rank (buffers, requests); used once by ring_allreduce."""
 
     def __init__(self, comm: Communicator, flat: torch.Tensor, codec: Codec, chunk_elems: int,
-                 error_feedback: torch.Tensor | None, warn_after: float) -> None:
+                 error_feedback: torch.Tensor | None, warn_after: float, addends: Sequence[torch.Tensor] = ()
+                 ) -> None:
         self.comm, self.flat, self.codec, self.warn_after = comm, flat, codec, warn_after
         self.p, self.r = comm.size, comm.rank
         self.right, self.left = (self.r + 1) % self.p, (self.r - 1) % self.p
@@ -144,6 +156,12 @@ class _Ring:
         self.steps = ring_schedule(self.p, self.r)
         self.sends: list[Request] = []
         self.codec_s = 0.0  # time in encode/decode (identity: ~0)
+        self.addends = addends
+
+    def _add_own(self, lo: int, hi: int) -> None:
+        """This rank's other contributions to flat[lo:hi], just before the ring first uses the chunk."""
+        for a in self.addends:
+            self.flat[lo:hi].add_(a[lo:hi])
 
     def _encode(self, lo: int, hi: int) -> torch.Tensor:
         """Payload of flat[lo:hi]; records this rank's compression error there when error feedback is on."""
@@ -176,10 +194,12 @@ class _Ring:
         rs, ag = self.steps[: self.p - 1], self.steps[self.p - 1:]
         recvs = self._post_recvs(rs, into_flat=False)
         for lo, hi in self.blocks[rs[0].send]:
+            self._add_own(lo, hi)
             self.sends.append(self.comm.isend(self._encode(lo, hi), self.right, tag=RING_TAG))
         for i, st in enumerate(rs):
             last = i == len(rs) - 1
             for (req, payload), (lo, hi) in zip(recvs[i], self.blocks[st.recv]):
+                self._add_own(lo, hi)  # before the wait: overlaps the chunk's transfer
                 self._wait(req, st, lo, hi)
                 t0 = time.perf_counter()
                 self.codec.decode_add(payload, self.flat[lo:hi])

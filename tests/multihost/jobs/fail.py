@@ -1,10 +1,17 @@
-"""The last rank (on the last emulated host) raises; the others wait in an allreduce."""
+"""Every rank first leaves a process running in a session of its own (as PRRTE puts each rank in a
+process group of its own, out of reach of a kill of the job's session) and prints its pid; then the
+last rank (on the last emulated host) raises while the others wait in an allreduce."""
+
+import subprocess
 
 import torch
 
 import mpitrain
 
 comm = mpitrain.init()
+orphan = subprocess.Popen(["sleep", "300"], start_new_session=True)
+print(f"ORPHAN {orphan.pid}", flush=True)
+comm.barrier()
 if comm.rank == comm.size - 1:
     raise RuntimeError(f"failure on the remote rank {comm.rank}")
 comm.allreduce(torch.ones(4))

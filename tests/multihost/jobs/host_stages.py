@@ -1,0 +1,86 @@
+"""Where the hierarchical allreduce's time goes on emulated hosts (docs/multihost.md): per size, interleaved
+in one job, the slowest rank's median time of
+
+- mpi-stages: MPI_Reduce on the host, the leaders' ring, MPI_Bcast on the host (the former algorithm);
+- shm-stages: the host stages through shared memory (HostStage), the ring adding the host's slots;
+- allreduce: Communicator.allreduce (the same, on the hierarchy's worker thread);
+- ring-alone: the leaders' ring by itself while the other ranks sleep (the inter-host part's own limit);
+
+and each one's share of the floor 2S(H-1)/H / link. Run:
+python -m tests.multihost.emulated --hosts 4 --slots 2 --rate 1gbit -- run python
+tests/multihost/jobs/host_stages.py [MiB ...] [--with-open-mpi]
+(--with-open-mpi: Open MPI's allreduce and ours, alternating, instead.)
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+import mpitrain
+from mpitrain.comm._hierarchical import Hierarchy
+from mpitrain.comm._host_stage import HostStage
+from mpitrain.comm.ring import ring_allreduce
+
+LINK_BPS = 1e9 / 8
+comm = mpitrain.init()
+world = MPI.COMM_WORLD
+h = Hierarchy(comm.mpi_comm)
+ring_comm = h._ring_comm() if h.leaders is not None else None
+stage = HostStage(h.node)
+
+
+def mpi_stages(t: torch.Tensor, buf: list) -> None:
+    h.node.Reduce(MPI.IN_PLACE if h.is_leader else buf, buf if h.is_leader else None, op=MPI.SUM, root=0)
+    if ring_comm is not None:
+        ring_allreduce(ring_comm, t)
+    h.node.Bcast(buf, root=0)
+
+
+def shm_stages(t: torch.Tensor, buf: list) -> None:
+    stage.allreduce(t, lambda flat, others: ring_allreduce(ring_comm, flat, addends=others))
+
+
+def allreduce(t: torch.Tensor, buf: list) -> None:
+    comm.allreduce(t)
+
+
+def ring_alone(t: torch.Tensor, buf: list) -> None:
+    if ring_comm is not None:
+        ring_allreduce(ring_comm, t)
+    req = world.Ibarrier()
+    while not req.Test():
+        time.sleep(1e-3)
+
+
+def open_mpi(t: torch.Tensor, buf: list) -> None:
+    world.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+
+
+CONTENDERS: dict[str, Callable[[torch.Tensor, list], None]] = {
+    "mpi-stages": mpi_stages, "shm-stages": shm_stages, "allreduce": allreduce, "ring-alone": ring_alone}
+if "--with-open-mpi" in sys.argv:  # Open MPI's own allreduce between the others, as the benchmark has it
+    CONTENDERS = {"open-mpi": open_mpi, "allreduce": allreduce, "open-mpi-2": open_mpi, "allreduce-2": allreduce}
+
+for mib in [int(a) for a in sys.argv[1:] if a.isdigit()] or [4, 16, 64]:
+    t = torch.ones(mib * (1 << 20) // 4)
+    buf = [t.numpy(), MPI.FLOAT]
+    times: dict[str, list[float]] = {k: [] for k in CONTENDERS}
+    for rep in range(4):  # the first round warms up (connections, slots)
+        for name, fn in CONTENDERS.items():
+            world.Barrier()
+            t0 = time.perf_counter()
+            fn(t, buf)
+            slowest = max(world.allgather(time.perf_counter() - t0))
+            if rep:
+                times[name].append(slowest)
+    if world.Get_rank() == 0:
+        hosts = h.hosts
+        floor = 2 * mib * (1 << 20) * (hosts - 1) / hosts / LINK_BPS
+        print(f"STAGES {mib} MiB floor {floor * 1e3:.1f} ms: " + "  ".join(
+            f"{k} {np.median(v) * 1e3:.1f} ms ({floor / np.median(v):.3f})" for k, v in times.items()), flush=True)
