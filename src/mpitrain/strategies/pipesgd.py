@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -34,7 +34,7 @@ from ..comm.base import CommError, Communicator
 from ..comm.codecs import Codec, get_codec
 from ..comm.ring import DEFAULT_CHUNK_BYTES, ring_allreduce
 from ..timeline import span
-from ._batching import batch_size, even_share, gather_rows, rows, slice_share
+from ._batching import batch_size, call_model, call_rows, even_share, gather_outputs, slice_share
 from ._broadcast import broadcast_parameters, check_same_everywhere
 from .base import (
     DEFAULT_LOOP,
@@ -268,7 +268,7 @@ class PipeSGDTrainer:
             m = batch_size(b.targets)
             with torch.autocast("cpu", dtype=torch.bfloat16) if self.loop.precision == "bf16" else \
                     contextlib.nullcontext():
-                loss = self.loss_fn(self.model(b.inputs), b.targets)
+                loss = self.loss_fn(call_model(self.model, b.inputs), b.targets)
             (loss * (m * self.comm.size / total)).backward()
             local += loss.detach().double() * m
         self.stats["compute_s"] += time.perf_counter() - t0
@@ -300,11 +300,11 @@ class PipeSGDTrainer:
         return self.comm.allreduce(local.reshape(1), "sum").item() / total
 
     @torch.no_grad()
-    def eval_step(self, inputs: Batch, targets: torch.Tensor) -> torch.Tensor:
+    def eval_step(self, inputs: Batch, targets: torch.Tensor) -> Any:
         n = batch_size(targets)
         s = self.share(n)
-        out = self.model(rows(inputs, s.start, s.stop)).contiguous()
-        return gather_rows(self.comm, out, [even_share(n, self.comm.size, r).rows for r in range(self.comm.size)])
+        out = call_rows(self.model, inputs, s.start, s.stop)
+        return gather_outputs(self.comm, out, [even_share(n, self.comm.size, r).rows for r in range(self.comm.size)])
 
     # -- checkpoints (CheckpointTrainer) ---------------------------------------------------------------
     def layout(self) -> dict[str, object]:

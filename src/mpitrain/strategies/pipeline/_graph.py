@@ -31,8 +31,10 @@ import torch
 import torch.utils._pytree as pytree
 from torch import fx, nn
 
+from .._batching import call_args
+
 __all__ = ["TraceFailure", "ValueMeta", "Traced", "Partition", "capture", "trace", "export", "model_args",
-           "call_args", "profile", "measure", "param_counts", "cut_points", "split", "mutated_placeholders",
+           "profile", "measure", "param_counts", "cut_points", "split", "mutated_placeholders",
            "local_nodes", "tied_groups", "set_training"]
 
 
@@ -80,16 +82,6 @@ class Partition:
     data_inputs: list[int]
     recv_inputs: list[str]
     outputs: list[str]
-
-
-def call_args(inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """How a batch's inputs call the model: a dict is keyword arguments, a tuple/list positional
-    arguments, anything else the one positional argument."""
-    if isinstance(inputs, dict):
-        return (), dict(inputs)
-    if isinstance(inputs, (tuple, list)):
-        return tuple(inputs), {}
-    return (inputs,), {}
 
 
 def capture(model: nn.Module, sample: Any) -> Traced:
