@@ -90,8 +90,9 @@ class Pipeline:
     to set up at construction, so that :meth:`parameters` is known before the first step.
 
     A model on the meta device is captured, measured and split on meta; each rank then allocates and
-    initialises only the modules its partitions use (:func:`._materialize.materialize`, seeded by
-    `seed` and each module's name, with `init_fn(module)` or the module's ``reset_parameters()``)."""
+    initialises only the tensors its partitions use (:func:`._materialize.materialize`: each tensor
+    seeded by `seed` and its qualified name, with `init_fn(module)` or the module's
+    ``reset_parameters()``)."""
 
     def __init__(self, model: nn.Module, partitions: int | None = None, replicas: int | None = None,
                  micro_batches: int = 1, schedule: str = "1f1b", comm: Communicator | None = None,
