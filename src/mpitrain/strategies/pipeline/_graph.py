@@ -34,7 +34,7 @@ from torch import fx, nn
 from .._batching import call_args
 
 __all__ = ["TraceFailure", "ValueMeta", "Traced", "Partition", "capture", "trace", "export", "model_args",
-           "profile", "measure", "param_counts", "cut_points", "split", "mutated_placeholders",
+           "profile", "measure", "measure_module", "param_counts", "cut_points", "split", "mutated_placeholders",
            "local_nodes", "tied_groups", "set_training"]
 
 
@@ -241,33 +241,44 @@ def profile(traced: Traced, inputs: Sequence[Any], grad: bool = True) -> dict[st
 
 
 def measure(traced: Traced, inputs: Sequence[Any], passes: int = 3) -> list[float]:
-    """Seconds of forward plus backward per compute node (the fastest of `passes` training-mode passes
-    on `inputs`), for balancing partitions by time. The model's buffers, gradients and RNG state are
-    restored afterwards, so measuring changes nothing a step would see. A model that cannot run a
-    training pass on `inputs` (BatchNorm1d on one sample) is measured by eval-mode forwards instead.
+    """Seconds of forward plus backward per compute node of the whole graph on `inputs` (the flat
+    placeholder values), for balancing partitions by time; see :func:`measure_module`."""
+    times = measure_module(traced.gm, inputs, passes)
+    return [times.get(n.name, 0.0) for n in traced.nodes]
+
+
+def measure_module(gm: fx.GraphModule, inputs: Sequence[Any], passes: int = 3) -> dict[str, float]:
+    """Seconds of forward plus backward per node of `gm` by node name (the fastest of `passes`
+    training-mode passes on `inputs`, its placeholder values). A partition module's nodes keep the
+    names of the captured graph's, so a partition can be measured alone. The module's buffers,
+    gradients and RNG state are restored afterwards, so measuring changes nothing a step would see. A
+    module that cannot run a training pass on `inputs` (BatchNorm1d on one sample) is measured by
+    eval-mode forwards instead.
 
     A node's backward time runs from backward reaching its output until it reaches the next value
-    (hooks on every differentiable output): exact on a chain, an apportioning on branches; balancing
-    only uses sums over the contiguous node ranges that partitions are."""
+    (hooks on every differentiable output; backward starts from every differentiable output leaf): exact
+    on a chain, an apportioning on branches; balancing only uses sums over the contiguous node ranges
+    that partitions are."""
     try:
-        fwd, bwd = _timed_passes(traced, inputs, passes, train=True)
+        fwd, bwd = _timed_passes(gm, inputs, passes, train=True)
     except RuntimeError:
-        fwd, bwd = _timed_passes(traced, inputs, passes, train=False)
-    return [fwd.get(n.name, 0.0) + bwd.get(n.name, 0.0) for n in traced.nodes]
+        fwd, bwd = _timed_passes(gm, inputs, passes, train=False)
+    return {name: t + bwd.get(name, 0.0) for name, t in fwd.items()}
 
 
-def _timed_passes(traced: Traced, inputs: Sequence[Any], passes: int,
+def _timed_passes(gm: fx.GraphModule, inputs: Sequence[Any], passes: int,
                   train: bool) -> tuple[dict[str, float], dict[str, float]]:
     """Fastest forward and (when `train`) backward seconds per node over `passes` passes."""
     fwd: dict[str, float] = {}
     bwd: dict[str, float] = {}
-    with _undisturbed(traced.gm, train=train), torch.set_grad_enabled(train):
+    with _undisturbed(gm, train=train), torch.set_grad_enabled(train):
         for _ in range(max(passes, 1)):
-            rec = _Recorder(traced.gm, stamp=train)
+            rec = _Recorder(gm, stamp=train)
             out = rec.run(*inputs)
             fwd = {k: min(v, fwd.get(k, v)) for k, v in rec.seconds.items()}
-            if isinstance(out, torch.Tensor) and out.requires_grad:
-                out.backward(torch.ones_like(out))
+            roots = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+            if roots:
+                torch.autograd.backward(roots, [torch.ones_like(t) for t in roots])
                 events = [*sorted(rec.stamps), (time.perf_counter(), "")]
                 spent: dict[str, float] = {}
                 for (t, name), (t_next, _) in zip(events, events[1:]):

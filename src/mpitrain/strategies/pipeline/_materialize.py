@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-__all__ = ["is_meta", "materialize", "tensor_seed"]
+__all__ = ["is_meta", "materialize", "release", "tensor_seed"]
 
 InitFn = Callable[[nn.Module], None]
 
@@ -56,8 +56,8 @@ def _reset(mod: nn.Module) -> None:
 
 def _init_alone(mod: nn.Module, qual: str, real: dict[str, torch.Tensor], seed: int, init: InitFn) -> None:
     """Initialise each tensor of `real` (new storage for names of `mod`) in its own run of `init(mod)`,
-    with every other tensor of `mod` a meta placeholder; afterwards `mod` holds `real` and its other
-    tensors as before."""
+    with every other tensor of `mod` a meta placeholder; afterwards `mod` holds the same objects as
+    before (`real` holds the initialised values)."""
     before = {name: t for name, t in [*mod._parameters.items(), *mod._buffers.items()] if t is not None}
     hidden = {name: t if t.is_meta else _like(t, "meta") for name, t in before.items()}
     try:
@@ -78,7 +78,7 @@ def _init_alone(mod: nn.Module, qual: str, real: dict[str, torch.Tensor], seed: 
             real[name] = _slots(mod, name)[name]  # type: ignore[assignment]  # the init may rebind it
     finally:
         for name, t in before.items():
-            _slots(mod, name)[name] = real.get(name, t)
+            _slots(mod, name)[name] = t
 
 
 def materialize(model: nn.Module, keep: set[int] | None = None, seed: int = 0,
@@ -88,19 +88,16 @@ def materialize(model: nn.Module, keep: set[int] | None = None, seed: int = 0,
     Returns the qualified names of the modules whose tensors were initialised, in ``named_modules``
     order.
 
-    A tensor held by several modules (a tied weight) is initialised once, under the name of its first
-    holder in ``named_modules`` order, and the other holders are pointed at the new tensor, so the tie
-    survives. Raises ValueError naming a module that has its own tensors but neither `init_fn` nor a
+    The tensors change in place (``torch.utils.swap_tensors``): the same Parameter objects, now with
+    storage, so an optimizer or a tie (several modules holding one tensor) made before still holds
+    them. A tied tensor is initialised once, under the name of its first holder in ``named_modules``
+    order. Raises ValueError naming a module that has its own tensors but neither `init_fn` nor a
     ``reset_parameters`` method (pass ``init_fn``)."""
-    holders: dict[int, list[tuple[nn.Module, str]]] = {}
-    for mod in model.modules():
-        for name, t in [*mod._parameters.items(), *mod._buffers.items()]:
-            if t is not None:
-                holders.setdefault(id(t), []).append((mod, name))
     done: list[str] = []
+    seen: set[int] = set()
     for qual, mod in model.named_modules():
         own = {name: t for name, t in [*mod._parameters.items(), *mod._buffers.items()]
-               if t is not None and t.is_meta and (keep is None or id(t) in keep)}
+               if t is not None and t.is_meta and (keep is None or id(t) in keep) and id(t) not in seen}
         if not own:
             continue
         init = init_fn if init_fn is not None else _reset if hasattr(mod, "reset_parameters") else None
@@ -109,9 +106,20 @@ def materialize(model: nn.Module, keep: set[int] | None = None, seed: int = 0,
                              f"but has no reset_parameters(); pass init_fn=lambda module: ... to initialise it")
         real = {name: _like(t, "cpu") for name, t in own.items()}
         _init_alone(mod, qual, real, seed, init)
-        for name, old in own.items():
-            for other, attr in holders.get(id(old), []):
-                if other is not mod:  # the other ends of a tie point at the new tensor
-                    _slots(other, attr)[attr] = real[name]
+        for name, t in own.items():
+            torch.utils.swap_tensors(t, real[name])  # `t` (the object every holder has) gets the storage
+            seen.add(id(t))
         done.append(qual)
     return done
+
+
+def release(model: nn.Module, keep: set[int]) -> int:
+    """Put every parameter and buffer of `model` with storage whose ``id`` is not in `keep` back on the
+    meta device, in place (the same objects; ties stay ties); returns the bytes freed. The inverse of
+    :func:`materialize` for a rank whose partition changed."""
+    freed = 0
+    for t in {id(t): t for t in [*model.parameters(), *model.buffers()]}.values():
+        if not t.is_meta and id(t) not in keep:
+            freed += t.numel() * t.element_size()
+            torch.utils.swap_tensors(t, _like(t, "meta"))
+    return freed
