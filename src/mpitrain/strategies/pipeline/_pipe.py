@@ -133,7 +133,7 @@ class Pipeline:
         meta-device model's parameters are materialised in place (the same objects), so this holds
         for it too."""
         if not self.stages:
-            return iter(list(self.model.parameters()))  # model.parameters() yields a tied tensor once
+            return iter([q for q in self.model.parameters() if q.requires_grad])  # a tied tensor once
         return iter(self._params)
 
     @property
