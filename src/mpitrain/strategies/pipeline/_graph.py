@@ -34,8 +34,8 @@ from torch import fx, nn
 from .._batching import call_args
 
 __all__ = ["TraceFailure", "ValueMeta", "Traced", "Partition", "capture", "trace", "export", "model_args",
-           "profile", "measure", "measure_module", "param_counts", "cut_points", "split", "mutated_placeholders",
-           "local_nodes", "tied_groups", "set_training"]
+           "profile", "measure", "measure_module", "reference_seconds", "param_counts", "cut_points", "split",
+           "mutated_placeholders", "local_nodes", "tied_groups", "set_training"]
 
 
 class TraceFailure(ValueError):
@@ -264,6 +264,21 @@ def measure_module(gm: fx.GraphModule, inputs: Sequence[Any], passes: int = 3) -
     except RuntimeError:
         fwd, bwd = _timed_passes(gm, inputs, passes, train=False)
     return {name: t + bwd.get(name, 0.0) for name, t in fwd.items()}
+
+
+def reference_seconds(passes: int = 5) -> float:
+    """Seconds of a fixed small workload (matrix products driven from Python, like a graph's nodes;
+    the fastest of `passes`): this process's speed at this moment. Per-node times measured by
+    different ranks at different moments are divided by it before they are compared, so a rank slowed
+    by a neighbour during its measurement does not look like costlier nodes."""
+    a = torch.ones(64, 64)
+    best = float("inf")
+    for _ in range(max(passes, 1)):
+        t0 = time.perf_counter()
+        for _ in range(20):
+            a = torch.mm(a, a).clamp_(-1.0, 1.0)
+        best = min(best, time.perf_counter() - t0)
+    return best
 
 
 def _timed_passes(gm: fx.GraphModule, inputs: Sequence[Any], passes: int,

@@ -46,6 +46,7 @@ from ._graph import (
     model_args,
     param_counts,
     profile,
+    reference_seconds,
     set_training,
     split,
     tied_groups,
@@ -351,13 +352,17 @@ class Pipeline:
 
     def _measure_mine(self, bounds: list[int], meta: dict[str, ValueMeta | None],
                       sample: list[Any]) -> list[float | None]:
-        """Forward + backward seconds of the nodes of this rank's partitions (None for the others'),
-        each partition run alone on the sample's inputs it reads and stand-ins for the activations it
-        receives (random floats, zero integers: valid indices)."""
+        """Forward + backward time of the nodes of this rank's partitions (None for the others'), each
+        partition run alone on the sample's inputs it reads and stand-ins for the activations it
+        receives (random floats, zero integers: valid indices). In units of :func:`reference_seconds`
+        timed around the measurement: ranks time different nodes at different moments, and a rank
+        slowed by its neighbours meanwhile must not see its nodes as costlier."""
         traced = self._traced()
         index = {n.name: i for i, n in enumerate(traced.nodes)}
         parts = split(traced, bounds, meta)
         out: list[float | None] = [None] * len(traced.nodes)
+        unit = reference_seconds(self.profile_passes)
+        times: dict[int, float] = {}
         for c in range(self.V):
             k = c * self.P + self.p
             part = parts[k]
@@ -365,7 +370,10 @@ class Pipeline:
             for name, seconds in measure_module(part.module, args, self.profile_passes).items():
                 i = index.get(name)
                 if i is not None and bounds[k] <= i < bounds[k + 1]:
-                    out[i] = seconds
+                    times[i] = seconds
+        unit = min(unit, reference_seconds(self.profile_passes))
+        for i, seconds in times.items():
+            out[i] = seconds / unit
         return out
 
     def _tied_comms(self, parts: list[Partition]) -> list[tuple[Communicator, list[nn.Parameter]]]:
