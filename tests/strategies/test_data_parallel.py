@@ -340,3 +340,43 @@ def test_allreduce_gradients_matches_closed_form(comm, op):
             expected = expected / comm.size if op == "avg" else expected
             assert_close_all_ranks(comm, p.grad, torch.full_like(p, expected), atol=1e-6,
                                    what=f"{op} start={start} param {i}")
+
+
+class _Tokens(torch.utils.data.Dataset):
+    """Samples ``({"input_ids": ..., "attention_mask": ...}, labels)``: dict inputs through default collate."""
+
+    def __init__(self, data) -> None:
+        self.items = [({k: v[i] for k, v in x.items()}, y[i]) for x, y in data for i in range(len(y))]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i):
+        return self.items[i]
+
+
+def test_fit_data_strategy_slices_dict_inputs_of_a_transformer_like_one_process(comm):
+    """GPT-2 (float64) called with keyword inputs: uneven global batches (the last one leaves a rank
+    empty), micro-batches, the Dataset path (dict samples through default collate, the same global
+    batches), and eval outputs gathered as a ModelOutput."""
+    from tests.strategies.pipeline.tiny_transformers import build, lm_batches, lm_loss
+
+    n = 2 * comm.size + 1  # a rank reads one row more than another
+    data = lm_batches(n, 2, seed=5) + lm_batches(comm.size - 1, 1, seed=6)  # the last leaves a rank empty
+    sgd = optimizer_for("sgd")
+    ref = build("gpt2", seed=3)
+    ro = sgd(ref.parameters())
+    for x, y in data:
+        ro.zero_grad()
+        lm_loss(ref(**x), y).backward()
+        ro.step()
+    with torch.no_grad():
+        want_eval = sum(lm_loss(ref(**x), y).item() * len(y) for x, y in data) / sum(len(y) for _, y in data)
+    for source, extra in [(data, {}), (_Tokens(data), {"batch_size": n, "shuffle": False})]:
+        result = fit(build("gpt2", seed=3), source, lm_loss, sgd, strategy="data", progress=False,
+                     micro_batches=2, eval_data=data, **extra)
+        what = "iterable" if source is data else "Dataset"
+        for (name, p), q in zip(result.model.named_parameters(), ref.parameters()):
+            assert_close_all_ranks(comm, p.detach(), q.detach(), atol=1e-10, what=f"{what}: {name}")
+        assert_close_all_ranks(comm, torch.tensor(result.history[0]["eval_loss"]), torch.tensor(want_eval),
+                               atol=1e-10, what=f"{what}: eval loss")

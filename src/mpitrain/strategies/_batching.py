@@ -1,24 +1,67 @@
 """Slicing global mini-batches into per-replica and per-micro-batch pieces: equal ones (`shard`,
 `chunks`) and, for uneven batches, blocks as even as possible by the project's one blocking rule
-(:func:`~mpitrain.comm.base.split_sizes`)."""
+(:func:`~mpitrain.comm.base.split_sizes`); and how a batch's inputs call the model (`call_args`,
+`call_model`).
+
+A batch's inputs are a tensor, a tuple/list (positional arguments) or a dict (keyword arguments, e.g.
+``{"input_ids": ..., "attention_mask": ...}``), nested as ``torch.utils._pytree`` flattens them. Every
+tensor leaf with a dimension is sliced along dim 0; other leaves (0-dim tensors, numbers, strings) pass
+as they are."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 
 from .._utils.flat import spans
 from ..comm.base import Communicator, split_sizes
+from ._device import CPU, to_device
 from .base import Batch, BatchShare, FitError, Share
 
-__all__ = ["batch_size", "shard", "chunks", "check_divisible", "rows", "split_rows", "even_share", "slice_share",
-           "gather_rows"]
+__all__ = ["call_args", "call_model", "call_rows", "batch_size", "shard", "chunks", "check_divisible", "rows",
+           "split_rows", "even_share", "slice_share", "gather_rows", "gather_outputs"]
+
+
+def call_args(inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """How a batch's inputs call the model: a dict is keyword arguments, a tuple/list positional
+    arguments, anything else the one positional argument."""
+    if isinstance(inputs, dict):
+        return (), dict(inputs)
+    if isinstance(inputs, (tuple, list)):
+        return tuple(inputs), {}
+    return (inputs,), {}
+
+
+def call_model(model: Callable[..., Any], inputs: Any, device: torch.device = CPU) -> Any:
+    """``model(*args, **kwargs)`` for a batch's inputs as :func:`call_args` reads them, their tensors
+    moved to `device` first (nothing is moved for the CPU)."""
+    args, kwargs = call_args(to_device(inputs, device))
+    return model(*args, **kwargs)
+
+
+def call_rows(model: Callable[..., Any], inputs: Any, start: int, stop: int, device: torch.device = CPU) -> Any:
+    """The model's outputs for rows ``[start, stop)`` of `inputs`. With no rows the model runs on the
+    batch's first row and every tensor leaf of its outputs is cut to 0 rows: a rank without samples
+    still gets the outputs' structure and trailing shapes for a gather (many models, transformers among
+    them, refuse an empty batch)."""
+    if stop > start:
+        return call_model(model, rows(inputs, start, stop), device)
+    return rows(call_model(model, rows(inputs, 0, 1), device), 0, 0)
+
+
+def _sliced(t: object) -> bool:
+    return isinstance(t, torch.Tensor) and t.dim() > 0
 
 
 def batch_size(x: Any) -> int:
-    """Dim-0 length of a tensor, or of the first tensor of a tuple/list."""
-    return len(x[0]) if isinstance(x, (tuple, list)) else len(x)
+    """Dim-0 length of the first tensor leaf with a dimension of `x` (a tensor, tuple, list or dict)."""
+    for t in pytree.tree_leaves(x):
+        if _sliced(t):
+            return len(t)
+    raise FitError(f"the batch holds no tensor with a batch dimension (got {type(x).__name__})")
 
 
 def check_divisible(n: int, parts: int, what: str) -> None:
@@ -31,13 +74,11 @@ def check_divisible(n: int, parts: int, what: str) -> None:
 
 
 def shard(x: Any, parts: int, index: int) -> Any:
-    """Slice `index` of `parts` equal slices along dim 0 (views, no copy); tuples are sliced item-wise."""
-    if isinstance(x, (tuple, list)):
-        return type(x)(shard(v, parts, index) for v in x)
-    n = len(x)
+    """Slice `index` of `parts` equal slices along dim 0 (views, no copy) of every tensor leaf."""
+    n = batch_size(x)
     check_divisible(n, parts, "slices")
     step = n // parts
-    return x[index * step:(index + 1) * step]
+    return rows(x, index * step, (index + 1) * step)
 
 
 def chunks(x: Any, parts: int) -> list[Any]:
@@ -46,10 +87,9 @@ def chunks(x: Any, parts: int) -> list[Any]:
 
 
 def rows(x: Any, start: int, stop: int) -> Any:
-    """Rows ``[start, stop)`` along dim 0 (views); tuples/lists item-wise, non-tensors passed as is."""
-    if isinstance(x, (tuple, list)):
-        return type(x)(rows(v, start, stop) for v in x)
-    return x[start:stop] if isinstance(x, torch.Tensor) else x
+    """Rows ``[start, stop)`` along dim 0 (views) of every tensor leaf of `x` with a dimension, in the
+    same structure; other leaves passed as is."""
+    return pytree.tree_map(lambda t: t[start:stop] if _sliced(t) else t, x)
 
 
 def split_rows(x: Any, parts: int) -> list[Any]:
@@ -82,3 +122,16 @@ def gather_rows(comm: Communicator, out: torch.Tensor, sizes: list[int]) -> torc
     padded[:len(out)] = out
     blocks = comm.allgather(padded).reshape(len(sizes), top, *out.shape[1:])
     return torch.cat([blocks[r, :s] for r, s in enumerate(sizes)])
+
+
+def gather_outputs(comm: Communicator, out: Any, sizes: list[int]) -> Any:
+    """Collective: :func:`gather_rows` of every tensor leaf of `out` with a dimension (a tensor, tuple,
+    dict or ModelOutput, in leaf order: every rank's `out` has the same structure), in the same
+    structure, on the CPU (fit compares them with its CPU targets); bf16 leaves come back as float32,
+    other leaves as this rank holds them."""
+    def gather(t: Any) -> Any:
+        if not _sliced(t):
+            return t
+        t = t.cpu()  # the same tensor for a CPU one
+        return gather_rows(comm, t.float() if t.dtype == torch.bfloat16 else t, sizes)
+    return pytree.tree_map(gather, out)

@@ -46,9 +46,10 @@ class FitError(ValueError):
     strategy raises it on every rank before any message is sent, saying what to change."""
 
 
-#: The inputs of a global mini-batch: one tensor, or a tuple/list of positional inputs of the model
-#: (tensors are sliced along dim 0; anything else is passed as is).
-Batch: TypeAlias = torch.Tensor | tuple[object, ...] | list[object]
+#: The inputs of a global mini-batch: one tensor, a tuple/list of positional inputs of the model, or a
+#: dict of keyword inputs (``{"input_ids": ..., "attention_mask": ...}``); every tensor with a dimension
+#: is sliced along dim 0, anything else is passed as is (``strategies._batching``).
+Batch: TypeAlias = torch.Tensor | tuple[object, ...] | list[object] | dict[str, object]
 #: How the pipeline strategies weigh nodes: "time", "params" or node counts per partition.
 Balance: TypeAlias = str | Sequence[int]
 LossFn: TypeAlias = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]

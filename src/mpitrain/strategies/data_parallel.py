@@ -13,7 +13,7 @@ from torch.utils._pytree import tree_leaves
 
 from ..comm.base import Communicator
 from ..runtime import world
-from ._batching import batch_size, even_share, gather_rows, rows, slice_share, split_rows
+from ._batching import batch_size, call_model, call_rows, even_share, gather_outputs, slice_share, split_rows
 from ._broadcast import (
     broadcast_optimizer_state,
     broadcast_parameters,
@@ -363,6 +363,10 @@ class DataOptions(StrategyOptions):
 class DataTrainer:
     """fit's Trainer for ``strategy="data"``: each rank trains on its rows of the global batch.
 
+    Inputs are a tensor, a tuple (positional arguments) or a dict of tensors (keyword arguments such
+    as ``input_ids``, ``attention_mask``): every tensor is sliced along dim 0
+    (:func:`~._batching.call_model`).
+
     A global batch of n rows is split as evenly as possible (rank r gets block r of
     ``split_sizes(n, size)``; a rank may get none), ``micro_batches`` > 1 splits each rank's rows further
     and accumulates under ``no_sync`` (one reduction per step). Each piece's mean loss is weighted by its
@@ -409,7 +413,7 @@ class DataTrainer:
         for j, (x, y) in enumerate(pieces):
             with self.dp.no_sync() if j < len(pieces) - 1 else contextlib.nullcontext():
                 with autocast(self.loop.precision, self.device):
-                    loss = self.loss_fn(self.dp(x), y)
+                    loss = self.loss_fn(call_model(self.dp, x), y)
                 (loss * (batch_size(y) * weight)).backward()
             local += loss.detach().double() * batch_size(y)
         if not pieces:
@@ -420,14 +424,15 @@ class DataTrainer:
         return float(self.comm.allreduce(local.reshape(1), "sum").item()) / total
 
     @torch.no_grad()
-    def eval_step(self, inputs: Batch, targets: torch.Tensor) -> torch.Tensor:
+    def eval_step(self, inputs: Batch, targets: torch.Tensor) -> Any:
+        """The model's outputs for the whole batch on every rank, in the model's own structure (a
+        tensor, tuple, ModelOutput: every tensor leaf gathered along dim 0)."""
         n = batch_size(targets)
         s = self.share(n)
         with autocast(self.loop.precision, self.device):
-            out: torch.Tensor = self.dp.module(to_device(rows(inputs, s.start, s.stop), self.device))
-        out = out.cpu()  # no-op on the CPU; fit compares the outputs with its (CPU) targets
+            out = call_rows(self.dp.module, inputs, s.start, s.stop, self.device)
         sizes = [even_share(n, self.comm.size, r).rows for r in range(self.comm.size)]
-        return gather_rows(self.comm, out.float() if out.dtype == torch.bfloat16 else out, sizes)
+        return gather_outputs(self.comm, out, sizes)
 
     # -- checkpoints (CheckpointTrainer) ---------------------------------------------------------------
     def layout(self) -> dict[str, object]:

@@ -35,7 +35,7 @@ from ..comm.base import CommError, Communicator
 from ..comm.codecs import Codec, get_codec
 from ..comm.ring import DEFAULT_CHUNK_BYTES, ring_allreduce
 from ..timeline import span
-from ._batching import batch_size, even_share, gather_rows, rows, slice_share
+from ._batching import batch_size, call_model, call_rows, even_share, gather_outputs, slice_share
 from ._broadcast import broadcast_parameters, check_same_everywhere
 from ._device import autocast, model_device, to_device
 from .base import (
@@ -283,9 +283,8 @@ class PipeSGDTrainer:
             if b.share.rows == 0 or b.targets is None:
                 continue
             m = batch_size(b.targets)
-            x, y = to_device((b.inputs, b.targets), self.device)  # themselves on the CPU
             with autocast(self.loop.precision, self.device):
-                loss = self.loss_fn(self.model(x), y)
+                loss = self.loss_fn(call_model(self.model, b.inputs, self.device), to_device(b.targets, self.device))
             (loss * (m * self.comm.size / total)).backward()
             local += loss.detach().double() * m
         self.stats["compute_s"] += time.perf_counter() - t0
@@ -317,11 +316,11 @@ class PipeSGDTrainer:
         return self.comm.allreduce(local.reshape(1), "sum").item() / total
 
     @torch.no_grad()
-    def eval_step(self, inputs: Batch, targets: torch.Tensor) -> torch.Tensor:
+    def eval_step(self, inputs: Batch, targets: torch.Tensor) -> Any:
         n = batch_size(targets)
         s = self.share(n)
-        out = self.model(to_device(rows(inputs, s.start, s.stop), self.device)).cpu().contiguous()
-        return gather_rows(self.comm, out, [even_share(n, self.comm.size, r).rows for r in range(self.comm.size)])
+        out = call_rows(self.model, inputs, s.start, s.stop, self.device)
+        return gather_outputs(self.comm, out, [even_share(n, self.comm.size, r).rows for r in range(self.comm.size)])
 
     # -- checkpoints (CheckpointTrainer) ---------------------------------------------------------------
     def layout(self) -> dict[str, object]:

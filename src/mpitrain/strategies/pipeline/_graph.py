@@ -31,9 +31,11 @@ import torch
 import torch.utils._pytree as pytree
 from torch import fx, nn
 
+from .._batching import call_args
+
 __all__ = ["TraceFailure", "ValueMeta", "Traced", "Partition", "capture", "trace", "export", "model_args",
-           "call_args", "profile", "measure", "param_counts", "cut_points", "split", "mutated_placeholders",
-           "local_nodes", "tied_groups", "set_training"]
+           "profile", "measure", "measure_module", "reference_seconds", "param_counts", "cut_points", "split",
+           "mutated_placeholders", "local_nodes", "tied_groups", "set_training"]
 
 
 class TraceFailure(ValueError):
@@ -80,16 +82,6 @@ class Partition:
     data_inputs: list[int]
     recv_inputs: list[str]
     outputs: list[str]
-
-
-def call_args(inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """How a batch's inputs call the model: a dict is keyword arguments, a tuple/list positional
-    arguments, anything else the one positional argument."""
-    if isinstance(inputs, dict):
-        return (), dict(inputs)
-    if isinstance(inputs, (tuple, list)):
-        return tuple(inputs), {}
-    return (inputs,), {}
 
 
 def capture(model: nn.Module, sample: Any) -> Traced:
@@ -249,33 +241,59 @@ def profile(traced: Traced, inputs: Sequence[Any], grad: bool = True) -> dict[st
 
 
 def measure(traced: Traced, inputs: Sequence[Any], passes: int = 3) -> list[float]:
-    """Seconds of forward plus backward per compute node (the fastest of `passes` training-mode passes
-    on `inputs`), for balancing partitions by time. The model's buffers, gradients and RNG state are
-    restored afterwards, so measuring changes nothing a step would see. A model that cannot run a
-    training pass on `inputs` (BatchNorm1d on one sample) is measured by eval-mode forwards instead.
+    """Seconds of forward plus backward per compute node of the whole graph on `inputs` (the flat
+    placeholder values), for balancing partitions by time; see :func:`measure_module`."""
+    times = measure_module(traced.gm, inputs, passes)
+    return [times.get(n.name, 0.0) for n in traced.nodes]
+
+
+def measure_module(gm: fx.GraphModule, inputs: Sequence[Any], passes: int = 3) -> dict[str, float]:
+    """Seconds of forward plus backward per node of `gm` by node name (the fastest of `passes`
+    training-mode passes on `inputs`, its placeholder values). A partition module's nodes keep the
+    names of the captured graph's, so a partition can be measured alone. The module's buffers,
+    gradients and RNG state are restored afterwards, so measuring changes nothing a step would see. A
+    module that cannot run a training pass on `inputs` (BatchNorm1d on one sample) is measured by
+    eval-mode forwards instead.
 
     A node's backward time runs from backward reaching its output until it reaches the next value
-    (hooks on every differentiable output): exact on a chain, an apportioning on branches; balancing
-    only uses sums over the contiguous node ranges that partitions are."""
+    (hooks on every differentiable output; backward starts from every differentiable output leaf): exact
+    on a chain, an apportioning on branches; balancing only uses sums over the contiguous node ranges
+    that partitions are."""
     try:
-        fwd, bwd = _timed_passes(traced, inputs, passes, train=True)
+        fwd, bwd = _timed_passes(gm, inputs, passes, train=True)
     except RuntimeError:
-        fwd, bwd = _timed_passes(traced, inputs, passes, train=False)
-    return [fwd.get(n.name, 0.0) + bwd.get(n.name, 0.0) for n in traced.nodes]
+        fwd, bwd = _timed_passes(gm, inputs, passes, train=False)
+    return {name: t + bwd.get(name, 0.0) for name, t in fwd.items()}
 
 
-def _timed_passes(traced: Traced, inputs: Sequence[Any], passes: int,
+def reference_seconds(passes: int = 5) -> float:
+    """Seconds of a fixed small workload (matrix products driven from Python, like a graph's nodes;
+    the fastest of `passes`): this process's speed at this moment. Per-node times measured by
+    different ranks at different moments are divided by it before they are compared, so a rank slowed
+    by a neighbour during its measurement does not look like costlier nodes."""
+    a = torch.ones(64, 64)
+    best = float("inf")
+    for _ in range(max(passes, 1)):
+        t0 = time.perf_counter()
+        for _ in range(20):
+            a = torch.mm(a, a).clamp_(-1.0, 1.0)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _timed_passes(gm: fx.GraphModule, inputs: Sequence[Any], passes: int,
                   train: bool) -> tuple[dict[str, float], dict[str, float]]:
     """Fastest forward and (when `train`) backward seconds per node over `passes` passes."""
     fwd: dict[str, float] = {}
     bwd: dict[str, float] = {}
-    with _undisturbed(traced.gm, train=train), torch.set_grad_enabled(train):
+    with _undisturbed(gm, train=train), torch.set_grad_enabled(train):
         for _ in range(max(passes, 1)):
-            rec = _Recorder(traced.gm, stamp=train)
+            rec = _Recorder(gm, stamp=train)
             out = rec.run(*inputs)
             fwd = {k: min(v, fwd.get(k, v)) for k, v in rec.seconds.items()}
-            if isinstance(out, torch.Tensor) and out.requires_grad:
-                out.backward(torch.ones_like(out))
+            roots = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+            if roots:
+                torch.autograd.backward(roots, [torch.ones_like(t) for t in roots])
                 events = [*sorted(rec.stamps), (time.perf_counter(), "")]
                 spent: dict[str, float] = {}
                 for (t, name), (t_next, _) in zip(events, events[1:]):

@@ -43,15 +43,16 @@ from ._graph import (
     capture,
     cut_points,
     measure,
+    measure_module,
     model_args,
     param_counts,
     profile,
+    reference_seconds,
     set_training,
     split,
     tied_groups,
 )
-from ._graph import _get_attr as get_attr
-from ._materialize import InitFn, is_meta, materialize
+from ._materialize import InitFn, is_meta, materialize, release
 from ._partition import bounds_from_balance
 from ._stage import Stage, make_edges, run
 from .schedule import SCHEDULES, Action, schedule
@@ -93,8 +94,9 @@ class Pipeline:
     to set up at construction, so that :meth:`parameters` is known before the first step.
 
     A model on the meta device is captured, measured and split on meta; each rank then allocates and
-    initialises only the modules its partitions use (:func:`._materialize.materialize`, seeded by
-    `seed` and each module's name, with `init_fn(module)` or the module's ``reset_parameters()``)."""
+    initialises only the tensors its partitions use (:func:`._materialize.materialize`: each tensor
+    seeded by `seed` and its qualified name, with `init_fn(module)` or the module's
+    ``reset_parameters()``)."""
 
     def __init__(self, model: nn.Module, partitions: int | None = None, replicas: int | None = None,
                  micro_batches: int = 1, schedule: str = "1f1b", comm: Communicator | None = None,
@@ -111,9 +113,6 @@ class Pipeline:
         self.stall, self.profile_passes, self.seed, self.init_fn = stall, profile_passes, seed, init_fn
         _check_options(self.P, micro_batches, schedule, checkpoint, balance, virtual_stages)
         self.on_meta = is_meta(model)
-        if self.on_meta and balance == "time":
-            raise FitError("a model on the meta device cannot be timed before it is split (its weights do "
-                           "not exist yet): pass balance='params' or a list of node counts")
         self.V = virtual_stages if schedule == "interleaved-1f1b" else 1
         self.replica, self.p = divmod(comm.rank, self.P)
         self.pipe = _split(comm, self.replica, self.p)
@@ -127,11 +126,18 @@ class Pipeline:
 
     # -- public ---------------------------------------------------------------------------------
     def parameters(self) -> Iterator[nn.Parameter]:
-        """This rank's trainable parameters (each once), for its optimizer. Needs the set-up: pass
-        `example` to the constructor, or call it after the first :meth:`step`."""
+        """The trainable parameters (each once) for this rank's optimizer.
+
+        Once set up (`example` given, or after the first :meth:`step`): this rank's partitions'
+        parameters. Before (the partition needs a sample batch to capture, measure and cut): every
+        trainable parameter of the model. An optimizer built on those at once, as in
+        ``opt = torch.optim.AdamW(pipe.parameters())`` right after construction, steps exactly this
+        rank's: the others never get a gradient here and torch's optimizers skip a parameter whose
+        ``.grad`` is None (its state is created at its first step, so none is held for them). A
+        meta-device model's parameters are materialised in place (the same objects), so this holds
+        for it too."""
         if not self.stages:
-            raise FitError("Pipeline.parameters() is known once the model is split, which needs a sample "
-                           "batch: pass example=inputs to Pipeline(...) or call it after the first step()")
+            return iter([q for q in self.model.parameters() if q.requires_grad])  # a tied tensor once
         return iter(self._params)
 
     @property
@@ -282,19 +288,15 @@ class Pipeline:
         if isinstance(self.balance, str) and len(cuts) + 1 < parts_n:
             raise FitError(f"the graph can only be cut at {len(cuts)} places (where every crossing value "
                            f"is a tensor); use partitions x virtual stages <= {len(cuts) + 1}")
-        timed = self.balance == "time"
-        costs = self._agree(measure(traced, sample, self.profile_passes) if timed else None, sample)
-        try:
-            bounds = bounds_from_balance(self.balance, parts_n, costs or param_counts(traced), cuts)
-        except ValueError as e:
-            raise FitError(str(e)) from e
+        if self.on_meta:
+            bounds = self._meta_bounds(sample, meta, cuts)
+        else:
+            timed = self.balance == "time"
+            costs = self._agree(measure(traced, sample, self.profile_passes) if timed else None, sample)
+            bounds = _bounds(self.balance, parts_n, costs or param_counts(traced), cuts)
         self.bounds = bounds
         parts = split(traced, bounds, meta)
         mine = [parts[c * self.P + self.p] for c in range(self.V)]
-        if self.on_meta:
-            self._materialize(mine)
-            parts = split(traced, bounds, meta)  # partition modules holding the new tensors
-            mine = [parts[c * self.P + self.p] for c in range(self.V)]
         if self.checkpoint != "never":
             _refuse_recompute_with_batchnorm(mine)
         edges = make_edges(parts, meta)
@@ -315,23 +317,68 @@ class Pipeline:
                     for t in s.part.module.state_dict().values():
                         self.group.broadcast(t, root=0)
 
-    def _materialize(self, mine: list[Partition]) -> None:
-        """Allocate and initialise the modules this rank's partitions read, then point the captured
-        graph's parameter reads at the new tensors."""
-        keep = {id(t) for part in mine for t in [*part.module.parameters(), *part.module.buffers()]}
+    def _meta_bounds(self, sample: list[Any], meta: dict[str, ValueMeta | None], cuts: list[int]) -> list[int]:
+        """The split of a meta model, with this rank's partitions materialised (and nothing else).
+
+        `balance` "params" or a list: that split. "time": no rank can time the whole model, so the
+        graph is first split by parameters; each rank materialises and times only its own partitions
+        (stand-in activations of the shapes the meta profile gave), one allgather shares the per-node
+        times, every rank splits by them, materialises its final partitions and frees what it no longer
+        holds. Errors (an init that fails) travel in those allgathers: every rank raises together."""
+        traced = self._traced()
+        parts_n = self.P * self.V
+        timed = self.balance == "time"
+        bounds = _bounds("params" if timed else self.balance, parts_n, param_counts(traced), cuts)
+        error = self._hold(bounds, meta)
+        mine = self._measure_mine(bounds, meta, sample) if timed and error is None else None
+        costs = self._agree(mine, sample, error)
+        if costs is None:
+            return bounds
+        bounds = _bounds("time", parts_n, costs, cuts)
+        error = self._hold(bounds, meta)
+        errors = self.comm.allgather_object(error)
+        _raise_first(errors)
+        return bounds
+
+    def _hold(self, bounds: list[int], meta: dict[str, ValueMeta | None]) -> str | None:
+        """Make this rank hold exactly its partitions' tensors of the split at `bounds`: the others go
+        back to meta (first, so the peak is the larger of the two holdings, not their union), the
+        missing ones are materialised. Returns the error message of a failed initialisation."""
+        parts = split(self._traced(), bounds, meta)
+        keep = {id(t) for c in range(self.V) for part in [parts[c * self.P + self.p]]
+                for t in [*part.module.parameters(), *part.module.buffers()]}
+        release(self.model, keep)
         try:
             materialize(self.model, keep, self.seed, self.init_fn)
         except ValueError as e:
-            raise FitError(str(e)) from e
-        gm = self._traced().gm
-        for n in gm.graph.nodes:
-            if n.op == "get_attr":
-                try:
-                    value = get_attr(self.model, str(n.target))
-                except AttributeError:
-                    continue  # a constant of the captured graph, not one of the model's tensors
-                owner, _, attr = str(n.target).rpartition(".")
-                setattr(gm.get_submodule(owner) if owner else gm, attr, value)
+            return str(e)
+        return None
+
+    def _measure_mine(self, bounds: list[int], meta: dict[str, ValueMeta | None],
+                      sample: list[Any]) -> list[float | None]:
+        """Forward + backward time of the nodes of this rank's partitions (None for the others'), each
+        partition run alone on the sample's inputs it reads and stand-ins for the activations it
+        receives (random floats, zero integers: valid indices). In units of :func:`reference_seconds`
+        timed around the measurement: ranks time different nodes at different moments, and a rank
+        slowed by its neighbours meanwhile must not see its nodes as costlier."""
+        traced = self._traced()
+        index = {n.name: i for i, n in enumerate(traced.nodes)}
+        parts = split(traced, bounds, meta)
+        out: list[float | None] = [None] * len(traced.nodes)
+        unit = reference_seconds(self.profile_passes)
+        times: dict[int, float] = {}
+        for c in range(self.V):
+            k = c * self.P + self.p
+            part = parts[k]
+            args = [sample[i] for i in part.data_inputs] + [_stand_in(meta[v]) for v in part.recv_inputs]
+            for name, seconds in measure_module(part.module, args, self.profile_passes).items():
+                i = index.get(name)
+                if i is not None and bounds[k] <= i < bounds[k + 1]:
+                    times[i] = seconds
+        unit = min(unit, reference_seconds(self.profile_passes))
+        for i, seconds in times.items():
+            out[i] = seconds / unit
+        return out
 
     def _tied_comms(self, parts: list[Partition]) -> list[tuple[Communicator, list[nn.Parameter]]]:
         """One sub-communicator of the pipeline per set of ranks holding copies of tied parameters
@@ -346,20 +393,27 @@ class Pipeline:
                 out.append((sub, params))
         return out
 
-    def _agree(self, costs: list[float] | None, sample: list[Any]) -> list[float] | None:
-        """The one setup message: check every rank got the same arguments and data shapes, and average
-        the measured node times so that every rank computes the same partition."""
+    def _agree(self, costs: list[float] | None | list[float | None], sample: list[Any],
+               error: str | None = None) -> list[float] | None:
+        """The setup message: check every rank got the same arguments and data shapes, raise any
+        rank's `error` on every rank, and average each node's measured times over the ranks that
+        measured it (None: not measured here) so that every rank computes the same partition."""
         traced = self._traced()
         key = (self.P, self.R, self.M, self.V, self.schedule, self.checkpoint, repr(self.balance),
                [n.name for n in traced.nodes], [tuple(a.shape) for a in sample if hasattr(a, "shape")])
-        seen = self.comm.allgather_object((key, costs))
-        bad = [r for r, (k, _) in enumerate(seen) if k != key]
+        seen = self.comm.allgather_object((key, costs, error))
+        bad = [r for r, (k, _, _) in enumerate(seen) if k != key]
         if bad:
             raise FitError(f"ranks {bad} set up the pipeline with a different model, data or arguments "
                            f"than rank 0")
+        _raise_first([e for _, _, e in seen])
         if costs is None:
             return None
-        return [sum(c[i] for _, c in seen) / len(seen) for i in range(len(costs))]
+        out = []
+        for i in range(len(costs)):
+            got = [c[i] for _, c, _ in seen if c is not None and c[i] is not None]
+            out.append(sum(got) / len(got) if got else 0.0)
+        return out
 
     def _meta(self, flat: list[Any], n: int) -> dict[str, ValueMeta | None]:
         if n not in self._metas:
@@ -412,6 +466,31 @@ class Pipeline:
                 for s in self.stages:
                     for b in s.part.module.buffers():
                         self.group.broadcast(b, root=0)
+
+
+def _bounds(balance: Any, parts: int, costs: list[float], cuts: list[int]) -> list[int]:
+    try:
+        return bounds_from_balance(balance, parts, costs, cuts)
+    except ValueError as e:
+        raise FitError(str(e)) from e
+
+
+def _raise_first(errors: list[str | None]) -> None:
+    """FitError on every rank (each holds the same gathered list) if any rank reported an error."""
+    for r, e in enumerate(errors):
+        if e is not None:
+            raise FitError(f"rank {r}: {e}")
+
+
+def _stand_in(meta: ValueMeta | None) -> torch.Tensor:
+    """A tensor shaped like a received activation, to time a partition alone: random floats (a
+    non-leaf when differentiable, so in-place ops on it are allowed, as on a received copy), zeros
+    otherwise."""
+    assert meta is not None  # a boundary only ever carries tensors (cut_points)
+    if not meta.dtype.is_floating_point:
+        return torch.zeros(meta.shape, dtype=meta.dtype)
+    x = torch.randn(meta.shape, dtype=meta.dtype, requires_grad=meta.requires_grad)
+    return x.clone() if meta.requires_grad else x
 
 
 def _split(comm: Communicator, color: int, key: int) -> Communicator:
