@@ -5,7 +5,7 @@ Public surface: :class:`Pipeline` (the user's own loop), ``make_trainer`` (what 
 
 from ._graph import TraceFailure
 from ._pipe import CHECKPOINTS, Pipeline
-from ._trainer import make_trainer
+from ._trainer import FEATURES, make_trainer
 from .schedule import SCHEDULES
 
-__all__ = ["Pipeline", "make_trainer", "TraceFailure", "SCHEDULES", "CHECKPOINTS"]
+__all__ = ["Pipeline", "make_trainer", "FEATURES", "TraceFailure", "SCHEDULES", "CHECKPOINTS"]
