@@ -159,12 +159,18 @@ def test_scheduler_clipping_and_accumulation_equal_one_process_with_tied_weights
 def test_bf16_autocast_matches_one_process_autocast(comm):
     for strategy, P, R in layouts(comm.size):
         ds = Points(dtype=torch.float32)
+        held_out = [(ds.x[:7], ds.y[:7])]
         result = fit(deep(torch.float32), ds, F.cross_entropy, sgd, strategy=strategy, partitions=P,
-                     micro_batches=2, batch_size=B, precision="bf16", balance="params", progress=False)
+                     micro_batches=2, batch_size=B, precision="bf16", balance="params", eval_data=held_out,
+                     progress=False)
         ref, losses, _ = reference(deep(torch.float32), order_batches(ds, 1), precision="bf16")
         _, full, _ = reference(deep(torch.float32), order_batches(ds, 1))
         same_params(comm, result.model, ref, 2e-2, f"{strategy} P={P} R={R} bf16")
         assert_all_ranks(comm, losses != full, "autocast made no difference in one process")
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            want = F.cross_entropy(ref(held_out[0][0]).float(), held_out[0][1]).item()
+        got = result.history[-1]["eval_loss"]
+        assert_all_ranks(comm, abs(got - want) < 2e-2, f"{strategy} bf16 eval loss {got} vs {want}")
 
 
 def noisy() -> nn.Module:
@@ -212,13 +218,28 @@ def test_stopped_run_resumes_bit_identical_and_load_checkpoint_consolidates(comm
                          f"{what}: rank {comm.rank} saved the whole model {held}")
 
 
+def test_checkpoint_of_fewer_replicas_resumes_on_more(comm, tmp_path):
+    """Replicas hold the same weights: P ranks (one replica) save mid-run, every rank continues."""
+    _, P, R = layouts(comm.size)[1]
+    directory = comm.broadcast_object(str(tmp_path / "ckpt"))
+    first = comm.split(0 if comm.rank < P else None, comm.rank)
+    if first is not None:
+        fit(deep(), Points(), F.cross_entropy, sgd, strategy="hybrid", partitions=P, micro_batches=2, batch_size=B,
+            epochs=2, balance="params", checkpoint_dir=directory, checkpoint_every=3, comm=first, progress=False,
+            on_step_end=lambda s: s.step == 5)
+        first.free()
+    result = fit(deep(), Points(), F.cross_entropy, sgd, strategy="hybrid", partitions=P, micro_batches=2,
+                 batch_size=B, epochs=2, checkpoint_dir=directory, resume=True, progress=False)
+    ref, _, _ = reference(deep(), order_batches(Points(), 2))
+    same_params(comm, result.model, ref, 1e-10, f"hybrid P={P}: 1 replica -> {R}")
+    assert_all_ranks(comm, len(result.history) == 2, f"history {result.history}")
+
+
 def test_resume_on_another_layout_is_refused_naming_both(comm, tmp_path):
-    if comm.size == 1:
-        pytest.skip("needs two layouts")
     directory = comm.broadcast_object(str(tmp_path / "ckpt"))
     fit(deep(), Points(), F.cross_entropy, sgd, strategy="hybrid", partitions=comm.size, batch_size=B, steps=1,
         balance="params", checkpoint_dir=directory, progress=False)
-    with pytest.raises(FitError, match=rf"layout .*'partitions': 1, 'replicas': {comm.size}.* checkpoint of "
+    with pytest.raises(FitError, match=rf"layout .*'partitions': 1, 'replicas': {comm.size}.*checkpoint of "
                                        rf"layout .*'partitions': {comm.size}, 'replicas': 1"):
         fit(deep(), Points(), F.cross_entropy, sgd, strategy="hybrid", partitions=1, batch_size=B,
             checkpoint_dir=directory, resume=True, progress=False)

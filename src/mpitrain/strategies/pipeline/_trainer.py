@@ -198,18 +198,21 @@ class PipelineTrainer:
         return {"model": model, "optimizer": self.optimizer.state_dict()}
 
     def load_state_dict(self, read: Callable[[int], dict[str, object]], saved_layout: Mapping[str, object]) -> None:
-        """Resume on the same layout (strategy, P, R, virtual stages; the world size follows): this
-        rank's shard, applied when the model is split at the first step, cut where the saved run cut
-        it (its bounds become ``balance``). Another layout: FitError naming both (a pipeline's
-        partitions and their optimizer state are not resharded)."""
+        """Resume with the same partitions and virtual stages, cut where the saved run cut it (its
+        bounds become ``balance``); the shard is applied when the model is split at the first step.
+        Same replicas: this rank's shard. Other replicas (another world size): pipeline rank p reads
+        saved rank p, replica 0's (replicas hold the same weights and optimizer state; BatchNorm
+        statistics become replica 0's). Other partitions or virtual stages: FitError naming both
+        layouts (partitions and their optimizer state are not resharded)."""
         now = self.layout()
-        keys = ("strategy", "world_size", "partitions", "replicas", "virtual_stages")
+        keys = ("strategy", "partitions", "virtual_stages")
         bounds = saved_layout.get("bounds")
         if any(saved_layout.get(k) != now[k] for k in keys) or (bounds is not None and not isinstance(bounds, list)):
             raise FitError(f"cannot resume strategy {self.strategy!r} (layout {now}) from a checkpoint of layout "
-                           f"{dict(saved_layout)}: a pipeline resumes only on the same partitions, replicas and "
-                           f"virtual stages (resharding partitions is not supported)")
-        state = read(self.comm.rank)
+                           f"{dict(saved_layout)}: a pipeline resumes only with the same partitions and virtual "
+                           f"stages (resharding partitions is not supported; replicas may change)")
+        same = saved_layout.get("replicas") == now["replicas"] and saved_layout.get("world_size") == now["world_size"]
+        state = read(self.comm.rank if same else self.pipe.p)
         self._read = read
         if bounds is None:  # saved before any step: the whole model on every rank
             self.pipe.model.load_state_dict(read(0)["model"])  # type: ignore[arg-type]
