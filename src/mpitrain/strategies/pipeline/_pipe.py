@@ -29,6 +29,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
+from ..._utils.flat import spans
 from ..._utils.stall import DEFAULT_POLICY, StallPolicy, watched
 from ...comm.base import Communicator, split_sizes
 from .._batching import check_divisible
@@ -204,14 +205,14 @@ class Pipeline:
         if not sizes:
             return 0.0
         traced = self._traced()
-        spans_ = [(sum(sizes[:m]), sum(sizes[:m + 1])) for m in range(len(sizes))]
+        blocks = spans(sizes)
         if inputs is not None:
             rows = inputs if flat else self._flat(inputs)
-            micro_args = [_rows(rows, a, b) for a, b in spans_]
+            micro_args = [_rows(rows, a, b) for a, b in blocks]
         else:  # inputs reach later partitions as messages; non-tensor inputs are the sample's constants
             constants = [None if isinstance(a, torch.Tensor) else a for a in self._sample]
             micro_args = [constants] * len(sizes)
-        micro_tgt = [_slice(targets, a, b) for a, b in spans_] if targets is not None else []
+        micro_tgt = [_slice(targets, a, b) for a, b in blocks] if targets is not None else []
         total = [0.0]
 
         def last_fn(m: int, out: list[Any]) -> torch.Tensor:
