@@ -74,9 +74,10 @@ def _slice(tree: Any, start: int, stop: int) -> Any:
     return pytree.tree_map(lambda t: t[start:stop] if isinstance(t, torch.Tensor) and t.dim() > 0 else t, tree)
 
 
-def _repeat_rows(args: list[Any], n: int) -> list[Any]:
-    """`n` rows made of `args`' rows repeated in order (shapes of a micro-batch of `n` rows)."""
-    return [a[torch.arange(n) % len(a)] if isinstance(a, torch.Tensor) and a.dim() > 0 else a for a in args]
+def _repeat(tree: Any, n: int) -> Any:
+    """`n` rows made of every tensor's rows repeated in order (the shapes of a batch of `n` rows)."""
+    return pytree.tree_map(lambda t: t[torch.arange(n) % len(t)] if isinstance(t, torch.Tensor) and t.dim() > 0
+                           else t, tree)
 
 
 def _batch(flat: list[Any]) -> int:
@@ -185,12 +186,14 @@ class Pipeline:
 
     def setup_shared(self, inputs: Any | None, micro: int) -> None:
         """Collective, once, before the first :meth:`train_pass` of a pipeline whose ranks do not all
-        hold the batch: world rank 0 passes a few rows of the inputs (at least `micro`, the first
-        micro-batch's size; the others pass None), which it broadcasts (pickled, one message) so that
-        every rank captures, measures and splits the model on the same sample."""
+        hold the batch: world rank 0 passes rows of the inputs (the others pass None), which it repeats
+        to ``max(2, micro)`` rows (`micro`: the first micro-batch's size, the same on every rank; two at
+        least, as torch.export takes a batch of one for a constant) and broadcasts (pickled, one
+        message) so that every rank captures, measures and splits the model on the same sample."""
         if self.stages:
             return
-        sample = self.comm.broadcast_object(inputs if self.comm.rank == 0 else None)
+        mine = _repeat(inputs, max(2, micro)) if self.comm.rank == 0 else None
+        sample = self.comm.broadcast_object(mine)
         self._setup(sample, self._flat(sample), micro)
 
     def train_pass(self, inputs: Any | None, targets: Any | None, sizes: list[int], scales: list[float],
@@ -221,13 +224,15 @@ class Pipeline:
             return loss * scales[m]
 
         self._mode(train=True)
-        metas = [self._meta(micro_args[m] if inputs is not None else None, s) for m, s in enumerate(sizes)]
+        # shapes from the set-up sample when ranks differ in what they hold: the same on every rank
+        shared = inputs is None or self.inputs_on_first
+        metas = [self._meta(None if shared else micro_args[m], s) for m, s in enumerate(sizes)]
         run(self.stages, self._actions(len(sizes)), micro_args, metas, last_fn, train=True)
         return total[0] if self._holds_last else 0.0
 
     def reduce_gradients(self) -> None:
-        """Collective over the pipeline's ranks: finish the sends of the passes, average ``.grad`` over
-        the replicas and sum the copies of tied parameters (None gradients count as zeros)."""
+        """Collective over every rank: finish the sends of the passes, average ``.grad`` over the
+        replicas and sum the copies of tied parameters (None gradients count as zeros)."""
         # this rank's backward is done: its replicas' average overlaps the other ranks' compute
         handle = start_allreduce_gradients(self._params, self.group, op="avg") if self.R > 1 else None
         self._finish_sends()
@@ -438,7 +443,7 @@ class Pipeline:
         """Value metas of a micro-batch of `n` rows: profiled on `flat`'s first rows, or (None: this
         rank has no inputs) on the set-up sample's rows repeated to `n`; the same shapes on every rank."""
         if n not in self._metas:
-            rows = _rows(flat, 0, n) if flat is not None else _repeat_rows(self._sample, n)
+            rows = _rows(flat, 0, n) if flat is not None else _repeat(self._sample, n)
             self._metas[n] = self._profile(rows, grad=False)
         return self._metas[n]
 

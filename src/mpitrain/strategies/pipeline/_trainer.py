@@ -144,12 +144,8 @@ class PipelineTrainer:
         optimizer, and load a pending checkpoint."""
         pipe = self.pipe
         micro = -(-split_sizes(first.n, pipe.R)[0] // pipe.M)  # replica 0's first micro-batch, on every rank
-        sample = None
-        if self.comm.rank == 0:  # replica 0, pipeline rank 0: it has rows and inputs
-            inputs = _own_rows(first.inputs, first)
-            rows = max(2, micro)  # two at least: torch.export takes a batch of one for a constant
-            sample = pytree.tree_map(lambda t: t[torch.arange(rows) % len(t)] if _rowed(t) else t, inputs)
-        pipe.setup_shared(sample, micro)
+        # world rank 0 is replica 0's pipeline rank 0: it has rows (n >= 1) and inputs
+        pipe.setup_shared(_own_rows(first.inputs, first) if self.comm.rank == 0 else None, micro)
         mine = {id(q) for q in pipe.parameters()}
         current = dict(pipe.model.named_parameters(remove_duplicate=False))
         for group in self.optimizer.param_groups:  # in place: an optimizer may hold the list itself
