@@ -141,15 +141,19 @@ def test_dataset_with_uneven_last_batch_equals_one_process_and_each_rank_reads_o
         assert_all_ranks(comm, bool((counts == 2).all()), f"{what}: first stages' reads per index {counts.tolist()}")
 
 
-def test_scheduler_clipping_and_accumulation_equal_one_process_with_tied_weights(comm):
+def test_scheduler_clipping_and_accumulation_equal_one_process_with_tied_weights(comm, tmp_path):
     def sched(opt):
         return torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
 
+    root = comm.broadcast_object(str(tmp_path))
     for strategy, P, R in layouts(comm.size):
         ds = Points()
         result = fit(tied(), ds, F.cross_entropy, sgd, strategy=strategy, partitions=P, micro_batches=2,
                      batch_size=B, epochs=2, accumulate=3, grad_clip=0.05, lr_scheduler=sched, balance="params",
-                     progress=False)
+                     checkpoint_dir=f"{root}/{strategy}", progress=False)
+        # the tied weight's copies (one per holding rank) consolidate to the trained weight
+        assert_all_ranks(comm, same(checkpoint.load_checkpoint(f"{root}/{strategy}"), result.model.state_dict()),
+                         f"{strategy}: load_checkpoint of a tied model")
         ref, _, lrs = reference(tied(), order_batches(ds, 2), accumulate=3, clip=0.05, scheduler=sched)
         same_params(comm, result.model, ref, 1e-10, f"{strategy} P={P} R={R} scheduler+clip+accumulate")
         assert_all_ranks(comm, [h["lr"] for h in result.history] == [lrs[1], lrs[3]],
