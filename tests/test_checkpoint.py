@@ -63,7 +63,7 @@ def test_a_failure_mid_save_leaves_no_visible_checkpoint_and_the_next_save_clean
     assert sorted(p.name for p in path.iterdir()) == ["manifest.json", "rank-0.pt"]
 
 
-@pytest.mark.parametrize("strategy", ["data", "pipe-sgd"])
+@pytest.mark.parametrize("strategy", ["data", "pipe-sgd", "model"])
 def test_stopped_run_resumes_bit_identical_and_load_checkpoint_consolidates(tmp_path, strategy):
     full = train(tmp_path / "full", checkpoint_every=3, strategy=strategy)
     stopped = train(tmp_path / "part", checkpoint_every=3, strategy=strategy, on_step_end=lambda s: s.step == 7)
