@@ -11,7 +11,7 @@ RUN    := $(BIN)/mpitrain run
 # interrupt a rank blocked inside MPI (see tests/README.md).
 MPIPYTEST := python -m mpi4py -m pytest -x -q --color=no -p no:cacheprovider --timeout-method=thread -m mpi
 
-.PHONY: venv test test-serial test-multihost test-mpi lint typecheck demo bench clean
+.PHONY: venv test test-serial test-multihost test-mpi test-gpu lint typecheck demo bench clean
 
 venv: $(STAMP)
 
@@ -40,6 +40,19 @@ test-mpi: venv
 	timeout 900 $(RUN) -n 3 -- $(MPIPYTEST) --timeout=300 tests
 	timeout 900 $(RUN) -n 4 -- $(MPIPYTEST) --timeout=300 tests
 	MPITRAIN_BACKEND=torch timeout 600 $(RUN) -n 3 -- $(MPIPYTEST) --timeout=240 tests/comm
+
+# On a GPU machine (docs/gpu.md): one rank through both backends, then 2-4 ranks sharing the GPU(s) through
+# the MPI backend, then NCCL across ranks when there are GPUs enough for one per rank. Without CUDA every
+# test is skipped with the reason.
+test-gpu: venv
+	$(BIN)/python -m pytest -q -rs -m "gpu and not mpi" --timeout=600 tests/gpu
+	timeout 900 $(RUN) -n 2 -- $(MPIPYTEST) -rs --timeout=300 tests/gpu
+	timeout 900 $(RUN) -n 3 -- $(MPIPYTEST) -rs --timeout=300 tests/gpu
+	timeout 900 $(RUN) -n 4 -- $(MPIPYTEST) -rs --timeout=300 tests/gpu
+	GPUS=$$($(BIN)/python -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)"); \
+	if [ "$$GPUS" -ge 2 ]; then N=$$(( GPUS < 4 ? GPUS : 4 )); \
+	  MPITRAIN_BACKEND=torch timeout 900 $(RUN) -n $$N -- $(MPIPYTEST) --timeout=300 tests/comm tests/gpu; \
+	else echo "test-gpu: fewer than 2 GPUs, NCCL across ranks not run"; fi
 
 test: lint typecheck test-serial test-mpi
 

@@ -96,7 +96,7 @@ def test_resume_without_checkpoints_starts_fresh(tmp_path):
     assert all(torch.equal(x, y) for x, y in zip(a.model.state_dict().values(), b.model.state_dict().values()))
 
 
-@pytest.mark.parametrize("strategy", ["auto", "spatial"])
+@pytest.mark.parametrize("strategy", ["auto"])
 def test_strategies_without_checkpoint_hooks_refuse_clearly_before_any_message(tmp_path, strategy):
     with pytest.raises(FitError, match=f"checkpointing .* is not supported by strategy '{strategy}' yet"):
         train(tmp_path, strategy=strategy)

@@ -10,7 +10,7 @@ from .comm import CommError, Communicator, Request
 # Imported eagerly: the function `fit` must shadow the submodule `mpitrain.fit` for good (a lazy
 # lookup loses to the attribute the import system sets when any module imports mpitrain.fit).
 from .fit import FitError, FitResult, LoopState, StopTraining, fit
-from .runtime import init, local_rank, rank, size
+from .runtime import device, init, local_rank, rank, size
 
 __version__ = "0.1.0"
 
@@ -30,7 +30,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
 }
 
 __all__ = [
-    "init", "rank", "size", "local_rank",
+    "init", "rank", "size", "local_rank", "device",
     "Communicator", "Request", "CommError",
     "fit", "FitResult", "FitError", "StopTraining", "LoopState",
     *_LAZY,

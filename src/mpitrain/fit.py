@@ -6,7 +6,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sized
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -277,6 +277,11 @@ class _Loop:
         # without parameters has none): the others record no lr, so every rank's history is the same
         self.optimizer: torch.optim.Optimizer | None = getattr(trainer, "optimizer", None) if has_lr else None
         self.scheduler = s.lr_scheduler(self.optimizer) if s.lr_scheduler is not None and self.optimizer else None
+        # what this rank's DataLoader reads: a trainer may view the Dataset (spatial: its block of each sample)
+        view = getattr(trainer, "rank_view", None) if sharded else None
+        self.read_plan: DataPlan | None = s.plan
+        if view is not None and s.plan is not None:
+            self.read_plan = replace(s.plan, dataset=view(s.plan.dataset))
         self.pos = _Position()
         self.history: list[dict[str, Any]] = []
         self.saved_step = -1
@@ -289,7 +294,8 @@ class _Loop:
         plan, trainer = self.s.plan, self.trainer
         if plan is not None:
             if self.sharded:
-                yield from read_shares(plan, epoch, start, trainer.share)  # type: ignore[attr-defined]
+                assert self.read_plan is not None
+                yield from read_shares(self.read_plan, epoch, start, trainer.share)  # type: ignore[attr-defined]
             else:
                 yield from read_global(plan, epoch, start)
             return

@@ -8,17 +8,42 @@ import threading
 import traceback
 from types import TracebackType
 
+import torch
+
 from .comm.base import CommError, Communicator
 
-__all__ = ["init", "rank", "size", "local_rank", "world", "BACKENDS"]
+__all__ = ["init", "rank", "size", "local_rank", "world", "device", "device_for", "BACKENDS"]
 
 BACKENDS = ("mpi", "torch")
 _world: Communicator | None = None
+_device: torch.device | None = None  # this rank's device, chosen by the first init
 _lock = threading.Lock()
 
 
-def init(backend: str | None = None) -> Communicator:
+def device_for(local_rank: int, device_count: int, bind: bool = True) -> torch.device:
+    """The device a rank uses: ``cuda:(local_rank % device_count)`` when `bind` and the host has CUDA
+    devices (ranks beyond the device count share them round-robin), else the CPU. A pure function."""
+    if local_rank < 0 or device_count < 0:
+        raise ValueError(f"local_rank and device_count must be >= 0, got {local_rank} and {device_count}")
+    if bind and device_count > 0:
+        return torch.device("cuda", local_rank % device_count)
+    return torch.device("cpu")
+
+
+def device() -> torch.device:
+    """This rank's device: the one :func:`init` bound (``cuda:k``), or the CPU when CUDA is absent, the
+    job opted out (``init(bind_device=False)``) or ``init`` has not run. Move models there:
+    ``model.to(mpitrain.device())``."""
+    return _device if _device is not None else torch.device("cpu")
+
+
+def init(backend: str | None = None, *, bind_device: bool = True) -> Communicator:
     """Start (once) and return the world communicator.
+
+    With CUDA present and `bind_device` True (the default), the first call binds this rank to
+    ``cuda:(local_rank % device_count)`` (``torch.cuda.set_device``; :func:`device` returns it) before
+    any communicator starts, so NCCL and CUDA-aware MPI see one device per rank. ``bind_device=False``
+    leaves the current CUDA device alone and makes :func:`device` the CPU (a CPU job on a GPU host).
 
     `backend` is "mpi" (default) or "torch" (torch.distributed: gloo on CPU, NCCL on GPUs); when None
     the ``MPITRAIN_BACKEND`` environment variable decides. Every later call returns the same object;
@@ -27,7 +52,7 @@ def init(backend: str | None = None) -> Communicator:
     When ``MPITRAIN_TIMELINE`` names a file, the first call starts a timeline of the job, written
     there at exit (:mod:`mpitrain.timeline`; every rank must call ``init``).
     """
-    global _world
+    global _world, _device
     wanted = backend or os.environ.get("MPITRAIN_BACKEND") or "mpi"
     if wanted not in BACKENDS:
         raise CommError(f"unknown backend {wanted!r}; choose one of {BACKENDS}")
@@ -36,6 +61,7 @@ def init(backend: str | None = None) -> Communicator:
             if backend is not None and backend != _world.backend:
                 raise CommError(f"already initialized with backend {_world.backend!r}, asked for {backend!r}")
             return _world
+        _device = _bind(bind_device)
         from mpi4py import MPI
 
         from .comm._mpi import MPICommunicator
@@ -76,6 +102,15 @@ def local_rank() -> int:
     from mpi4py import MPI
 
     return MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED).Get_rank()
+
+
+def _bind(bind: bool) -> torch.device:
+    """Choose this rank's device (see :func:`device_for`) and make it torch's current CUDA device."""
+    count = torch.cuda.device_count() if bind and torch.cuda.is_available() else 0
+    dev = device_for(local_rank() if count else 0, count, bind)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    return dev
 
 
 def _install_abort_hook(comm: Communicator) -> None:

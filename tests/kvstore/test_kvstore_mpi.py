@@ -263,7 +263,7 @@ def test_dist_sync_mpi_fuses_small_keys_and_keeps_every_sum(comm):
     for k in (list(ts) if comm.rank % 2 else list(ts)[::-1]):
         kv.pushpull(k, ts[k])  # steady state: cached, fused where small
     kv.wait()
-    fused = [dt for dt in kv._fusion]
+    fused = [dt for dt, _device in kv._fusion]  # keyed by (dtype, device)
     kv.close()
     total = comm.size * (comm.size + 1) // 2
     for k, (n, dt) in specs.items():

@@ -7,6 +7,10 @@ reference rows are timed in the same rounds: ``solo`` (rank 0 trains alone while
 ``pair-local`` (every rank trains alone at once, no communication): scaling efficiency is a
 contender's steps/s over ``solo``, and ``pair-local`` over ``solo`` is the ceiling that two
 processes sharing the cores and the memory bus already impose.
+
+``--device cuda`` times ResNet-50 on the GPU instead: DataParallel vs DDP (NCCL) vs plain torch, fp32
+and bf16, in ms/step (:mod:`mpitrain.bench._dataparallel_cuda`); without CUDA it exits with status 2
+and says why.
 """
 
 from __future__ import annotations
@@ -72,6 +76,11 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--no-poll-thread", dest="poll_thread", action="store_false",
                    help="by default a thread wakes every 100 us in every rank for the whole run, so every "
                         "contender gets the scheduling boost that a polling comm thread earns on a busy VM")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: ResNet-50 on each rank's GPU vs DDP (NCCL) and plain torch (module doc)")
+    p.add_argument("--batch", type=int, default=64, help="--device cuda: per-rank batch")
+    p.add_argument("--image", type=int, default=224, help="--device cuda: image side")
+    p.add_argument("--precisions", default="fp32,bf16", help="--device cuda: comma list of fp32, bf16")
     add_outputs(p)  # --json FILE, --plot FILE.png (this benchmark draws its own bar chart)
     return p.parse_args(argv)
 
@@ -274,6 +283,8 @@ def _poll_forever() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(list(sys.argv[1:] if argv is None else argv))
+    if args.device == "cuda":
+        return _main_cuda(args)
     torch.set_num_threads(1)
     comm = mpitrain.init()
     if args.poll_thread:
@@ -299,6 +310,21 @@ def main(argv: list[str] | None = None) -> int:
         _plot(args.plot, rows)
         print(f"# plot written to {args.plot}")
     save_outputs(args, "dataparallel", comm.size, comm.rank, plot=False)
+    return 0
+
+
+def _main_cuda(args: argparse.Namespace) -> int:
+    from mpitrain.bench import _dataparallel_cuda as cuda
+
+    why = cuda.unavailable()  # the same verdict on every rank, before any message
+    if why is not None:
+        print(why, file=sys.stderr)
+        return 2
+    if args.kvstores == _parse([]).kvstores:
+        args.kvstores = "dist_sync_mpi"  # the GPU table times the default store unless asked
+    args.steps = max(args.steps, 10)
+    cuda.run(args)
+    save_outputs(args, "dataparallel-cuda", mpitrain.size(), mpitrain.rank())
     return 0
 
 

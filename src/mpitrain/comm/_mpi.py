@@ -1,15 +1,23 @@
-"""The MPI backend: mpi4py buffer calls on the tensors' own memory, no pickling on the hot path."""
+"""The MPI backend: mpi4py buffer calls on the tensors' own memory, no pickling on the hot path.
+
+CUDA tensors go to MPI directly when the library is CUDA-aware (:func:`~._cuda.mpi_cuda_aware`), and
+otherwise through pinned host mirrors (:mod:`._staging`); either way in order on the calling thread's
+current stream (see :mod:`._cuda`), and complete for every stream when the call (or the request's
+``wait``) returns. CPU tensors pay one device check for this."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import torch
 from mpi4py import MPI
 
 from .._utils.flat import offsets
+from ._cuda import host_wait, mpi_cuda_aware
 from ._hierarchical import HIERARCHY_ABOVE, Hierarchy
+from ._staging import Staging
 from .base import CommError, Communicator, Request, _CallbackRequest, _DoneRequest, split_sizes
 
 __all__ = ["MPICommunicator"]
@@ -25,6 +33,8 @@ _MPI_TYPES = {
     torch.int64: MPI.INT64_T,
 }
 _HALF_NATIVE = MPI.FLOAT16_T != MPI.DATATYPE_NULL
+#: Device types a tensor may live on: CUDA ones go direct or staged (see the module doc).
+DEVICES = ("cpu", "cuda")
 
 #: Allreduces of more than SPLIT_ABOVE bytes run as consecutive allreduces of SEGMENT_BYTES pieces:
 #: Open MPI's shared-memory allreduce of one large buffer is several times slower than of its pieces
@@ -35,9 +45,14 @@ SPLIT_ABOVE = 8 << 20
 
 
 def _buf(t: torch.Tensor) -> list[Any]:
-    """Zero-copy [memory, datatype] of a contiguous CPU tensor (a numpy view shares its storage)."""
-    arr = t.view(torch.int16).numpy() if t.dtype == torch.bfloat16 else t.numpy()
-    return [arr, _MPI_TYPES[t.dtype]]
+    """Zero-copy [memory, datatype] of a contiguous tensor: a numpy view of a CPU tensor's storage; a
+    CUDA tensor itself (``__cuda_array_interface__``, for CUDA-aware MPI) once the current stream has
+    produced it (MPI knows no streams)."""
+    if t.is_cpu:
+        arr = t.view(torch.int16).numpy() if t.dtype == torch.bfloat16 else t.numpy()
+        return [arr, _MPI_TYPES[t.dtype]]
+    host_wait(t)
+    return [t.view(torch.int16) if t.dtype == torch.bfloat16 else t, _MPI_TYPES[t.dtype]]
 
 
 def _pieces(t: torch.Tensor) -> list[torch.Tensor]:
@@ -53,15 +68,48 @@ def _staged(t: torch.Tensor) -> bool:
 
 
 class MPICommunicator(Communicator):
-    """A Communicator over an mpi4py ``Intracomm``. Thread-safe as far as MPI_THREAD_MULTIPLE is."""
+    """A Communicator over an mpi4py ``Intracomm``. Thread-safe as far as MPI_THREAD_MULTIPLE is.
+
+    `direct` (private, for tests): the device types handed to MPI as they are; a tensor on another
+    device goes through host staging. Default: CPU, plus CUDA when MPI is CUDA-aware. An empty set
+    stages CPU tensors too (the staging path, checkable against the direct one without a GPU)."""
 
     backend = "mpi"
+    _devices = DEVICES
 
-    def __init__(self, comm: MPI.Intracomm) -> None:
+    def __init__(self, comm: MPI.Intracomm, *, _direct: frozenset[str] | None = None) -> None:
         self._comm = comm
         self._rank = comm.Get_rank()
         self._size = comm.Get_size()
         self._hierarchy: Hierarchy | None = None  # hosts and leaders: built by the first large allreduce
+        self._direct = _direct if _direct is not None else _default_direct()
+        self._stage_cpu = "cpu" not in self._direct  # flags, not set lookups: read on every call
+        self._cuda_direct = "cuda" in self._direct
+        self._staged_to: MPICommunicator | None = None  # the direct CPU view staged calls run on
+        self._staging: Staging | None = None
+
+    def _staged_call(self, t: torch.Tensor, reduce: bool = False) -> bool:
+        """Whether a call on `t` (not a CPU tensor, or staging forced) runs on host mirrors: a CPU tensor
+        when staging is forced; a tensor on a device MPI does not take (the staging path's checks refuse
+        devices nobody takes); and, for an allreduce (`reduce`), a direct device tensor whose reduction
+        goes hierarchical, whose leaders' ring works on host memory (a verdict from sizes only, alike on
+        every rank). Callers check `t` (``_check``), then test ``t.is_cpu`` first, so a CPU tensor pays
+        that attribute and one flag."""
+        if t.is_cpu:
+            return self._stage_cpu
+        if not (t.is_cuda and self._cuda_direct):
+            return True
+        return reduce and self._hierarchical(t) is not None
+
+    def _stage(self, t: Any, name: str, op: str | None = None) -> tuple[MPICommunicator, Staging]:
+        """Check `t`, then (the CPU communicator over the same MPI communicator, the host mirrors) that
+        run a call on a tensor MPI does not take directly."""
+        self._check(t, name, op)
+        if self._staged_to is None or self._staging is None:
+            host = MPICommunicator(self._comm, _direct=frozenset({"cpu"}))
+            host._hierarchical = self._hierarchical  # type: ignore[method-assign]  # one host hierarchy
+            self._staged_to, self._staging = host, Staging()
+        return self._staged_to, self._staging
 
     def _hierarchical(self, t: torch.Tensor) -> Hierarchy | None:
         """The host hierarchy if an allreduce of `t` goes hierarchical (ranks on several hosts, large
@@ -89,13 +137,19 @@ class MPICommunicator(Communicator):
 
     # -- collectives ---------------------------------------------------------------------------
     def allreduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        self._check(t, "t", op)
+        # device tensors are staged where MPI cannot read them, and where the allreduce goes hierarchical
+        # (its leaders' ring works on host memory); the verdict depends on sizes only, alike on every rank
+        if (not t.is_cpu or self._stage_cpu) and self._staged_call(t, reduce=True):
+            host, staging = self._stage(t, "t", op)
+            return staging.inplace(t, lambda h: host.allreduce(h, op))
         if not _staged(t):
             return self._allreduce_inplace(t, op)
         self.iallreduce(t, op).wait()  # through a float32 copy, copied back into t
         return t
 
     def _allreduce_inplace(self, t: torch.Tensor, op: str) -> torch.Tensor:
-        self._check(t, "t", op)
+        """The direct allreduce of a checked `t` (see :meth:`allreduce`)."""
         hier = self._hierarchical(t) if t.numel() and self._size > 1 else None
         if hier is not None:
             hier.wait(hier.submit(_buf(t), t, _MPI_OPS[op], op in ("sum", "avg")))
@@ -108,6 +162,9 @@ class MPICommunicator(Communicator):
 
     def broadcast(self, t: torch.Tensor, root: int = 0) -> torch.Tensor:
         self._check(t, "t")
+        if (not t.is_cpu or self._stage_cpu) and self._staged_call(t):
+            host, staging = self._stage(t, "t")
+            return staging.inplace(t, lambda h: host.broadcast(h, root))
         self._check_rank(root, "root")
         if t.numel() and self._size > 1:
             self._comm.Bcast(_buf(t), root=root)
@@ -115,21 +172,27 @@ class MPICommunicator(Communicator):
 
     def allgather(self, t: torch.Tensor) -> torch.Tensor:
         self._check(t, "t")
+        if (not t.is_cpu or self._stage_cpu) and self._staged_call(t):
+            host, staging = self._stage(t, "t")
+            return staging.out(t, host.allgather)
         src = t.reshape(1) if t.dim() == 0 else t
-        out = torch.empty((self._size * src.shape[0], *src.shape[1:]), dtype=t.dtype)
+        out = torch.empty((self._size * src.shape[0], *src.shape[1:]), dtype=t.dtype, device=t.device)
         if out.numel():
             self._comm.Allgather(_buf(src), _buf(out))
         return out
 
     def reduce_scatter(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
         self._check(t, "t", op)
+        if (not t.is_cpu or self._stage_cpu) and self._staged_call(t):
+            host, staging = self._stage(t, "t", op)
+            return staging.out(t, lambda h: host.reduce_scatter(h, op))
         if t.dim() == 0:
             raise CommError("argument 't' of reduce_scatter must have at least one dimension")
         rows = split_sizes(t.shape[0], self._size)
         row = t[0].numel() if t.shape[0] else 0
         staged = _staged(t)
         src = t.float() if staged else t
-        out = torch.empty((rows[self._rank], *t.shape[1:]), dtype=src.dtype)
+        out = torch.empty((rows[self._rank], *t.shape[1:]), dtype=src.dtype, device=t.device)
         if t.numel():
             self._comm.Reduce_scatter(_buf(src), _buf(out), [r * row for r in rows], op=_MPI_OPS[op])
         if op == "avg":
@@ -138,12 +201,15 @@ class MPICommunicator(Communicator):
 
     def alltoallv(self, send: torch.Tensor, send_counts: Sequence[int], recv_counts: Sequence[int]) -> torch.Tensor:
         self._check(send, "send")
+        if (not send.is_cpu or self._stage_cpu) and self._staged_call(send):
+            host, staging = self._stage(send, "send")
+            return staging.out(send, lambda h: host.alltoallv(h, send_counts, recv_counts))
         if send.dim() == 0:
             raise CommError("argument 'send' of alltoallv must have at least one dimension")
         sc = self._check_counts(send_counts, "send_counts", rows=send.shape[0])
         rc = self._check_counts(recv_counts, "recv_counts")
         row = send[0].numel() if send.shape[0] else int(torch.Size(send.shape[1:]).numel())
-        out = torch.empty((sum(rc), *send.shape[1:]), dtype=send.dtype)
+        out = torch.empty((sum(rc), *send.shape[1:]), dtype=send.dtype, device=send.device)
         s_el, r_el = [c * row for c in sc], [c * row for c in rc]
         s_disp, r_disp = offsets(s_el)[:-1], offsets(r_el)[:-1]
         sbuf, rbuf = _buf(send), _buf(out)
@@ -157,11 +223,22 @@ class MPICommunicator(Communicator):
     # -- point to point ------------------------------------------------------------------------
     def send(self, t: torch.Tensor, dest: int, tag: int = 0) -> None:
         self._check(t, "t")
+        if (not t.is_cpu or self._stage_cpu) and self._staged_call(t):
+            host, staging = self._stage(t, "t")
+            h = staging.to_host(t)
+            try:
+                host.send(h, dest, tag)
+            finally:
+                staging.give(h)
+            return
         self._check_rank(dest, "dest")
         self._comm.Send(_buf(t), dest=dest, tag=tag)
 
     def recv(self, t: torch.Tensor, source: int, tag: int = 0) -> torch.Tensor:
         self._check(t, "t")
+        if (not t.is_cpu or self._stage_cpu) and self._staged_call(t):
+            host, staging = self._stage(t, "t")
+            return staging.inplace(t, lambda h: host.recv(h, source, tag), read=False)
         self._check_rank(source, "source")
         self._comm.Recv(_buf(t), source=source, tag=tag)
         return t
@@ -170,14 +247,44 @@ class MPICommunicator(Communicator):
                  sendtag: int = 0, recvtag: int = 0) -> torch.Tensor:
         self._check(send, "send")
         self._check(recv, "recv")
+        if (not send.is_cpu or not recv.is_cpu or self._stage_cpu) and \
+                (self._staged_call(send) or self._staged_call(recv)):
+            return self._staged_sendrecv(send, dest, recv, source, sendtag, recvtag)
         self._check_rank(dest, "dest")
         self._check_rank(source, "source")
         self._comm.Sendrecv(_buf(send), dest, sendtag, _buf(recv), source, recvtag)
         return recv
 
+    def _staged_sendrecv(self, send: torch.Tensor, dest: int, recv: torch.Tensor, source: int,
+                         sendtag: int, recvtag: int) -> torch.Tensor:
+        host, staging = self._stage(send, "send")
+        self._check(recv, "recv")
+        hs = staging.to_host(send)
+        try:
+            staging.inplace(recv, lambda hr: host.sendrecv(hs, dest, hr, source, sendtag, recvtag), read=False)
+        finally:
+            staging.give(hs)
+        return recv
+
     # -- nonblocking ---------------------------------------------------------------------------
+    def _staged_request(self, t: torch.Tensor, start: Callable[[torch.Tensor], Request], staging: Staging,
+                        read: bool = True, write: bool = True) -> Request:
+        """Start `start` on a host mirror of `t`; on completion the mirror is copied back into `t` (when
+        `write`) and returned for reuse."""
+        h = staging.to_host(t) if read else staging.take(t)
+        try:
+            req = start(h)
+        except BaseException:
+            staging.give(h)
+            raise
+        finish = (lambda: staging.back(t, h)) if write else (lambda: staging.give(h))
+        return _CallbackRequest(req.wait, req.test, t if write else None, finish, keep=h)
+
     def iallreduce(self, t: torch.Tensor, op: str = "sum") -> Request:
         self._check(t, "t", op)
+        if (not t.is_cpu or self._stage_cpu) and self._staged_call(t, reduce=True):
+            host, staging = self._stage(t, "t", op)
+            return self._staged_request(t, lambda h: host.iallreduce(h, op), staging)
         if not t.numel() or self._size == 1:
             return _DoneRequest(t.div_(self._size) if op == "avg" else t)
         staged = _staged(t)
@@ -201,6 +308,9 @@ class MPICommunicator(Communicator):
 
     def ibroadcast(self, t: torch.Tensor, root: int = 0) -> Request:
         self._check(t, "t")
+        if (not t.is_cpu or self._stage_cpu) and self._staged_call(t):
+            host, staging = self._stage(t, "t")
+            return self._staged_request(t, lambda h: host.ibroadcast(h, root), staging)
         self._check_rank(root, "root")
         if not t.numel() or self._size == 1:
             return _DoneRequest(t)
@@ -209,12 +319,18 @@ class MPICommunicator(Communicator):
 
     def isend(self, t: torch.Tensor, dest: int, tag: int = 0) -> Request:
         self._check(t, "t")
+        if (not t.is_cpu or self._stage_cpu) and self._staged_call(t):
+            host, staging = self._stage(t, "t")
+            return self._staged_request(t, lambda h: host.isend(h, dest, tag), staging, write=False)
         self._check_rank(dest, "dest")
         req = self._comm.Isend(_buf(t), dest=dest, tag=tag)
         return _CallbackRequest(req.Wait, req.Test, None, keep=t)
 
     def irecv(self, t: torch.Tensor, source: int, tag: int = 0) -> Request:
         self._check(t, "t")
+        if (not t.is_cpu or self._stage_cpu) and self._staged_call(t):
+            host, staging = self._stage(t, "t")
+            return self._staged_request(t, lambda h: host.irecv(h, source, tag), staging, read=False)
         self._check_rank(source, "source")
         req = self._comm.Irecv(_buf(t), source=source, tag=tag)
         return _CallbackRequest(req.Wait, req.Test, t)
@@ -223,7 +339,7 @@ class MPICommunicator(Communicator):
     def split(self, color: int | None, key: int = 0) -> MPICommunicator | None:
         self._check_open()
         sub = self._comm.Split(MPI.UNDEFINED if color is None else int(color), int(key))
-        return None if sub == MPI.COMM_NULL else MPICommunicator(cast(MPI.Intracomm, sub))
+        return None if sub == MPI.COMM_NULL else MPICommunicator(cast(MPI.Intracomm, sub), _direct=self._direct)
 
     def allgather_object(self, obj: Any) -> list[Any]:
         self._check_open()
@@ -252,5 +368,12 @@ class MPICommunicator(Communicator):
             self._hierarchy.close()
         if not self._closed and self._comm not in (MPI.COMM_WORLD, MPI.COMM_SELF):
             self._comm.Free()
+        if self._staged_to is not None:
+            self._staged_to._closed = True  # shares our MPI communicator
         self._closed = True
 
+
+@functools.cache
+def _default_direct() -> frozenset[str]:
+    """CPU, plus CUDA when the MPI library reads device memory (asked once per process)."""
+    return frozenset({"cpu", "cuda"}) if mpi_cuda_aware() else frozenset({"cpu"})

@@ -1,4 +1,9 @@
-"""The torch.distributed backend: gloo on CPU (NCCL for CUDA tensors), same surface as the MPI one."""
+"""The torch.distributed backend: gloo for CPU tensors and, where torch sees a GPU, NCCL for CUDA tensors
+within the same job (one process group per communicator holding both backends, torch's
+``"cpu:gloo,cuda:nccl"``: each call goes to the backend of its tensor's device). Same surface as the MPI one.
+
+CUDA tensors follow torch.distributed's stream rule: a call is ordered on the calling thread's current
+stream, and a request's ``wait`` orders that stream after the collective (NCCL's ``work.wait``)."""
 
 from __future__ import annotations
 
@@ -17,6 +22,9 @@ from .base import CommError, Communicator, Request, _CallbackRequest, _DoneReque
 
 __all__ = ["TorchCommunicator", "init_torch_world"]
 
+#: The default group's backends where torch sees a GPU: gloo for CPU tensors, NCCL for CUDA ones.
+_BOTH = "cpu:gloo,cuda:nccl"
+
 _OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
         "min": dist.ReduceOp.MIN, "prod": dist.ReduceOp.PRODUCT}
 
@@ -29,7 +37,7 @@ def init_torch_world(rank: int, size: int, bootstrap: Communicator | None) -> To
     across hosts (per MPI's shared-memory split) it meets at rank 0's address on the network MPI's TCP
     traffic uses (``btl_tcp_if_include``/``oob_tcp_if_include`` when set), and gloo is told the interface
     that reaches it (``GLOO_SOCKET_IFNAME``, unless the user set it). Collective over `bootstrap`."""
-    backend = "nccl" if torch.cuda.is_available() and os.environ.get("MPITRAIN_TORCH_BACKEND") != "gloo" else "gloo"
+    backend = _BOTH if torch.cuda.is_available() and os.environ.get("MPITRAIN_TORCH_BACKEND") != "gloo" else "gloo"
     if not dist.is_initialized():
         if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
             dist.init_process_group(backend, init_method="env://", rank=rank, world_size=size)
@@ -96,7 +104,7 @@ class TorchCommunicator(Communicator):
         self._group = group
         self._ranks = ranks  # global rank of each group rank
         self._rank = dist.get_rank(group)
-        self._devices = ("cpu", "cuda") if dist.get_backend(group) == "nccl" else ("cpu",)
+        self._devices = ("cpu", "cuda") if "nccl" in str(dist.get_backend_config(group)) else ("cpu",)
 
     @property
     def rank(self) -> int:
@@ -271,7 +279,10 @@ class TorchCommunicator(Communicator):
 
 def _p2p_request(work: Any, out: torch.Tensor | None, keep: torch.Tensor) -> Request:
     """Gloo's send/recv work reports completion only inside wait(), so test() could never succeed:
-    a helper thread waits, and test() asks whether it has finished. Errors reach wait()'s caller."""
+    a helper thread waits, and test() asks whether it has finished. Errors reach wait()'s caller.
+    NCCL's work (CUDA tensors) reports completion itself: no thread (NCCL ignores tags; order matches)."""
+    if keep.is_cuda:
+        return _CallbackRequest(work.wait, work.is_completed, out, keep=keep)
     error: list[BaseException] = []
 
     def run() -> None:

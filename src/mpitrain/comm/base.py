@@ -18,6 +18,10 @@ OPS = ("sum", "avg", "max", "min", "prod")
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64)
 
 
+#: What to do when a backend cannot take a device, by backend (appended to the error).
+_DEVICE_HINTS = {"torch": "; CUDA tensors need the NCCL group, which exists when torch sees a GPU at init"}
+
+
 class CommError(RuntimeError):
     """A communicator was used wrongly: bad argument, closed communicator, unsupported combination."""
 
@@ -160,16 +164,21 @@ class Communicator(abc.ABC):
         if self._closed:
             raise CommError(f"{self!r} was freed/finalized and cannot be used any more")
 
-    def _check(self, t: Any, name: str, op: str | None = None, devices: tuple[str, ...] = ("cpu",)) -> None:
+    #: Device types this backend takes (a backend may pass others per call).
+    _devices: tuple[str, ...] = ("cpu",)
+
+    def _check(self, t: Any, name: str, op: str | None = None, devices: tuple[str, ...] | None = None) -> None:
         """Refuse what no backend can do, naming argument and reason (raises before any message)."""
         self._check_open()
         if not isinstance(t, torch.Tensor):
             raise CommError(f"argument '{name}' must be a torch.Tensor, got {type(t).__name__}")
         if t.dtype not in DTYPES:
             raise CommError(f"argument '{name}' has dtype {t.dtype}; supported: {[str(d) for d in DTYPES]}")
-        if t.device.type not in devices:
+        devices = devices or self._devices
+        if not t.is_cpu and t.device.type not in devices:  # is_cpu first: cheaper than device.type
+            hint = _DEVICE_HINTS.get(self.backend, "")
             raise CommError(f"argument '{name}' is on device {t.device}; the {self.backend} backend takes "
-                            f"tensors on {devices}")
+                            f"tensors on {devices}: move it there first (t.to(...)){hint}")
         if not t.is_contiguous():
             raise CommError(f"argument '{name}' is not contiguous; pass t.contiguous() (a copy) explicitly")
         if op is not None:

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from .._utils.stall import StallPolicy, wait_until
+from ..comm._cuda import ready_event
 from ..comm.base import Communicator
 from ._interface import (
     Key,
@@ -33,13 +34,18 @@ __all__ = ["AllreduceStore", "Entry", "Tracker", "rendezvous"]
 
 
 class Entry:
-    """One queued reduction: sum `buf` over workers in place, then run `finish` (copy-outs, update)."""
+    """One queued reduction: sum `buf` over workers in place, then run `finish` (copy-outs, update).
 
-    __slots__ = ("key", "buf", "finish", "seq", "aux")
+    Made on the caller's thread once `buf` is filled: for a CUDA `buf`, `ready` is an event on the
+    caller's current stream there, and the comm thread runs the reduction after it on a side stream
+    (``comm._cuda.after``), so the caller's stream is never waited for as a whole."""
+
+    __slots__ = ("key", "buf", "finish", "seq", "aux", "ready")
 
     def __init__(self, key: Key, buf: torch.Tensor, finish: Callable[[], None] | None) -> None:
         self.key, self.buf, self.finish, self.seq = key, buf, finish, 0
         self.aux: torch.Tensor | None = None  # a type's private buffer (depchain's comm buffer)
+        self.ready = None if buf.is_cpu else ready_event(buf)
 
 
 class Tracker:
@@ -173,7 +179,7 @@ class AllreduceStore(KVStore):
         Zero-copy when outs is ins."""
         self._check_pushpull(key, src, dst)
         first = dst[0]
-        if first.is_contiguous() and first.device.type == "cpu" and all(s is not first for s in src[1:]):
+        if first.is_contiguous() and all(s is not first for s in src[1:]):
             buf, rest = first, dst[1:]
             if src[0] is not first:
                 buf.copy_(src[0])
@@ -387,7 +393,7 @@ def _copy_to(src: torch.Tensor, dsts: list[torch.Tensor]) -> None:
 
 
 def _local_sum(ts: list[torch.Tensor]) -> torch.Tensor:
-    out = ts[0].detach().to("cpu", copy=True).contiguous()
+    out = ts[0].detach().clone(memory_format=torch.contiguous_format)  # on the inputs' device
     for t in ts[1:]:
         out.add_(t)
     return out

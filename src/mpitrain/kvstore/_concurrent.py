@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import threading
 
+from ..comm._cuda import after
 from ..comm.base import Communicator
 from ..engine import Engine, Var
 from ._allreduce import Entry
@@ -48,9 +49,10 @@ class ConcurrentStore(SequencedStore):
     def _run(self, c: int, e: Entry) -> None:
         err = None
         try:
-            self._reduce(self._comms[c], e.buf, poll=True, key=e.key)
-            if e.finish is not None:
-                e.finish()
+            with after(e.buf, e.ready):
+                self._reduce(self._comms[c], e.buf, poll=True, key=e.key)
+                if e.finish is not None:
+                    e.finish()
         except BaseException as exc:  # noqa: BLE001 - handed to the waiter by the tracker
             err = exc
         finally:

@@ -31,6 +31,7 @@ import torch
 
 from .._utils.flat import copy_from_flat, flatten
 from .._utils.stall import Backoff, say, wait_until
+from ..comm._cuda import after
 from ..comm.base import Communicator, Request
 from ._allreduce import AllreduceStore, Entry
 from ._interface import Key, KVStoreError, log, split_private
@@ -60,7 +61,7 @@ class CoordinatorStore(AllreduceStore):
         # the negotiation cycle's wait: 50 us of back-to-back tests, then sleeps backing off to 0.25 ms
         self._cycle_policy = dataclasses.replace(self._policy, spin=5e-5, max_nap=2.5e-4)
         self._fusion_bytes = fusion_bytes
-        self._fusion: dict[torch.dtype, torch.Tensor] = {}  # reusable fusion buffer per dtype
+        self._fusion: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}  # reusable, per dtype and device
         self._cv = threading.Condition()
         self._pending: dict[Key, deque[Entry]] = {}
         self._slots: list[tuple[Key, Sig]] = []  # the response cache, identical on every rank
@@ -78,8 +79,8 @@ class CoordinatorStore(AllreduceStore):
         atexit.register(_close_at_exit, weakref.ref(self))
 
     def _check_tensor(self, key: Key, t: torch.Tensor, what: str) -> None:
-        if t.device.type != "cpu" or not t.is_contiguous():
-            raise KVStoreError(f"{what}({key!r}): tensors must be contiguous CPU tensors")
+        if not t.is_contiguous():
+            raise KVStoreError(f"{what}({key!r}): tensors must be contiguous (pass t.contiguous())")
         self._check_codec(key, t, what)
 
     def _enqueue(self, entry: Entry) -> None:
@@ -195,7 +196,7 @@ class CoordinatorStore(AllreduceStore):
             for key, q in self._pending.items():
                 if not q:
                     continue
-                sig = (tuple(q[0].buf.shape), str(q[0].buf.dtype))
+                sig = _signature(q[0].buf)
                 slot = self._slot_of.get(key)
                 if slot is not None and self._slots[slot][1] == sig:
                     bits[slot] = 1
@@ -248,10 +249,11 @@ class CoordinatorStore(AllreduceStore):
         for group in _fusion_groups(entries, self._fusion_bytes):
             err = None
             try:
-                self._reduce_group(group)
-                for e in group:
-                    if e.finish is not None:
-                        e.finish()
+                with after(group[0].buf, *(e.ready for e in group)):
+                    self._reduce_group(group)
+                    for e in group:
+                        if e.finish is not None:
+                            e.finish()
             except BaseException as exc:  # noqa: BLE001 - handed to the waiters by the tracker
                 err = exc
             for e in group:
@@ -265,11 +267,11 @@ class CoordinatorStore(AllreduceStore):
             self._reduce(self._data, group[0].buf)
             return
         sizes = [e.buf.numel() for e in group]
-        total, dtype = sum(sizes), group[0].buf.dtype
-        buf = self._fusion.get(dtype)
+        total, dtype, dev = sum(sizes), group[0].buf.dtype, group[0].buf.device
+        buf = self._fusion.get((dtype, dev))
         if buf is None or buf.numel() < total:
             size = max(total, self._fusion_bytes // _itemsize(dtype))
-            buf = self._fusion[dtype] = torch.empty(size, dtype=dtype)
+            buf = self._fusion[(dtype, dev)] = torch.empty(size, dtype=dtype, device=dev)
         flat = flatten([e.buf for e in group], out=buf)
         self._reduce(self._data, flat)
         copy_from_flat(flat, [e.buf for e in group])
@@ -339,14 +341,22 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty(0, dtype=dtype).element_size()
 
 
+def _signature(t: torch.Tensor) -> Sig:
+    """What every rank must agree on for a key: shape, dtype and device type (a key on a GPU on one rank
+    and on the CPU on another would fuse differently: refused by name instead)."""
+    dtype = str(t.dtype) if t.is_cpu else f"{t.dtype} on {t.device.type}"
+    return tuple(t.shape), dtype
+
+
 def _fusion_groups(entries: list[Entry], limit: int) -> list[list[Entry]]:
-    """Consecutive entries of one dtype whose sizes sum to at most `limit` bytes form a group; an
+    """Consecutive entries of one dtype and device whose sizes sum to at most `limit` bytes form a group; an
     entry larger than `limit` is a group of its own (and is reduced in place, without a copy)."""
     groups: list[list[Entry]] = []
     used = 0
     for e in entries:
         nbytes = e.buf.numel() * e.buf.element_size()
-        if groups and groups[-1][0].buf.dtype == e.buf.dtype and used + nbytes <= limit:
+        head = groups[-1][0].buf if groups else None
+        if head is not None and head.dtype == e.buf.dtype and head.device == e.buf.device and used + nbytes <= limit:
             groups[-1].append(e)
             used += nbytes
         else:

@@ -6,6 +6,7 @@ import functools
 
 import torch
 
+from ..comm._cuda import after
 from ..comm.base import Communicator
 from ..engine import Engine, Var
 from ._allreduce import Entry, _copy_to
@@ -43,8 +44,7 @@ class DepChainStore(SequencedStore):
     def _registered(self, key: Key) -> None:
         super()._registered(key)
         self._vars[key] = Var(f"key{key!r}")
-        info = self._keys[key]
-        self._free[key] = [torch.empty(info.shape, dtype=info.dtype)] if self._copy_inputs else []
+        self._free[key] = []  # comm buffers are made on the first push's device, then reused
 
     def _pushpull_entry(self, key: Key, src: list[torch.Tensor], dst: list[torch.Tensor]) -> Entry:
         """The push: the inputs go straight into the key's communication buffer (one copy; the
@@ -54,7 +54,7 @@ class DepChainStore(SequencedStore):
         self._check_pushpull(key, src, dst)
         with self._lock:
             free = self._free[key]
-            comm_buf = free.pop() if free else torch.empty_like(src[0])  # a second push in flight
+            comm_buf = free.pop() if free else torch.empty_like(src[0], memory_format=torch.contiguous_format)
         comm_buf.copy_(src[0])
         for s in src[1:]:
             comm_buf.add_(s)
@@ -80,11 +80,12 @@ class DepChainStore(SequencedStore):
     def _pull(self, e: Entry, buf: torch.Tensor) -> None:
         err = None
         try:
-            self._reduce(self._data, buf, poll=self.poll, key=e.key)
-            if buf is not e.buf:
-                e.buf.copy_(buf)
-            if e.finish is not None:
-                e.finish()
+            with after(e.buf, e.ready):
+                self._reduce(self._data, buf, poll=self.poll, key=e.key)
+                if buf is not e.buf:
+                    e.buf.copy_(buf)
+                if e.finish is not None:
+                    e.finish()
         except BaseException as exc:  # noqa: BLE001 - handed to the waiter by the tracker
             err = exc
         finally:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..comm._cuda import after
 from ..comm.base import Communicator
 from ._allreduce import Entry
 from ._interface import split_private
@@ -24,9 +25,10 @@ class FunnelStore(SequencedStore):
     def _dispatch(self, e: Entry) -> None:
         err = None
         try:
-            self._reduce(self._data, e.buf)
-            if e.finish is not None:
-                e.finish()
+            with after(e.buf, e.ready):
+                self._reduce(self._data, e.buf)
+                if e.finish is not None:
+                    e.finish()
         except BaseException as exc:  # noqa: BLE001 - raised by the next wait, like the other types
             err = exc
         self._tracker.finish(e.key, err)

@@ -5,8 +5,8 @@ from __future__ import annotations
 from ._reduce import GradBucket, allreduce_sum
 from .batchnorm import SpatialBatchNorm2d, SpatialBatchNorm3d
 from .conv import SpatialConv2d
-from .data import NpyRegions, RegionBatch, RegionDataset, read_block, region_batches
-from .distribution import Distribution, gather
+from .data import BlockReader, NpyRegions, RegionBatch, RegionDataset, RegionSamples, read_block, region_batches
+from .distribution import Distribution, gather, gather_group
 from .halo import HaloPlan, Window, halo_exchange, plan_grid, plan_halo, window_of
 from .parallelize import SpatialParallel, SpatialSequential, parallelize
 from .pooling import SpatialAdaptiveAvgPool2d, SpatialAvgPool2d, SpatialMaxPool2d
@@ -16,12 +16,12 @@ from .tensor import Layout, SpatialError, SpatialTensor, layout_of
 from .volume import SpatialAvgPool3d, SpatialConv3d, SpatialMaxPool3d
 
 __all__ = [
-    "Distribution", "Layout", "SpatialTensor", "SpatialError", "gather", "layout_of",
+    "Distribution", "Layout", "SpatialTensor", "SpatialError", "gather", "gather_group", "layout_of",
     "HaloPlan", "Window", "halo_exchange", "plan_grid", "plan_halo", "window_of",
     "SpatialConv2d", "SpatialMaxPool2d", "SpatialAvgPool2d", "SpatialAdaptiveAvgPool2d", "SpatialBatchNorm2d",
     "SpatialConv3d", "SpatialMaxPool3d", "SpatialAvgPool3d", "SpatialBatchNorm3d",
     "SpatialConvTranspose2d", "SpatialUpsample", "interpolate",
     "parallelize", "SpatialParallel", "SpatialSequential", "Redistribute", "redistribute",
     "allreduce_sum", "GradBucket",
-    "RegionDataset", "NpyRegions", "RegionBatch", "region_batches", "read_block",
+    "RegionDataset", "NpyRegions", "RegionBatch", "RegionSamples", "BlockReader", "region_batches", "read_block",
 ]

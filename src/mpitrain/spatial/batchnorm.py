@@ -31,7 +31,7 @@ def _combine(comm: Communicator, n: int, mean: torch.Tensor, var: torch.Tensor
              ) -> tuple[float, torch.Tensor, torch.Tensor]:
     """Count, mean and biased variance of the union of every rank's cells (Chan's formula, float64)."""
     c = mean.numel()
-    mine = torch.empty(2 * c + 1, dtype=torch.float64)
+    mine = torch.empty(2 * c + 1, dtype=torch.float64, device=mean.device)
     mine[0] = n
     mine[1:c + 1] = mean
     mine[c + 1:] = var
@@ -56,7 +56,14 @@ class _BatchNorm(torch.autograd.Function):
         x = dense(x)
         # one pass for the local statistics (torch's BN kernel: 10x faster than var_mean on CPU), one
         # to normalise with the combined ones: the passes of the single-process layer
-        mean, var = torch.batch_norm_update_stats(x, None, None, 0.0)
+        # statistics of a bf16/fp16 block (autocast) are kept in float32, as torch's mixed-dtype kernel wants
+        low = x.dtype in (torch.bfloat16, torch.float16)
+        if x.numel():
+            mean, var = torch.batch_norm_update_stats(x, None, None, 0.0)
+        else:  # a sample group without samples in an uneven batch: it weighs 0 in the combination
+            mean = var = x.new_zeros(x.shape[1])
+        if low:
+            mean, var = mean.float(), var.float()
         n, mean, var = _combine(comm, x.numel() // x.shape[1], mean, var)
         invstd = torch.rsqrt(var + layer.eps)
         y = torch.batch_norm(x, weight, bias, mean, var, False, 0.0, layer.eps, False)
@@ -71,8 +78,11 @@ class _BatchNorm(torch.autograd.Function):
         dy = dense(dy)
         c = mean.numel()
         # torch's fused kernel gives the local sum(dy * xhat) and sum(dy) for the given (global) stats
-        _, sum_dyxhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
-            dy, x, None, None, None, mean, invstd, True, ctx.eps, [False, True, True])
+        if x.numel():
+            _, sum_dyxhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
+                dy, x, None, None, None, mean, invstd, True, ctx.eps, [False, True, True])
+        else:  # an empty block (a sample group without samples) adds nothing; torch's kernel refuses it
+            sum_dyxhat = sum_dy = mean.new_zeros(c)
         local = torch.cat([sum_dy, sum_dyxhat])
         total = ctx.comm.allreduce(local.clone(), "sum")  # local stays: its halves are this rank's dw, db
         dx = None

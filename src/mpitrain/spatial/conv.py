@@ -308,7 +308,22 @@ class SpatialConv2d(WindowLayer):
             return self.tag_output(self.conv(ext, self.weight, self.bias), layout)
         mode, _ = self.geometry(plan)
         if plan.exchanges or mode == "extended":
-            y = _Conv.apply(x, self.weight, self.bias, self, plan, layout.dist.spatial_comm, layout.dist.sends)
+            y = _autocast_conv(x, self.weight, self.bias, self, plan, layout.dist)
         else:  # this block reads no other rank's cells: the torch layer on it, with torch's own autograd
             y = self.conv(x, self.weight, self.bias, self.pads if mode == "implicit" else 0)
         return self.tag_output(y, layout)
+
+
+def _autocast_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: SpatialConv2d,
+                   plan: HaloPlan, dist: Distribution) -> torch.Tensor:
+    """:class:`_Conv` as autocast would run ``F.conv2d``: under CPU autocast the block, weight and bias are
+    cast to its dtype first (autograd casts the gradients back to the parameters' dtype) and the
+    custom function runs on them without autocast (its backward would otherwise mix dtypes)."""
+    if torch.is_autocast_enabled("cpu") and torch.float64 not in (x.dtype, weight.dtype):  # as autocast
+        low = torch.get_autocast_dtype("cpu")
+        with torch.autocast("cpu", enabled=False):
+            cast: torch.Tensor = _Conv.apply(x.to(low), weight.to(low), None if bias is None else bias.to(low),
+                                             layer, plan, dist.spatial_comm, dist.sends)
+        return cast
+    out: torch.Tensor = _Conv.apply(x, weight, bias, layer, plan, dist.spatial_comm, dist.sends)
+    return out

@@ -6,6 +6,11 @@ samples through a read-only memory map, so only the pages of the region are touc
 dataset are :class:`RegionBatch` objects (a dataset and sample indices, no pixels): give
 ``fit(strategy="spatial")`` an iterable of ``(RegionBatch, targets)`` (e.g. :func:`region_batches`) and
 every rank reads its own sample group's samples, only its grid block of each (:func:`read_block`).
+
+For ``fit(dataset, batch_size=...)`` a map-style Dataset is read by region when it also implements
+:class:`RegionDataset` and ``target(index)`` (:class:`RegionSamples` joins a RegionDataset and its
+targets): each rank's DataLoader then reads ``(read(index, its region), target(index))`` through
+:class:`BlockReader`. Any other Dataset is read whole per sample and cropped to the rank's block.
 """
 
 from __future__ import annotations
@@ -17,11 +22,13 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 import torch
+from torch.utils.data import Dataset
 
-from .distribution import Distribution
+from .distribution import Distribution, ranges
 from .tensor import Layout, SpatialError, SpatialTensor, tag
 
-__all__ = ["RegionDataset", "NpyRegions", "RegionBatch", "region_batches", "read_block"]
+__all__ = ["RegionDataset", "NpyRegions", "RegionBatch", "RegionSamples", "BlockReader", "region_batches",
+           "read_block", "region_of", "reads_regions"]
 
 
 @runtime_checkable
@@ -83,6 +90,61 @@ def region_batches(dataset: RegionDataset, targets: torch.Tensor, batch_size: in
     n = len(targets)
     return [(RegionBatch(dataset, tuple(range(a, min(n, a + batch_size)))), targets[a:a + batch_size])
             for a in range(0, n, batch_size)]
+
+
+class RegionSamples(Dataset[tuple[torch.Tensor, object]]):
+    """A map-style Dataset of ``(sample, target)`` over a :class:`RegionDataset` and its targets, that
+    can also be read by region (``read``, ``target``): ``fit(strategy="spatial")`` reads only each rank's
+    block of each sample; any other strategy (or one process) reads ``dataset[i]``, the whole sample."""
+
+    def __init__(self, regions: RegionDataset, targets: torch.Tensor | Sequence[object]) -> None:
+        if len(targets) != len(regions):  # type: ignore[arg-type]
+            raise SpatialError(f"{len(targets)} targets for {len(regions)} samples")  # type: ignore[arg-type]
+        self.regions, self.targets = regions, targets
+
+    def __len__(self) -> int:
+        return len(self.targets)
+
+    @property
+    def sample_shape(self) -> tuple[int, ...]:
+        return self.regions.sample_shape
+
+    def read(self, index: int, region: tuple[slice, ...]) -> torch.Tensor:
+        return self.regions.read(index, region)  # type: ignore[arg-type]
+
+    def target(self, index: int) -> object:
+        return self.targets[index]
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, object]:
+        whole = tuple(slice(0, n) for n in self.sample_shape[1:])
+        return self.read(index, whole), self.target(index)
+
+
+def reads_regions(dataset: object) -> bool:
+    """Whether `dataset` can be read by region for fit: a :class:`RegionDataset` with ``target(index)``."""
+    return isinstance(dataset, RegionDataset) and callable(getattr(dataset, "target", None))
+
+
+def region_of(dist: Distribution, sample_shape: tuple[int, ...]) -> tuple[slice, ...]:
+    """This rank's region (one slice per grid dimension) of a sample of `sample_shape` (C, H, W)."""
+    if len(sample_shape) != len(dist.grid) + 1:
+        raise SpatialError(f"samples of shape {tuple(sample_shape)} do not match grid {dist.grid}")
+    return tuple(slice(*ranges(n, g)[c]) for n, g, c in zip(sample_shape[1:], dist.grid, dist.coords))
+
+
+class BlockReader(Dataset[tuple[torch.Tensor, object]]):
+    """The Dataset a spatial rank's DataLoader reads (fit's ``rank_view``): item ``i`` is ``(block, target)``
+    with the block of sample i at this rank's `region` only. Holds no communicator, so DataLoader worker
+    processes can take it."""
+
+    def __init__(self, dataset: RegionDataset, region: tuple[slice, ...]) -> None:
+        self.dataset, self.region = dataset, region
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, object]:
+        return self.dataset.read(index, self.region), self.dataset.target(index)  # type: ignore[arg-type,attr-defined]
 
 
 def read_block(batch: RegionBatch, dist: Distribution, dtype: torch.dtype | None = None) -> SpatialTensor:

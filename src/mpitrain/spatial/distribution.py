@@ -13,7 +13,7 @@ from ..comm.base import Communicator, split_sizes
 from ._exchange import SendQueue
 from .tensor import Layout, SpatialError, layout_of, plain, tag
 
-__all__ = ["Distribution", "Layout", "SpatialError", "layout_of", "gather", "ranges"]
+__all__ = ["Distribution", "Layout", "SpatialError", "layout_of", "gather", "gather_group", "ranges"]
 
 NONSPATIAL = ("replicate", "error")
 
@@ -198,6 +198,34 @@ def gather(t: torch.Tensor, like: torch.Tensor | None = None) -> torch.Tensor:
     return out
 
 
+def gather_group(t: torch.Tensor) -> torch.Tensor:
+    """This rank's sample group's whole samples (its rows of the global batch, every cell), on every
+    rank of the spatial group, from this rank's block `t` (a SpatialTensor). Collective over the
+    spatial group only (one allgather for a block; nothing for a tensor already replicated there).
+
+    Differentiable with :func:`gather`'s convention: every rank of the group is expected to hold the
+    same output gradient (each computes the same loss on the group's samples); the backward keeps this
+    rank's block of it (a replicated tensor: spatial rank 0 keeps it, the others zero), so the
+    gradients summed over the world are those of the sum of the groups' losses."""
+    layout = layout_of(t)
+    if layout is None:
+        raise SpatialError("gather_group needs a block produced by Distribution.scatter or a parallelized module")
+    out: torch.Tensor = _GatherGroup.apply(plain(t), layout)
+    return out
+
+
+def _group_blocks(t: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """The group's whole samples from every spatial rank's block (one allgather over the spatial group)."""
+    dist, shape = layout.dist, layout.shape
+    ranks = [dist.world_rank(dist.group, s) for s in range(dist.per_sample)]
+    shapes = [dist.local_shape(shape, r) for r in ranks]
+    rows = _padded_allgather(dist.spatial_comm, t.contiguous(), max(math.prod(s) for s in shapes))
+    out = t.new_empty((dist.local_samples(shape[0]), *shape[1:]))
+    for s, (r, local) in enumerate(zip(ranks, shapes)):
+        out[(slice(None), *dist.index(shape, r)[1:])] = rows[s, :math.prod(local)].view(local)
+    return out
+
+
 def _padded_allgather(comm: Communicator, t: torch.Tensor, numel: int) -> torch.Tensor:
     """(comm.size, numel) rows: every rank's flattened `t`, zero-padded to `numel` elements."""
     buf = t.new_zeros(numel)
@@ -253,18 +281,26 @@ class _Gather(torch.autograd.Function):
         return (share if dist.spatial_rank == 0 else torch.zeros_like(share)), None
 
 
+class _GatherGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor, layout: Layout) -> torch.Tensor:
+        ctx.layout = layout
+        return _group_blocks(t, layout) if layout.kind == "block" else t.clone()
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        layout = ctx.layout
+        dist = layout.dist
+        if layout.kind == "block":
+            return g[(slice(None), *dist.index(layout.shape)[1:])].contiguous(), None
+        return (g.contiguous() if dist.spatial_rank == 0 else torch.zeros_like(g)), None
+
+
 class _Replicate(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, t: torch.Tensor, layout: Layout) -> torch.Tensor:
         ctx.layout = layout
-        dist, shape = layout.dist, layout.shape
-        ranks = [dist.world_rank(dist.group, s) for s in range(dist.per_sample)]
-        shapes = [dist.local_shape(shape, r) for r in ranks]
-        rows = _padded_allgather(dist.spatial_comm, t.contiguous(), max(math.prod(s) for s in shapes))
-        out = t.new_empty((dist.local_samples(shape[0]), *shape[1:]))
-        for s, (r, local) in enumerate(zip(ranks, shapes)):
-            out[(slice(None), *dist.index(shape, r)[1:])] = rows[s, :math.prod(local)].view(local)
-        return out
+        return _group_blocks(t, layout)
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:

@@ -82,7 +82,7 @@ class SpatialConvTranspose2d(WindowLayer):
             pads += [start - out[0], out[1] - (start + size)]  # negative: crop, positive: rows no input reaches
         y = F.pad(y, pads)
         if self.bias is not None:
-            y = y + self.bias.view(1, -1, 1, 1)
+            y = y + self.bias.view(1, -1, 1, 1).to(y.dtype)  # autocast: bf16 as torch's layer adds it
         return self.tag_output(y, layout)
 
 

@@ -1,25 +1,44 @@
 """`fit(..., strategy="spatial", grid=(ph, pw), samples=g)`: hybrid sample x spatial training.
 
-Inputs are full NCHW batches (every rank holds the whole batch; each takes a view of its block) or
-:class:`~mpitrain.spatial.data.RegionBatch` objects (each rank reads only its block from the dataset)."""
+Inputs: a map-style Dataset (each rank reads its sample group's rows; only its block of each when the
+Dataset reads regions, see :mod:`mpitrain.spatial.data`), full NCHW batches (each rank takes a view of
+its block of its group's rows) or :class:`~mpitrain.spatial.data.RegionBatch` objects (each rank reads
+only its block of its group's samples)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
+from torch.utils.data import Dataset
 
 from ..comm.base import Communicator
+from ..strategies._batching import slice_share
 from ..strategies._broadcast import broadcast_tensors
-from ..strategies.base import Batch, FitError, FitSpec, LossFn, OptimizerFactory, StrategyOptions, is_int
+from ..strategies._device import autocast, model_device, to_device
+from ..strategies.base import (
+    DEFAULT_LOOP,
+    Batch,
+    BatchShare,
+    FitError,
+    FitSpec,
+    LoopSpec,
+    LossFn,
+    OptimizerFactory,
+    Share,
+    StrategyOptions,
+    is_int,
+)
 from .batchnorm import STATS
-from .data import RegionBatch, read_block
-from .distribution import NONSPATIAL, Distribution, SpatialError, gather
+from .data import BlockReader, RegionBatch, reads_regions, region_of
+from .distribution import NONSPATIAL, Distribution, SpatialError, gather, gather_group, ranges
 from .parallelize import SpatialParallel, parallelize
+from .tensor import Layout, tag
 
-__all__ = ["SpatialTrainer", "SpatialOptions", "make_trainer"]
+__all__ = ["SpatialTrainer", "SpatialOptions", "make_trainer", "FEATURES"]
 
 
 @dataclass(frozen=True)
@@ -67,51 +86,154 @@ def _broadcast_state(model: nn.Module, comm: Communicator) -> None:
 
 
 class SpatialTrainer:
-    """Trains `model` on `dist`: each global mini-batch is scattered (samples over the groups, pixels over
-    each group's grid), the outputs are gathered on every rank and the loss is computed there on the full
-    outputs, so any loss function gives the single-process loss and gradients; the parameter gradients
-    are summed over all ranks during backward, and every rank steps its own optimizer identically."""
+    """Trains `model` on `dist`. Features: :data:`FEATURES` (docs/training-runs.md).
+
+    A global batch of n samples is split over the sample groups as evenly as possible
+    (:func:`~mpitrain.comm.base.split_sizes`; a group may get none) and each sample over its group's grid.
+    Every rank of a group reads the group's rows (:meth:`share`), only its block of each sample when the
+    data can be read by region (:meth:`rank_view`, ``RegionBatch`` inputs), otherwise whole samples that it
+    crops. The group's outputs are gathered on each of its ranks (:func:`gather_group`) and the loss is
+    computed there on whole samples, weighted by the group's share of the step's samples; the parameter
+    gradients are summed over all ranks during backward, so after it every rank holds the gradient of
+    the step's mean loss (any loss function whose value is the mean over its rows), as one process would,
+    and steps its own optimizer identically (clipping by that global gradient's norm). BatchNorm
+    statistics "global" cover the whole global batch (exact). Batches and targets are moved to the
+    model's device (blocks read by region are read on the CPU, then moved); :meth:`eval_step` returns
+    its outputs on the CPU."""
 
     def __init__(self, model: nn.Module, loss_fn: LossFn, optimizer: OptimizerFactory, dist: Distribution,
-                 bn_stats: str = "global", overlap: bool = True) -> None:
-        self.model, self.loss_fn, self.dist = model, loss_fn, dist
+                 bn_stats: str = "global", overlap: bool = True, loop: LoopSpec = DEFAULT_LOOP) -> None:
+        self.model, self.loss_fn, self.dist, self.loop = model, loss_fn, dist, loop
+        self.bn_stats = bn_stats
+        self.device = model_device(model)
         self.parallel: SpatialParallel = parallelize(model, dist, bn_stats=bn_stats, overlap=overlap)
         _broadcast_state(model, dist.comm)
         self.optimizer = optimizer(model.parameters())
+        self._sample_shape: tuple[int, ...] | None = None  # set by rank_view: inputs arrive as blocks
 
-    def _block(self, inputs: Batch | RegionBatch) -> torch.Tensor:
-        """This rank's block of a global batch: read by region from a RegionBatch's dataset (no other
-        block's pixels touched), or a view of a full tensor."""
-        if isinstance(inputs, RegionBatch):
-            return read_block(inputs, self.dist)
-        if not isinstance(inputs, torch.Tensor):
-            raise SpatialError(f"strategy 'spatial' takes NCHW tensors or RegionBatch inputs, got "
-                               f"{type(inputs).__name__}")
-        self.dist.check_shape(tuple(inputs.shape), "input batch")
-        return self.dist.scatter(inputs)
+    # -- reading (ShardedTrainer) ----------------------------------------------------------------------
+    def share(self, n: int) -> Share:
+        """The rows of this rank's sample group (every rank of the group reads the same rows)."""
+        a, b = ranges(n, self.dist.samples)[self.dist.group]
+        return Share(a, b)
 
-    def train_step(self, inputs: Batch | RegionBatch, targets: torch.Tensor) -> float:
-        x = self._block(inputs)
+    def rank_view(self, dataset: Dataset[Any]) -> Dataset[Any]:
+        """What this rank's DataLoader reads of `dataset` (fit calls it once, before training from a
+        Dataset): a :class:`~mpitrain.spatial.data.BlockReader` of this rank's region when the dataset
+        reads regions (``read(index, region)`` and ``target(index)``), else `dataset` itself (whole
+        samples, cropped in :meth:`train_shares`)."""
+        if not reads_regions(dataset):
+            return dataset
+        shape = tuple(dataset.sample_shape)  # type: ignore[attr-defined]
+        self._sample_shape = shape
+        return BlockReader(dataset, region_of(self.dist, shape))  # type: ignore[arg-type]
+
+    def _share_block(self, b: BatchShare, blocks: bool) -> tuple[torch.Tensor, tuple[int, ...]]:
+        """This rank's block of its group's rows of `b` (possibly no rows) and the batch's global shape;
+        `blocks`: tensor inputs are blocks read by region already (rank_view), not whole samples.
+        Collective only for a batch smaller than the number of groups (rank 0 tells the empty groups the
+        sample shape and dtype)."""
+        x, dist = b.inputs, self.dist
+        block: torch.Tensor | None = None
+        shape: tuple[int, ...] | None = None
+        if isinstance(x, RegionBatch):  # an iterable of (RegionBatch, targets): read my rows' blocks
+            shape = (b.n, *x.dataset.sample_shape)
+            region = region_of(dist, tuple(x.dataset.sample_shape))
+            block = torch.stack([x.dataset.read(i, region)
+                                 for i in x.indices[b.share.start:b.share.stop]])
+        elif isinstance(x, torch.Tensor):
+            if blocks and self._sample_shape is not None:  # read by region already (rank_view)
+                shape, block = (b.n, *self._sample_shape), x
+            else:  # whole samples of my rows: crop (a view)
+                shape = (b.n, *x.shape[1:])
+                block = x[(slice(None), slice(None), *region_of(dist, shape[1:]))]
+            block = to_device(block, self.device)
+        elif x is not None:
+            raise SpatialError(f"strategy 'spatial' takes NCHW tensors or RegionBatch inputs, got {type(x).__name__}")
+        if b.n < dist.samples:  # some group has no sample: it learns the shape from rank 0 (group 0 has one)
+            shape, dtype = dist.comm.broadcast_object((shape, None if block is None else block.dtype)
+                                                      if dist.comm.rank == 0 else None)
+            if block is None:
+                block = torch.empty((0, *dist.local_shape(shape)[1:]), dtype=dtype, device=self.device)
+        assert block is not None and shape is not None
+        dist.check_shape((max(shape[0], dist.samples), *shape[1:]), "input batch")
+        return tag(block, Layout(dist, "block", shape)), shape
+
+    def train_shares(self, batches: Sequence[BatchShare], total: int) -> float:
+        """One optimizer step on this group's rows of `batches` (:class:`~mpitrain.strategies.base.ShardedTrainer`):
+        one forward and backward per batch (gradients accumulate), then clip and step."""
         if not self.parallel.training:  # eval_step restores training mode; train() walks every module
             self.parallel.train()
-        outputs = gather(self.parallel(x))
-        loss = self.loss_fn(outputs, targets)
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        local = torch.zeros(1, dtype=torch.float64)  # this group's summed per-sample loss (spatial rank 0)
+        for b in batches:
+            x, _ = self._share_block(b, blocks=True)
+            with autocast(self.loop.precision, self.device):
+                outputs = gather_group(self.parallel(x))
+                if b.share.rows:
+                    loss = self.loss_fn(outputs, to_device(b.targets, self.device))
+            if b.share.rows:
+                (loss * (b.share.rows / total)).backward()
+                if self.dist.spatial_rank == 0:
+                    local += loss.detach().double() * b.share.rows
+            else:  # no sample here: take part in the backward's collectives with a zero gradient
+                (outputs.float().sum() * 0.0).backward()
+        if self.loop.grad_clip is not None:  # the gradients are already the global ones on every rank
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.loop.grad_clip)
         self.optimizer.step()
-        return float(loss.detach())
+        return float(self.dist.comm.allreduce(local, "sum").item()) / total
+
+    # -- whole global batches ---------------------------------------------------------------------------
+    def train_step(self, inputs: Batch | RegionBatch, targets: torch.Tensor) -> float:
+        """One step on a global batch every rank holds in full (tensors or a RegionBatch)."""
+        n = len(targets)
+        share = self.share(n)
+        mine = slice_share(inputs, targets, share)  # type: ignore[arg-type]  # a RegionBatch passes whole
+        return self.train_shares([mine], n)
 
     def eval_step(self, inputs: Batch | RegionBatch, targets: torch.Tensor) -> torch.Tensor:
-        x = self._block(inputs)
+        """Forward only on a global batch every rank holds in full (any size: a group may get no sample);
+        returns the full outputs on every rank."""
+        n = len(targets)
+        x, _ = self._share_block(slice_share(inputs, targets, self.share(n)), blocks=False)  # type: ignore[arg-type]
         self.parallel.eval()
         try:
-            with torch.no_grad():
-                return gather(self.parallel(x))
+            with torch.no_grad(), autocast(self.loop.precision, self.device):
+                out = gather(self.parallel(x))
+            return (out.float() if out.dtype == torch.bfloat16 else out).cpu()
         finally:
             self.parallel.train()
 
+    # -- checkpoints (CheckpointTrainer) -----------------------------------------------------------------
+    def layout(self) -> dict[str, object]:
+        """Every rank holds the whole model (weights, optimizer state; BatchNorm buffers too, equal on
+        every rank with ``bn_stats="global"``)."""
+        return {"strategy": "spatial", "world_size": self.dist.comm.size, "grid": list(self.dist.grid),
+                "samples": self.dist.samples, "bn_stats": self.bn_stats, "replicated": True}
+
+    def state_dict(self) -> dict[str, object]:
+        """This rank's replica: the user's model state_dict and the optimizer state (no message)."""
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, read: Callable[[int], dict[str, object]], saved_layout: Mapping[str, object]) -> None:
+        """Same layout: this rank's shard. Another grid, sample count or world size: rank 0's (weights
+        and optimizer state are replicated; BatchNorm buffers of ``bn_stats`` "spatial"/"local", which
+        differ per rank, restart from rank 0's)."""
+        now = self.layout()
+        if saved_layout.get("strategy") != "spatial" or not saved_layout.get("replicated"):
+            raise FitError(f"cannot resume strategy 'spatial' (layout {now}) from a checkpoint of layout "
+                           f"{dict(saved_layout)}: resharding between these layouts is not supported")
+        same = all(saved_layout.get(k) == now[k] for k in ("world_size", "grid", "samples", "bn_stats"))
+        state = read(self.dist.comm.rank if same else 0)
+        self.model.load_state_dict(state["model"])  # type: ignore[arg-type]
+        self.optimizer.load_state_dict(state["optimizer"])  # type: ignore[arg-type]
+
     def trained_model(self) -> nn.Module:
         return self.model
+
+
+#: The loop features fit may ask of this strategy (see :data:`~mpitrain.strategies.base.FEATURE_NAMES`).
+FEATURES = frozenset({"shares", "checkpoint", "lr_scheduler", "grad_clip", "bf16"})
 
 
 def make_trainer(model: nn.Module, loss_fn: LossFn, optimizer: OptimizerFactory, comm: Communicator,
@@ -124,4 +246,4 @@ def make_trainer(model: nn.Module, loss_fn: LossFn, optimizer: OptimizerFactory,
     opts = SpatialOptions.from_spec(spec)
     grid, samples = opts.layout(comm)
     dist = Distribution(comm, grid, samples, nonspatial=opts.nonspatial, stall=spec.stall)
-    return SpatialTrainer(model, loss_fn, optimizer, dist, opts.bn_stats, opts.overlap)
+    return SpatialTrainer(model, loss_fn, optimizer, dist, opts.bn_stats, opts.overlap, spec.loop)

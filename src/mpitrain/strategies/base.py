@@ -170,6 +170,9 @@ class ShardedTrainer(Protocol):
       mean loss over all `total` samples (each rank weights its rows by their count), so the step equals
       one process's on those samples; it returns that mean loss, equal on every rank. `loss_fn` returns
       the mean over the rows it is given (as ``nn.CrossEntropyLoss()`` does).
+    * optional ``rank_view(dataset) -> Dataset``: what this rank's DataLoader reads instead of a
+      map-style `dataset` (same length and indices; e.g. spatial's block of each sample). fit calls it
+      once, before training from a Dataset; the BatchShares then hold what the view returns.
     """
 
     def share(self, n: int) -> Share: ...

@@ -22,6 +22,7 @@ from ._broadcast import (
     module_tensors,
 )
 from ._buckets import MB, Bucket, plan_buckets
+from ._device import CPU, autocast, model_device, to_device
 from ._grad_allreduce import allreduce_gradients, start_allreduce_gradients
 from .base import (
     DEFAULT_LOOP,
@@ -81,6 +82,11 @@ class DataParallel(nn.Module):
       that built its graph (as in DDP).
     * `broadcast_buffers`: in training-mode forwards with grad enabled, rank 0's buffers (e.g. batch
       norm statistics) are broadcast first, so every rank must run those forwards together.
+    * With one worker nothing is pushed: the sum over one worker is the gradient itself.
+    * Devices: buckets live on the parameters' device. For a model on a CUDA device, the forward's
+      tensor arguments are moved there first (as DDP with ``device_ids``; CPU inputs are copied), and
+      each bucket is reduced after an event recorded on the backward's stream, on a side stream: the
+      backward is never waited for per bucket; when ``backward()`` returns the gradients are complete.
 
     `kvstore` is a type name for :func:`mpitrain.kvstore.create` (its collectives run on private
     duplicates of `comm`; :meth:`close` releases it) or a store object with
@@ -99,6 +105,8 @@ class DataParallel(nn.Module):
         comm = comm or world()
         _check_args(module, kvstore, bucket_mb, first_bucket_mb, comm)
         self.module, self.comm, self.broadcast_buffers = module, comm, broadcast_buffers
+        self.device = model_device(module)  # batches go here; buckets live on the parameters' devices
+        self._moves_inputs = self.device != CPU
         params = [p for p in _unique(module.parameters()) if p.requires_grad]
         kv_name = kvstore if isinstance(kvstore, str) else type(kvstore).__name__
         named = module_tensors(module)
@@ -117,6 +125,8 @@ class DataParallel(nn.Module):
         self._slot = {p: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         self._keys = [b.key for b in self.buckets]
         self._scale = 1.0 / self.kv.num_workers if self.kv.num_workers > 1 else None
+        # one worker: the sum over workers is the gradient itself, so buckets are not pushed at all
+        self._solo = self.kv.num_workers == 1
         for b in self.buckets:
             self.kv.init(b.key, b.buffer)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
@@ -134,6 +144,8 @@ class DataParallel(nn.Module):
             buffers = [b for _, b in self.module.named_buffers()]
             if buffers:
                 broadcast_tensors(buffers, self.comm, 0)
+        if self._moves_inputs:
+            args, kwargs = to_device((args, kwargs), self.device)
         out = self.module(*args, **kwargs)
         return _watch_outputs(out, self) if grad and self._sync_graph and self.buckets else out
 
@@ -223,7 +235,8 @@ class DataParallel(nn.Module):
                     v.zero_()
                     self._absent.append((b, i))
                 b.used[i] = mark if used else 0.0
-        self.kv.pushpull(b.key, b.buffer, priority=-b.index)
+        if not self._solo:
+            self.kv.pushpull(b.key, b.buffer, priority=-b.index)
 
     @torch.no_grad()
     def _finalize(self) -> None:
@@ -235,7 +248,8 @@ class DataParallel(nn.Module):
             for b in self.buckets[self._next:]:
                 self._push(b)
             self._next = len(self.buckets)
-            self.kv.wait(self._keys)
+            if not self._solo:
+                self.kv.wait(self._keys)
             for b, i in self._absent:
                 if b.used[i].item() > 0:
                     b.params[i].grad = b.views[i]  # the average of the other ranks' gradients
@@ -355,7 +369,9 @@ class DataTrainer:
     share of the step's samples, so the averaged gradient is that of the mean loss over the step's
     samples: the step equals one process's (BatchNorm statistics are per rank, as in DDP). With
     ``broadcast_buffers`` rank 0's buffers are broadcast once per step, before its first forward. The
-    returned loss is the step's mean, equal on every rank. Features: :data:`FEATURES`.
+    returned loss is the step's mean, equal on every rank. Inputs and targets are moved to the model's
+    device; :meth:`eval_step` returns its outputs on the CPU (where fit's targets are). Features:
+    :data:`FEATURES`.
     """
 
     def __init__(self, model: nn.Module, loss_fn: LossFn, optimizer: OptimizerFactory, comm: Communicator,
@@ -366,6 +382,7 @@ class DataTrainer:
         self.dp.broadcast_buffers = False
         self._buffers = [b for _, b in model.named_buffers()] if opts.broadcast_buffers else []
         self.loss_fn, self.comm, self.micro_batches, self.loop = loss_fn, comm, micro_batches, loop
+        self.device = self.dp.device
         self.optimizer = optimizer(self.dp.module.parameters())
 
     def share(self, n: int) -> Share:
@@ -385,11 +402,13 @@ class DataTrainer:
             broadcast_tensors(self._buffers, self.comm, 0)
         pieces = [(x, y) for b in batches if b.share.rows
                   for x, y in zip(split_rows(b.inputs, self.micro_batches), split_rows(b.targets, self.micro_batches))]
-        local = torch.zeros((), dtype=torch.float64)  # the sum of this rank's per-sample losses
+        if self.device != CPU:
+            pieces = to_device(pieces, self.device)
+        local = torch.zeros((), dtype=torch.float64, device=self.device)  # sum of this rank's per-sample losses
         weight = self.comm.size / total  # DataParallel averages over ranks: undo it, divide by the samples
         for j, (x, y) in enumerate(pieces):
             with self.dp.no_sync() if j < len(pieces) - 1 else contextlib.nullcontext():
-                with _autocast(self.loop):
+                with autocast(self.loop.precision, self.device):
                     loss = self.loss_fn(self.dp(x), y)
                 (loss * (batch_size(y) * weight)).backward()
             local += loss.detach().double() * batch_size(y)
@@ -404,8 +423,9 @@ class DataTrainer:
     def eval_step(self, inputs: Batch, targets: torch.Tensor) -> torch.Tensor:
         n = batch_size(targets)
         s = self.share(n)
-        with _autocast(self.loop):
-            out: torch.Tensor = self.dp.module(rows(inputs, s.start, s.stop))
+        with autocast(self.loop.precision, self.device):
+            out: torch.Tensor = self.dp.module(to_device(rows(inputs, s.start, s.stop), self.device))
+        out = out.cpu()  # no-op on the CPU; fit compares the outputs with its (CPU) targets
         sizes = [even_share(n, self.comm.size, r).rows for r in range(self.comm.size)]
         return gather_rows(self.comm, out.float() if out.dtype == torch.bfloat16 else out, sizes)
 
@@ -430,13 +450,6 @@ class DataTrainer:
         so it also closes the KVStore (its comm thread); the trainer takes no more steps after it."""
         self.dp.close()
         return self.dp.module
-
-
-def _autocast(loop: LoopSpec) -> contextlib.AbstractContextManager[object]:
-    """CPU bf16 autocast when the loop asks for it."""
-    if loop.precision == "bf16":
-        return torch.autocast("cpu", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
 
 
 def _check_replicated(saved: Mapping[str, object], now: Mapping[str, object]) -> None:

@@ -17,25 +17,27 @@ empty pipeline, so its first K steps only compute and send.
 from __future__ import annotations
 
 import collections
-import contextlib
 import queue
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from .._utils.flat import views
 from .._utils.stall import DEFAULT_POLICY, StallPolicy, wait_until
+from ..comm._cuda import after, ready_event
+from ..comm._staging import Staging
 from ..comm.base import CommError, Communicator
 from ..comm.codecs import Codec, get_codec
 from ..comm.ring import DEFAULT_CHUNK_BYTES, ring_allreduce
 from ..timeline import span
 from ._batching import batch_size, even_share, gather_rows, rows, slice_share
 from ._broadcast import broadcast_parameters, check_same_everywhere
+from ._device import autocast, model_device, to_device
 from .base import (
     DEFAULT_LOOP,
     Batch,
@@ -123,6 +125,7 @@ class _Handle:
     iteration: int
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
+    ready: Any = None  # a CUDA buffer: the event after which the compute stream has produced it
 
 
 class CommThread:
@@ -142,6 +145,7 @@ class CommThread:
         self._queue: queue.Queue[_Handle | None] = queue.Queue(maxsize=max_pending)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._staging = Staging()  # host mirrors of device buffers: the ring runs on host memory
 
     def submit(self, buf: torch.Tensor, iteration: int) -> _Handle:
         """Queue an in-place average of `buf`; the caller must not touch `buf` until :meth:`wait`.
@@ -151,7 +155,7 @@ class CommThread:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="mpitrain-pipesgd-comm", daemon=True)
             self._thread.start()
-        handle = _Handle(buf, iteration)
+        handle = _Handle(buf, iteration, ready=ready_event(buf))
         self._queue.put(handle)
         return handle
 
@@ -181,6 +185,11 @@ class CommThread:
             self.comm.free()
 
     def _reduce(self, buf: torch.Tensor) -> None:
+        if not buf.is_cpu:  # a device buffer: the ring (and its residual) work on a host mirror
+            host = self._staging.to_host(buf)
+            self._reduce(host)
+            self._staging.back(buf, host)
+            return
         t0 = time.perf_counter()
         if self.error_feedback and self.residual is None:
             self.residual = torch.zeros_like(buf)
@@ -200,7 +209,8 @@ class CommThread:
             try:
                 if self._error is not None:
                     raise PipeSGDError("an earlier allreduce failed") from self._error
-                with span("allreduce", iteration=handle.iteration, elements=handle.buf.numel()):
+                with span("allreduce", iteration=handle.iteration, elements=handle.buf.numel()), \
+                        after(handle.buf, handle.ready):
                     self._reduce(handle.buf)
             except BaseException as e:  # handed to the compute thread, which re-raises it
                 self._error = self._error or e
@@ -211,6 +221,11 @@ class CommThread:
 
 class PipeSGDTrainer:
     """fit's Trainer for ``strategy="pipe-sgd"`` (see the module docstring for the exact semantics).
+
+    Devices: batches are moved to the model's device; a CUDA model's flat gradient buffers live on its
+    device and the communication thread averages each through a pinned host mirror (the ring works on
+    host memory), after an event recorded where backward produced it (the compute stream is never
+    waited for as a whole). :meth:`eval_step` returns its outputs on the CPU.
 
     Every rank trains on its equal slice of the global batch; ``train_step`` returns the global mean
     loss of THIS iteration (one 1-element allreduce on the compute side's communicator). `stats`
@@ -223,10 +238,12 @@ class PipeSGDTrainer:
         self.model, self.loss_fn, self.comm, self.loop = model, loss_fn, comm, loop
         self.K, self.warmup, self.error_feedback = opts.staleness, opts.warmup_steps, opts.error_feedback
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self.device = model_device(model)  # batches go here; the flat gradients live here
         broadcast_parameters(model.state_dict(), comm=comm)  # w[0] is the same on every rank
         self.optimizer = optimizer(model.parameters())
         n = sum(p.numel() for p in self.params)
-        self._free = collections.deque(torch.zeros(n, dtype=self.params[0].dtype) for _ in range(self.K))
+        self._free = collections.deque(torch.zeros(n, dtype=self.params[0].dtype, device=self.params[0].device)
+                                       for _ in range(self.K))
         self._pending: collections.deque[_Handle] = collections.deque()
         private = comm.split(0)
         assert private is not None  # every rank passes color 0
@@ -261,14 +278,14 @@ class PipeSGDTrainer:
         flat = self._free.popleft()
         flat.zero_()
         self._bind(flat)
-        local = torch.zeros((), dtype=torch.float64)
+        local = torch.zeros((), dtype=torch.float64, device=self.device)
         for b in batches:
             if b.share.rows == 0 or b.targets is None:
                 continue
             m = batch_size(b.targets)
-            with torch.autocast("cpu", dtype=torch.bfloat16) if self.loop.precision == "bf16" else \
-                    contextlib.nullcontext():
-                loss = self.loss_fn(self.model(b.inputs), b.targets)
+            x, y = to_device((b.inputs, b.targets), self.device)  # themselves on the CPU
+            with autocast(self.loop.precision, self.device):
+                loss = self.loss_fn(self.model(x), y)
             (loss * (m * self.comm.size / total)).backward()
             local += loss.detach().double() * m
         self.stats["compute_s"] += time.perf_counter() - t0
@@ -303,7 +320,7 @@ class PipeSGDTrainer:
     def eval_step(self, inputs: Batch, targets: torch.Tensor) -> torch.Tensor:
         n = batch_size(targets)
         s = self.share(n)
-        out = self.model(rows(inputs, s.start, s.stop)).contiguous()
+        out = self.model(to_device(rows(inputs, s.start, s.stop), self.device)).cpu().contiguous()
         return gather_rows(self.comm, out, [even_share(n, self.comm.size, r).rows for r in range(self.comm.size)])
 
     # -- checkpoints (CheckpointTrainer) ---------------------------------------------------------------

@@ -33,6 +33,7 @@ from ..._utils.flat import spans
 from ..._utils.stall import DEFAULT_POLICY, StallPolicy, watched
 from ...comm.base import Communicator, split_sizes
 from .._batching import check_divisible
+from .._device import to_device
 from .._grad_allreduce import allreduce_gradients, start_allreduce_gradients
 from ..base import FitError
 from ._graph import (
@@ -57,6 +58,8 @@ from ._stage import Stage, autocast, make_edges, run
 from .schedule import SCHEDULES, Action, schedule
 
 __all__ = ["Pipeline", "CHECKPOINTS"]
+
+_CPU = torch.device("cpu")
 
 #: Activation recomputation policies (torchgpipe's): recompute the forward of every training
 #: micro-batch during its backward, of all but the last one, or of none.
@@ -219,7 +222,8 @@ class Pipeline:
         total = [0.0]
 
         def last_fn(m: int, out: list[Any]) -> torch.Tensor:
-            loss = loss_fn(pytree.tree_unflatten(out, traced.out_spec), micro_tgt[m])
+            dev = next((o.device for o in out if isinstance(o, torch.Tensor)), _CPU)  # targets go to the outputs
+            loss = loss_fn(pytree.tree_unflatten(out, traced.out_spec), to_device(micro_tgt[m], dev))
             total[0] += float(loss.detach()) * sizes[m]
             return loss * scales[m]
 

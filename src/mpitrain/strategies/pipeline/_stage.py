@@ -33,6 +33,7 @@ from torch.utils.checkpoint import checkpoint
 from ...comm._wait import StallPolicy, wait_request
 from ...comm.base import Communicator, Request
 from ...timeline import span
+from .._device import model_device, to_device
 from ._graph import Partition, ValueMeta, mutated_placeholders
 from .schedule import Action
 
@@ -89,6 +90,7 @@ class Stage:
                  autocast: bool = False) -> None:
         self.part, self.comm, self.ranks, self.recompute, self.autocast = part, comm, ranks, recompute, autocast
         self.last = part.index == len(ranks) - 1
+        self.device = model_device(part.module)  # receive buffers and data inputs go to the partition's device
         self.in_edges = [e for e in edges if e.dst == part.index]
         self.recv_edges = [e for e in self.in_edges if e.data is None]  # the partition's recv_inputs, in order
         self.out_edges = [e for e in edges if e.src == part.index]
@@ -115,7 +117,7 @@ class Stage:
         for e in edges:
             m = metas[a.micro][e.value]
             assert m is not None  # edges carry tensors only (cut_points)
-            buf = torch.empty(m.shape, dtype=m.dtype)
+            buf = torch.empty(m.shape, dtype=m.dtype, device=self.device)
             reqs.append((self.comm.irecv(buf, self.ranks[peer(e)], self.tag(e, a.micro, a.kind == "B")), buf))
         self._posted[(a.kind, a.micro)] = reqs
 
@@ -151,7 +153,7 @@ class Stage:
         recv = [(e, t) for e, t in zip(self.in_edges, received) if e.data is None]
         leaves = [t.requires_grad_() if (train and e.grad) else t for e, t in recv]
         args = [t.clone() if c and t.requires_grad else t for t, c in zip(leaves, self._clone)]
-        call = [data[i] if i in data else inputs[i] for i in self.part.data_inputs] + args
+        call = [to_device(data[i] if i in data else inputs[i], self.device) for i in self.part.data_inputs] + args
         with autocast(self.autocast):
             if train and self.recompute(micro):
                 out = checkpoint(self.part.module, *call, use_reentrant=False)
@@ -160,7 +162,7 @@ class Stage:
         if not self.last:
             index = {v: i for i, v in enumerate(self.part.outputs)}
             for e in self.out_edges:
-                value = inputs[e.data] if e.data is not None else out[index[e.value]]
+                value = to_device(inputs[e.data], self.device) if e.data is not None else out[index[e.value]]
                 self._send(value, e, micro, backward=False)
         if train:
             self._saved[micro] = (leaves, out)

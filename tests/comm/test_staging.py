@@ -1,0 +1,126 @@
+"""The MPI backend's host-staging path (what CUDA tensors take when MPI is not CUDA-aware), forced for
+CPU tensors: every call gives bitwise the results of the direct path, over real MPI."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mpitrain.comm import DTYPES, split_sizes
+from mpitrain.comm._mpi import SPLIT_ABOVE, MPICommunicator
+from tests.helpers import assert_all_ranks
+
+pytestmark = pytest.mark.mpi
+
+OPS = ("sum", "avg", "max", "min", "prod")
+
+
+@pytest.fixture(scope="module")
+def pair(comm):
+    """(direct, staged): the world communicator and one that stages every tensor through host mirrors."""
+    if comm.backend != "mpi":
+        pytest.skip("host staging is the MPI backend's path")
+    return comm, MPICommunicator(comm.mpi_comm, _direct=frozenset())
+
+
+def data(rank: int, n: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(7919 * rank + 31 * n + seed)
+    x = torch.randn(n, generator=g, dtype=torch.float64) * 3
+    return x.to(dtype) if dtype.is_floating_point else x.round().to(dtype)
+
+
+def same(comm, a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    ok = a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+    assert_all_ranks(comm, ok, f"{what}: staged differs from direct")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_staged_allreduce_is_bitwise_the_direct_one(pair, dtype):
+    direct, staged = pair
+    for op in OPS:
+        if op == "avg" and not dtype.is_floating_point:
+            continue
+        for n in (0, 1, 13, 1000):
+            a, b = data(direct.rank, n, dtype), data(direct.rank, n, dtype)
+            ptr = b.data_ptr()
+            direct.allreduce(a, op)
+            out = staged.allreduce(b, op)
+            assert_all_ranks(direct, out is b and b.data_ptr() == ptr, "staged allreduce is in place")
+            same(direct, a, b, f"allreduce {op} {dtype} n={n}")
+            a, b = data(direct.rank, n, dtype, 1), data(direct.rank, n, dtype, 1)
+            direct.iallreduce(a, op).wait()
+            staged.iallreduce(b, op).wait()
+            same(direct, a, b, f"iallreduce {op} {dtype} n={n}")
+
+
+def test_staged_allreduce_of_a_large_tensor_cut_into_pieces(pair):
+    direct, staged = pair
+    n = SPLIT_ABOVE // 4 + 5
+    a, b = data(direct.rank, n, torch.float32), data(direct.rank, n, torch.float32)
+    direct.allreduce(a)
+    staged.allreduce(b)
+    same(direct, a, b, "large allreduce")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64], ids=str)
+def test_staged_broadcast_gather_scatter_alltoallv_are_the_direct_ones(pair, dtype):
+    direct, staged = pair
+    r, p = direct.rank, direct.size
+    for root in range(p):
+        a, b = data(r, 9, dtype), data(r, 9, dtype)
+        direct.broadcast(a, root)
+        staged.broadcast(b, root)
+        same(direct, a, b, f"broadcast root={root}")
+        a, b = data(r, 9, dtype), data(r, 9, dtype)
+        direct.ibroadcast(a, root).wait()
+        staged.ibroadcast(b, root).wait()
+        same(direct, a, b, f"ibroadcast root={root}")
+    x = data(r, 7, dtype).reshape(7, 1)
+    same(direct, direct.allgather(x), staged.allgather(x.clone()), "allgather")
+    for op in ("sum", "max"):
+        x = data(r, 2 * p + 1, dtype)
+        same(direct, direct.reduce_scatter(x.clone(), op), staged.reduce_scatter(x.clone(), op), f"reduce_scatter {op}")
+    send_counts = split_sizes(5 + r, p)
+    recv_counts = [split_sizes(5 + q, p)[r] for q in range(p)]
+    x = data(r, 5 + r, dtype).reshape(-1, 1)
+    same(direct, direct.alltoallv(x, send_counts, recv_counts), staged.alltoallv(x.clone(), send_counts, recv_counts),
+         "alltoallv")
+
+
+def test_staged_point_to_point_is_the_direct_one(pair):
+    direct, staged = pair
+    r, p = direct.rank, direct.size
+    right, left = (r + 1) % p, (r - 1) % p
+    expected = data(left, 11, torch.float32)
+    got = torch.zeros(11)
+    staged.sendrecv(data(r, 11, torch.float32), right, got, left, 3, 3)
+    same(direct, got, expected, "sendrecv")
+    got = torch.zeros(11)
+    reqs = [staged.irecv(got, left, 4), staged.isend(data(r, 11, torch.float32), right, 4)]
+    for q in reqs:
+        q.wait()
+    same(direct, got, expected, "isend/irecv")
+    got = torch.zeros(11)
+    if r % 2 == 0:  # even ranks send first: no cycle of blocking sends
+        staged.send(data(r, 11, torch.float32), right, 5)
+        staged.recv(got, left, 5)
+    else:
+        staged.recv(got, left, 5)
+        staged.send(data(r, 11, torch.float32), right, 5)
+    same(direct, got, expected, "send/recv")
+
+
+def test_staged_calls_refuse_bad_input_before_any_message(pair):
+    _, staged = pair
+    errors = []
+    for call in (lambda: staged.allreduce(torch.zeros(4, device="meta")),
+                 lambda: staged.allreduce(torch.zeros(4, 4).t()),
+                 lambda: staged.allreduce(torch.zeros(4, dtype=torch.int32), "avg")):
+        try:
+            call()
+            errors.append("no error")
+        except Exception as e:  # noqa: BLE001 - the message is the verdict
+            errors.append(str(e))
+    ok = ("is on device meta" in errors[0] and "move it there first" in errors[0]
+          and "not contiguous" in errors[1] and "needs a floating dtype" in errors[2])
+    assert_all_ranks(pair[0], ok, f"errors: {errors}")

@@ -1,0 +1,115 @@
+"""Several ranks sharing the GPUs of one machine through the MPI backend (CUDA-aware MPI directly, else
+host staging: NCCL refuses two ranks on one device). Collectives on CUDA tensors against the same calls
+on CPU tensors, and data-parallel training of a CUDA model against one process. Skipped, saying why,
+where torch sees no GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mpitrain
+from mpitrain.comm import DTYPES, split_sizes
+from tests.gpu._cuda import needs_cuda
+from tests.helpers import assert_all_ranks
+from tests.strategies import _device_checks as dc
+
+pytestmark = [pytest.mark.mpi, *needs_cuda]
+
+
+@pytest.fixture(scope="module")
+def dev(comm):
+    """This rank's GPU. On the torch backend (NCCL) only with a GPU per rank: NCCL refuses two ranks on
+    one device, so ranks sharing a GPU go through the MPI backend."""
+    if comm.backend != "mpi" and torch.cuda.device_count() < comm.size:
+        pytest.skip(f"NCCL needs a GPU per rank: {torch.cuda.device_count()} GPUs for {comm.size} ranks")
+    return mpitrain.device()
+
+
+def data(rank: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(7919 * rank + n)
+    x = torch.randn(n, generator=g, dtype=torch.float64) * 3
+    return x.to(dtype) if dtype.is_floating_point else x.round().to(dtype)
+
+
+def same(comm, got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """Bitwise where MPI reduces on the host for both (staging); within rounding for CUDA-aware MPI,
+    which may sum device buffers in another order."""
+    staged = comm.backend == "mpi" and "cuda" not in comm._direct
+    got = got.cpu()
+    ok = got.shape == want.shape and got.dtype == want.dtype and (
+        torch.equal(got, want) if staged or not want.is_floating_point()
+        else torch.allclose(got.double(), want.double(), rtol=1e-2 if want.itemsize == 2 else 1e-6, atol=1e-6))
+    assert_all_ranks(comm, ok, f"{what}: cuda result differs from the cpu one")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cuda_collectives_equal_the_cpu_ones(comm, dev, dtype):
+    r, p = comm.rank, comm.size
+    for op in ("sum", "avg", "max", "min", "prod"):
+        if op == "avg" and not dtype.is_floating_point:
+            continue
+        want = comm.allreduce(data(r, 1000, dtype), op)
+        same(comm, comm.allreduce(data(r, 1000, dtype).to(dev), op), want, f"allreduce {op}")
+        same(comm, comm.iallreduce(data(r, 1000, dtype).to(dev), op).wait(), want, f"iallreduce {op}")
+    for root in range(p):
+        same(comm, comm.broadcast(data(r, 9, dtype).to(dev), root), data(root, 9, dtype), f"broadcast {root}")
+    same(comm, comm.allgather(data(r, 7, dtype).to(dev)), comm.allgather(data(r, 7, dtype)), "allgather")
+    x = data(r, 2 * p + 1, dtype)
+    same(comm, comm.reduce_scatter(x.to(dev)), comm.reduce_scatter(x.clone()), "reduce_scatter")
+    sc, rc = split_sizes(5 + r, p), [split_sizes(5 + q, p)[r] for q in range(p)]
+    x = data(r, 5 + r, dtype).reshape(-1, 1)
+    same(comm, comm.alltoallv(x.to(dev), sc, rc), comm.alltoallv(x, sc, rc), "alltoallv")
+    right, left = (r + 1) % p, (r - 1) % p
+    got = torch.zeros(11, dtype=dtype, device=dev)
+    comm.sendrecv(data(r, 11, dtype).to(dev), right, got, left)
+    same(comm, got, data(left, 11, dtype), "sendrecv")
+    got = torch.zeros(11, dtype=dtype, device=dev)
+    reqs = [comm.irecv(got, left, 2), comm.isend(data(r, 11, dtype).to(dev), right, 2)]
+    for q in reqs:
+        q.wait()
+    same(comm, got, data(left, 11, dtype), "isend/irecv")
+
+
+@pytest.mark.parametrize("kvstore", ["dist_sync_mpi", "depchain", "funnel", "concurrent"])
+def test_data_parallel_of_a_cuda_model_equals_one_process(comm, dev, kvstore):
+    got = dc.train_data_parallel(comm, kvstore, dev)
+    dc.assert_one_process(comm, got, dc.train_one_process(comm.size, dev), f"{kvstore} on {dev}")
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_fit_data_of_a_cuda_model_equals_one_process(comm, dev, precision):
+    got = dc.train_fit(comm, dev, precision)
+    ref = dc.train_one_process(comm.size, dev, precision)
+    dc.assert_one_process(comm, got, ref, f"fit {precision} on {dev}", atol=dc.ATOL if precision == "fp32" else 1e-2)
+
+
+def test_staged_data_parallel_of_a_cuda_model_is_bitwise_the_default_path(comm, dev):
+    from mpitrain.comm._mpi import MPICommunicator
+
+    if comm.backend != "mpi":
+        pytest.skip("host staging is the MPI backend's path")
+    staged = MPICommunicator(comm.mpi_comm, _direct=frozenset({"cpu"}))
+    got = dc.train_data_parallel(staged, "depchain", dev)
+    ref = dc.train_data_parallel(comm, "depchain", dev)
+    if "cuda" in comm._direct:  # CUDA-aware MPI may sum in another order
+        dc.assert_one_process(comm, got, ref, "staged vs CUDA-aware", atol=1e-6)
+    else:
+        dc.assert_bitwise(comm, got, ref, "staged vs default (staged too)")
+
+
+def test_synchronous_pipe_sgd_of_a_cuda_model_equals_one_process(comm, dev):
+    got = dc.train_pipe_sgd_sync(comm, dev)
+    dc.assert_one_process(comm, got, dc.train_one_process(comm.size, dev), f"pipe-sgd K=1 on {dev}")
+
+
+def test_model_and_hybrid_fit_of_a_cuda_model_equal_one_process(comm, dev):
+    ref = dc.train_pipeline_one_process(comm.size, dev)
+    for strategy, parts in dc.pipeline_layouts(comm.size):
+        got = dc.train_pipeline(comm, dev, strategy, parts)
+        dc.assert_one_process(comm, got, ref, f"{strategy} P={parts} on {dev}")
+
+
+def test_spatial_fit_of_a_cuda_model_equals_one_process(comm, dev):
+    got, ref = dc.train_spatial(comm, dev)
+    dc.assert_one_process(comm, got, ref, f"spatial on {dev}")

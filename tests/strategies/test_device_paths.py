@@ -1,0 +1,55 @@
+"""The device-agnostic paths of DataParallel, fit(strategy="data") and Pipe-SGD on the CPU: over the MPI
+backend's host-staging path (what CUDA buckets take when MPI is not CUDA-aware), forced for CPU tensors,
+bitwise the direct path's parameters; and within float32 rounding of one process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mpitrain.comm._mpi import MPICommunicator
+from tests.strategies import _device_checks as dc
+
+pytestmark = pytest.mark.mpi
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def staged(comm):
+    if comm.backend != "mpi":
+        pytest.skip("host staging is the MPI backend's path")
+    return MPICommunicator(comm.mpi_comm, _direct=frozenset())
+
+
+@pytest.mark.parametrize("kvstore", ["dist_sync_mpi", "depchain"])
+def test_data_parallel_over_staging_is_bitwise_the_direct_path(comm, staged, kvstore):
+    direct = dc.train_data_parallel(comm, kvstore, CPU)
+    through_host = dc.train_data_parallel(staged, kvstore, CPU)
+    dc.assert_bitwise(comm, through_host, direct, f"DataParallel/{kvstore} staged vs direct")
+    dc.assert_one_process(comm, through_host, dc.train_one_process(comm.size, CPU), f"{kvstore} vs one process")
+
+
+def test_fit_data_over_staging_is_bitwise_the_direct_path(comm, staged):
+    direct = dc.train_fit(comm, CPU)
+    through_host = dc.train_fit(staged, CPU)
+    dc.assert_bitwise(comm, through_host, direct, "fit(data) staged vs direct")
+    dc.assert_one_process(comm, through_host, dc.train_one_process(comm.size, CPU), "fit(data) vs one process")
+
+
+def test_synchronous_pipe_sgd_on_the_cpu_equals_one_process(comm):
+    """The device-parameterised pipe-sgd check the GPU suite runs on CUDA, here on the CPU."""
+    dc.assert_one_process(comm, dc.train_pipe_sgd_sync(comm, CPU), dc.train_one_process(comm.size, CPU),
+                          "pipe-sgd K=1")
+
+
+def test_pipeline_device_check_on_the_cpu_equals_one_process(comm):
+    """The device-parameterised model/hybrid check the GPU suite runs on CUDA, here on the CPU."""
+    ref = dc.train_pipeline_one_process(comm.size, CPU)
+    for strategy, parts in dc.pipeline_layouts(comm.size):
+        dc.assert_one_process(comm, dc.train_pipeline(comm, CPU, strategy, parts), ref, f"{strategy} P={parts}")
+
+
+def test_spatial_device_check_on_the_cpu_equals_one_process(comm):
+    """The device-parameterised spatial check the GPU suite runs on CUDA, here on the CPU."""
+    got, ref = dc.train_spatial(comm, CPU)
+    dc.assert_one_process(comm, got, ref, "spatial")
