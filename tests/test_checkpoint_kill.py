@@ -1,7 +1,8 @@
 """Kill and resume, observed from outside: a 2-rank `mpitrain run` job SIGKILLed mid-training (and one
 killed in the middle of writing a checkpoint) is resumed and ends bit-identical (torch.equal on
-weights, buffers and optimizer state, every rank) to an uninterrupted run, for `data`, `pipe-sgd` and
-`spatial` (a small CNN on images, split over a 2x1 grid), with dropout, BatchNorm, momentum SGD, an LR
+weights, buffers and optimizer state, every rank) to an uninterrupted run, for `data`, `pipe-sgd`,
+`spatial` (a small CNN on images, split over a 2x1 grid), `model` (2 partitions) and `hybrid` (2
+replicas), with dropout, BatchNorm, momentum SGD, an LR
 scheduler and gradient clipping in the loop."""
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ def model(strategy):
 
 def train(strategy, directory, resume=False, on_step_end=None):
     torch.manual_seed(100 + comm.rank)  # dropout streams differ per rank
-    opts = {{"staleness": 2}} if strategy == "pipe-sgd" else {{}}
+    opts = {{"pipe-sgd": {{"staleness": 2}}, "model": {{"partitions": 2, "balance": "params"}},
+            "hybrid": {{"partitions": 1}}}}.get(strategy, {{}})
     data = IMAGES if strategy == "spatial" else DATA
     return fit(model(strategy), data, nn.CrossEntropyLoss(), lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
                strategy=strategy, batch_size=8, epochs=3, checkpoint_dir=directory, checkpoint_every=4,
@@ -80,7 +82,7 @@ def same(a, b):
 
 verdicts = []
 for strategy, name in (("data", "run-data"), ("pipe-sgd", "run-pipe-sgd"), ("spatial", "run-spatial"),
-                       ("data", "atomic")):
+                       ("model", "run-model"), ("hybrid", "run-hybrid"), ("data", "atomic")):
     visible = sorted(p.name for p in (ROOT / name).iterdir())
     resumed = train(strategy, ROOT / name, resume=True)
     reference = train(strategy, ROOT / ("ref-" + name))
@@ -95,7 +97,7 @@ if comm.rank == 0:
 
 @pytest.mark.timeout(600)
 def test_killed_runs_resume_bit_identical_and_a_kill_during_save_leaves_only_complete_checkpoints(tmp_path: Path):
-    for strategy, kill_after in (("data", 10), ("pipe-sgd", 7), ("spatial", 9)):
+    for strategy, kill_after in (("data", 10), ("pipe-sgd", 7), ("spatial", 9), ("model", 6), ("hybrid", 9)):
         killed = run_job(KILLED.format(root=str(tmp_path), strategy=strategy, kill_after=kill_after).replace(
             "ROOT / \"run\"", f"ROOT / \"run-{strategy}\""), n=2, timeout=180)
         assert killed.returncode != 0, killed.stdout + killed.stderr
@@ -109,7 +111,7 @@ def test_killed_runs_resume_bit_identical_and_a_kill_during_save_leaves_only_com
     resumed = run_job(RESUMED.format(root=str(tmp_path)), n=2, timeout=300)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     line = next(ln for ln in resumed.stdout.splitlines() if ln.startswith("VERDICTS"))
-    assert "False" not in line and line.count("True") == 8, line
+    assert "False" not in line and line.count("True") == 12, line
     # the resumed save of step 8 replaced the stale temporary directory
     assert not (tmp_path / "atomic" / ".step-8.tmp").exists()
     assert (tmp_path / "atomic" / "step-8" / "manifest.json").is_file()

@@ -219,10 +219,9 @@ def test_checkpoint_of_one_process_resumes_on_this_world_size(comm, strategy):
 
 
 def test_unsupported_feature_is_refused_on_every_rank_before_any_message(comm):
-    with pytest.raises(FitError, match="checkpointing .* is not supported by strategy 'model' yet"):
-        fit(mlp(), Points(), F.cross_entropy, sgd, strategy="model", partitions=comm.size, batch_size=B,
-            drop_last=True, checkpoint_dir="/nonexistent", progress=False)
+    with pytest.raises(FitError, match="checkpointing .* is not supported by strategy 'auto' yet"):
+        fit(mlp(), Points(), F.cross_entropy, sgd, strategy="auto", batch_size=B, drop_last=True,
+            checkpoint_dir="/nonexistent", progress=False)
     with pytest.raises(FitError, match="uneven last batch"):
-        fit(mlp(), Points(), F.cross_entropy, sgd, strategy="model", partitions=comm.size, batch_size=B,
-            progress=False)
+        fit(mlp(), Points(), F.cross_entropy, sgd, strategy="auto", batch_size=B, progress=False)
 

@@ -119,10 +119,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     pipelined = args.strategy in ("model", "hybrid")
     directory, temporary = _checkpoint_dir(args, comm)
     t0 = time.perf_counter()
-    # model/hybrid take no uneven last batch yet: drop it there (docs/training-runs.md)
     result = fit(model, TensorDataset(train_x, train_y), nn.CrossEntropyLoss(),
                  lambda ps: torch.optim.Adam(ps, lr=args.lr), strategy=args.strategy, batch_size=args.batch_size,
-                 seed=args.seed, drop_last=pipelined, epochs=args.epochs,
+                 seed=args.seed, epochs=args.epochs,
                  eval_data=DataLoader(TensorDataset(test_x, test_y), batch_size=168),
                  metrics=["accuracy"], progress=not args.no_progress, checkpoint_dir=directory,
                  checkpoint_every=args.checkpoint_every if directory else None, resume=args.resume,

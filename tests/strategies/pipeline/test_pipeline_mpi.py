@@ -97,7 +97,7 @@ def test_training_loss_is_the_one_process_mean_on_every_rank(comm):
     ({"strategy": "model", "partitions": 1}, "partitions == world size"),
     ({"strategy": "hybrid", "partitions": 5}, "partitions x replicas"),
     ({"strategy": "model", "schedule": "zigzag"}, "unknown schedule"),
-    ({"strategy": "model", "micro_batches": 4}, "cannot be split equally"),
+    ({"strategy": "model", "micro_batches": 0}, "micro_batches must be a positive int"),
     ({"strategy": "model", "balance": [1]}, "balance must be"),
     ({"strategy": "model", "stall_timout": 3}, "does not take option"),
     ({"strategy": "model", "checkpoint": "sometimes"}, "checkpoint"),

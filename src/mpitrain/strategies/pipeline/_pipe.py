@@ -29,6 +29,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
+from ..._utils.flat import spans
 from ..._utils.stall import DEFAULT_POLICY, StallPolicy, watched
 from ...comm.base import Communicator, split_sizes
 from .._batching import check_divisible
@@ -54,7 +55,7 @@ from ._graph import (
 )
 from ._materialize import InitFn, is_meta, materialize, release
 from ._partition import bounds_from_balance
-from ._stage import Stage, make_edges, run
+from ._stage import Stage, autocast, make_edges, run
 from .schedule import SCHEDULES, Action, schedule
 
 __all__ = ["Pipeline", "CHECKPOINTS"]
@@ -77,6 +78,12 @@ def _slice(tree: Any, start: int, stop: int) -> Any:
     return pytree.tree_map(lambda t: t[start:stop] if isinstance(t, torch.Tensor) and t.dim() > 0 else t, tree)
 
 
+def _repeat(tree: Any, n: int) -> Any:
+    """`n` rows made of every tensor's rows repeated in order (the shapes of a batch of `n` rows)."""
+    return pytree.tree_map(lambda t: t[torch.arange(n) % len(t)] if isinstance(t, torch.Tensor) and t.dim() > 0
+                           else t, tree)
+
+
 def _batch(flat: list[Any]) -> int:
     for a in flat:
         if isinstance(a, torch.Tensor) and a.dim() > 0:
@@ -96,13 +103,19 @@ class Pipeline:
     A model on the meta device is captured, measured and split on meta; each rank then allocates and
     initialises only the tensors its partitions use (:func:`._materialize.materialize`: each tensor
     seeded by `seed` and its qualified name, with `init_fn(module)` or the module's
-    ``reset_parameters()``)."""
+    ``reset_parameters()``).
+
+    For fit's per-rank reads (`inputs_on_first`): only pipeline rank 0 has a batch's inputs, and only
+    the last pipeline rank its targets (:meth:`setup_shared`, :meth:`train_pass`); a model input read
+    by a later partition is sent there by partition 0. `autocast`: forwards and loss under CPU bf16
+    autocast (shapes and dtypes of the messages are profiled under it too)."""
 
     def __init__(self, model: nn.Module, partitions: int | None = None, replicas: int | None = None,
                  micro_batches: int = 1, schedule: str = "1f1b", comm: Communicator | None = None,
                  checkpoint: str = "never", *, balance: Any = "time", virtual_stages: int = 2,
                  stall: StallPolicy = DEFAULT_POLICY, profile_passes: int = 5, example: Any = None,
-                 seed: int = 0, init_fn: InitFn | None = None) -> None:
+                 seed: int = 0, init_fn: InitFn | None = None, inputs_on_first: bool = False,
+                 autocast: bool = False) -> None:
         if comm is None:
             from ...runtime import init
 
@@ -111,6 +124,7 @@ class Pipeline:
         self.P, self.R = _layout(partitions, replicas, comm.size)
         self.M, self.schedule, self.checkpoint, self.balance = micro_batches, schedule, checkpoint, balance
         self.stall, self.profile_passes, self.seed, self.init_fn = stall, profile_passes, seed, init_fn
+        self.inputs_on_first, self.autocast = inputs_on_first, autocast
         _check_options(self.P, micro_batches, schedule, checkpoint, balance, virtual_stages)
         self.on_meta = is_meta(model)
         self.V = virtual_stages if schedule == "interleaved-1f1b" else 1
@@ -120,6 +134,7 @@ class Pipeline:
         self.traced: Traced | None = None
         self.stages: list[Stage] = []
         self._metas: dict[int, dict[str, ValueMeta | None]] = {}
+        self._sample: list[Any] = []  # a micro-batch of the set-up sample: the shapes of other sizes
         if example is not None:
             flat = self._flat(example)
             self._setup(example, flat, max(1, _batch(flat) // (self.R * self.M)))
@@ -140,6 +155,14 @@ class Pipeline:
             return iter([q for q in self.model.parameters() if q.requires_grad])  # a tied tensor once
         return iter(self._params)
 
+    def tensor_ids(self) -> tuple[set[int], set[int]]:
+        """The ``id`` of every parameter and buffer of this rank's partitions, and of every partition's
+        (the model's tensors that some rank holds). Needs the set-up."""
+        def ids(parts: list[Partition]) -> set[int]:
+            return {id(t) for part in parts for t in [*part.module.parameters(), *part.module.buffers()]}
+
+        return ids([s.part for s in self.stages]), ids(self._parts)
+
     @property
     def partitions(self) -> list[nn.Module]:
         """This rank's partition modules (one, or `virtual_stages` with interleaved-1f1b)."""
@@ -157,25 +180,69 @@ class Pipeline:
         n = B // (self.R * self.M)
         if not self.stages:
             self._setup(inputs, flat, n)
-        traced = self._traced()
-        meta = self._meta(flat, n)
         off = self.replica * n * self.M
-        micro_args = [_rows(flat, off + m * n, off + (m + 1) * n) for m in range(self.M)]
-        micro_tgt = [_slice(targets, off + m * n, off + (m + 1) * n) for m in range(self.M)]
         before = [q.grad for q in self._params]
         for q in self._params:
             q.grad = None  # reductions below must see this step's contribution only
-        self._mode(train=True)
+        mine = self.train_pass(_rows(flat, off, off + n * self.M), _slice(targets, off, off + n * self.M),
+                               [n] * self.M, [1.0 / self.M] * self.M, loss_fn, flat=True)
+        self.reduce_gradients()
+        for q, g in zip(self._params, before):  # accumulate onto what .grad held, as autograd does
+            if g is not None:
+                q.grad = g if q.grad is None else q.grad.add_(g)
+        with self._watched("the end-of-step loss allreduce"):
+            return float(self.comm.allreduce(torch.tensor([mine / B], dtype=torch.float64))[0])
+
+    def setup_shared(self, inputs: Any | None, micro: int) -> None:
+        """Collective, once, before the first :meth:`train_pass` of a pipeline whose ranks do not all
+        hold the batch: world rank 0 passes rows of the inputs (the others pass None), which it repeats
+        to ``max(2, micro)`` rows (`micro`: the first micro-batch's size, the same on every rank; two at
+        least, as torch.export takes a batch of one for a constant) and broadcasts (pickled, one
+        message) so that every rank captures, measures and splits the model on the same sample."""
+        if self.stages:
+            return
+        mine = _repeat(inputs, max(2, micro)) if self.comm.rank == 0 else None
+        sample = self.comm.broadcast_object(mine)
+        self._setup(sample, self._flat(sample), micro)
+
+    def train_pass(self, inputs: Any | None, targets: Any | None, sizes: list[int], scales: list[float],
+                   loss_fn: LossFn, flat: bool = False) -> float:
+        """Forward and backward of this replica's rows of one batch, cut into micro-batches of `sizes`
+        rows (any sizes >= 1; none: this replica has no rows), micro-batch m back-propagating
+        ``loss * scales[m]``. Gradients are ADDED to ``.grad`` and not reduced (:meth:`reduce_gradients`).
+        `inputs` (pipeline rank 0 only, else None; `flat`: already :func:`model_args` leaves) and
+        `targets` (the last pipeline rank only) hold ``sum(sizes)`` rows. Every rank of the replica calls
+        it with the same `sizes`. Returns the sum over its micro-batches of ``loss * size`` on the last
+        pipeline rank (0 elsewhere)."""
+        if not sizes:
+            return 0.0
+        traced = self._traced()
+        blocks = spans(sizes)
+        if inputs is not None:
+            rows = inputs if flat else self._flat(inputs)
+            micro_args = [_rows(rows, a, b) for a, b in blocks]
+        else:  # inputs reach later partitions as messages; non-tensor inputs are the sample's constants
+            constants = [None if isinstance(a, torch.Tensor) else a for a in self._sample]
+            micro_args = [constants] * len(sizes)
+        micro_tgt = [_slice(targets, a, b) for a, b in blocks] if targets is not None else []
         total = [0.0]
 
         def last_fn(m: int, out: list[Any]) -> torch.Tensor:
             dev = next((o.device for o in out if isinstance(o, torch.Tensor)), _CPU)  # targets go to the outputs
             loss = loss_fn(pytree.tree_unflatten(out, traced.out_spec), to_device(micro_tgt[m], dev))
-            total[0] += float(loss.detach())
-            return loss / self.M
+            total[0] += float(loss.detach()) * sizes[m]
+            return loss * scales[m]
 
-        actions = schedule(self.schedule, self.P, self.M, self.p, self.V)
-        run(self.stages, actions, micro_args, [meta] * self.M, last_fn, train=True)
+        self._mode(train=True)
+        # shapes from the set-up sample when ranks differ in what they hold: the same on every rank
+        shared = inputs is None or self.inputs_on_first
+        metas = [self._meta(None if shared else micro_args[m], s) for m, s in enumerate(sizes)]
+        run(self.stages, self._actions(len(sizes)), micro_args, metas, last_fn, train=True)
+        return total[0] if self._holds_last else 0.0
+
+    def reduce_gradients(self) -> None:
+        """Collective over every rank: finish the sends of the passes, average ``.grad`` over the
+        replicas and sum the copies of tied parameters (None gradients count as zeros)."""
         # this rank's backward is done: its replicas' average overlaps the other ranks' compute
         handle = start_allreduce_gradients(self._params, self.group, op="avg") if self.R > 1 else None
         self._finish_sends()
@@ -183,12 +250,25 @@ class Pipeline:
             handle.wait()
         for sub, params in self._tied:
             allreduce_gradients(params, sub, op="sum")
-        for q, g in zip(self._params, before):  # accumulate onto what .grad held, as autograd does
-            if g is not None:
-                q.grad = g if q.grad is None else q.grad.add_(g)
-        mine = total[0] / self.M / self.R if self._holds_last else 0.0
-        with self._watched("the end-of-step loss allreduce"):
-            return float(self.comm.allreduce(torch.tensor([mine], dtype=torch.float64))[0])
+
+    def clip_gradients(self, max_norm: float) -> float:
+        """Collective over the pipeline's ranks, after :meth:`reduce_gradients`: scale every ``.grad``
+        as one process's ``clip_grad_norm_(model.parameters(), max_norm)`` does, by the norm of the
+        whole model's gradient (all partitions; a tied parameter's copies once: its lowest pipeline rank
+        counts it). Returns that norm (the same on every rank: replicas hold averaged gradients)."""
+        skip = {id(q) for sub, params in self._tied if sub.rank != 0 for q in params}
+        grads = [q.grad for q in self._params if q.grad is not None]
+        counted = [q.grad for q in self._params if q.grad is not None and id(q) not in skip]
+        square = torch.zeros(1, dtype=torch.float64)
+        for g in counted:
+            square += torch.linalg.vector_norm(g, 2.0).double() ** 2
+        with self._watched("the gradient-norm allreduce"):
+            norm: float = float(self.pipe.allreduce(square)[0]) ** 0.5
+        coef = max_norm / (norm + 1e-6)
+        if coef < 1.0:
+            for g in grads:
+                g.mul_(coef)
+        return norm
 
     def eval(self, inputs: Any) -> Any:
         """Forward only, in eval mode, on any batch size (uneven slices by `split_sizes`); returns the
@@ -279,7 +359,7 @@ class Pipeline:
         if parts_n > len(traced.nodes):
             raise FitError(f"{parts_n} partitions exceed the {len(traced.nodes)} nodes of the captured graph "
                            f"of {type(self.model).__name__}; use fewer partitions")
-        sample = _rows(flat, 0, micro)
+        sample = self._sample = _rows(flat, 0, micro)
         # shapes of a meta model come from a meta copy of its graph (no storage), before and after
         # this rank materialises its own partition
         self._shapes = dataclasses.replace(traced, gm=copy.deepcopy(traced.gm)) if self.on_meta else traced
@@ -292,20 +372,22 @@ class Pipeline:
             bounds = self._meta_bounds(sample, meta, cuts)
         else:
             timed = self.balance == "time"
-            costs = self._agree(measure(traced, sample, self.profile_passes) if timed else None, sample)
+            with autocast(self.autocast):
+                timing = measure(traced, sample, self.profile_passes) if timed else None
+            costs = self._agree(timing, sample)
             bounds = _bounds(self.balance, parts_n, costs or param_counts(traced), cuts)
         self.bounds = bounds
         parts = split(traced, bounds, meta)
         mine = [parts[c * self.P + self.p] for c in range(self.V)]
         if self.checkpoint != "never":
             _refuse_recompute_with_batchnorm(mine)
-        edges = make_edges(parts, meta)
+        edges = make_edges(parts, meta, [n.name for n in traced.placeholders] if self.inputs_on_first else None)
         ranks = [k % self.P for k in range(parts_n)]
         last = self.M - 1
         recompute = (lambda m: True) if self.checkpoint == "always" else (
             (lambda m: m != last) if self.checkpoint == "except_last" else (lambda m: False))
         self._parts = parts
-        self.stages = [Stage(part, edges, self.pipe, ranks, max(self.M, 1), self.stall, recompute)
+        self.stages = [Stage(part, edges, self.pipe, ranks, max(self.M, 1), self.stall, recompute, self.autocast)
                        for part in mine]
         self._holds_last = self.stages[-1].last
         unique = {id(q): q for s in self.stages for q in s.part.module.parameters() if q.requires_grad}
@@ -415,16 +497,29 @@ class Pipeline:
             out.append(sum(got) / len(got) if got else 0.0)
         return out
 
-    def _meta(self, flat: list[Any], n: int) -> dict[str, ValueMeta | None]:
+    def _meta(self, flat: list[Any] | None, n: int) -> dict[str, ValueMeta | None]:
+        """Value metas of a micro-batch of `n` rows: profiled on `flat`'s first rows, or (None: this
+        rank has no inputs) on the set-up sample's rows repeated to `n`; the same shapes on every rank."""
         if n not in self._metas:
-            self._metas[n] = self._profile(_rows(flat, 0, n), grad=False)
+            rows = _rows(flat, 0, n) if flat is not None else _repeat(self._sample, n)
+            self._metas[n] = self._profile(rows, grad=False)
         return self._metas[n]
 
     def _profile(self, sample: list[Any], grad: bool) -> dict[str, ValueMeta | None]:
         """Value metas of one forward on `sample`; for a meta model on meta copies of the inputs."""
         if self.on_meta:
             sample = [a.to("meta") if isinstance(a, torch.Tensor) else a for a in sample]
-        return profile(self._shapes, sample, grad=grad)
+        with autocast(self.autocast):  # bf16 messages are received into bf16 buffers
+            return profile(self._shapes, sample, grad=grad)
+
+    def _actions(self, count: int) -> list[Action]:
+        """This rank's schedule for `count` micro-batches. An uneven batch can leave interleaved-1f1b
+        a count that is not a multiple of P: then all forwards, then all backwards, in (micro-batch,
+        virtual stage) order, a topological order on every rank (no rank waits forever)."""
+        if self.schedule == "interleaved-1f1b" and count % self.P:
+            return ([Action("F", m, c) for m in range(count) for c in range(self.V)]
+                    + [Action("B", m, c) for m in range(count) for c in reversed(range(self.V))])
+        return schedule(self.schedule, self.P, count, self.p, self.V)
 
     def _output_leaves(self, flat: list[Any], B: int) -> list[Any]:
         """Buffers for the batch's output leaves (constants stay constants)."""

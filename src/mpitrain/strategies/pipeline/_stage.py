@@ -15,10 +15,14 @@ Message protocol, the same for every model, P, R and schedule:
   no shape messages. Activations that carry no gradient (integers, values computed without
   parameters) get no backward message; every edge that does gets exactly one, zeros if the consumer
   did not use it differentiably, and the producer **sums** the errors of all consumers of a value.
+* When only the first pipeline rank has the batch's inputs (``make_edges(..., data=...)``: fit's
+  per-rank reads), a model input that a later partition reads is an edge too, from partition 0
+  (which sends its own rows of that input, no gradient), so middle stages read no data.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -33,27 +37,38 @@ from .._device import model_device, to_device
 from ._graph import Partition, ValueMeta, mutated_placeholders
 from .schedule import Action
 
-__all__ = ["Edge", "make_edges", "Stage", "run"]
+__all__ = ["Edge", "make_edges", "Stage", "run", "autocast"]
 
 _MAX_TAG = 32767  # the MPI standard's guaranteed minimum for MPI_TAG_UB
 
 
 @dataclass(frozen=True)
 class Edge:
-    """Value `value` produced by partition `src` and read by partition `dst`; `grad`: errors flow back."""
+    """Value `value` produced by partition `src` and read by partition `dst`; `grad`: errors flow back.
+    `data`: the index of the model input this edge carries (sent by partition 0), None for a value
+    computed by `src`."""
 
     index: int
     value: str
     src: int
     dst: int
     grad: bool
+    data: int | None = None
 
 
-def make_edges(parts: list[Partition], meta: dict[str, ValueMeta | None]) -> list[Edge]:
-    """All boundary edges in one global order: by consumer, then the consumer's argument order."""
+def make_edges(parts: list[Partition], meta: dict[str, ValueMeta | None],
+               data: list[str] | None = None) -> list[Edge]:
+    """All boundary edges in one global order: by consumer, then the consumer's argument order.
+
+    `data`: the names of the model's inputs (placeholders) when only partition 0's rank has them; each
+    tensor input that a later partition reads then becomes an edge from partition 0."""
     producer = {v: p.index for p in parts for v in p.outputs}
     out: list[Edge] = []
     for p in parts:
+        for i in (p.data_inputs if data is not None and p.index > 0 else []):
+            assert data is not None
+            if meta.get(data[i]) is not None:  # a non-tensor input is a constant every rank holds
+                out.append(Edge(len(out), data[i], 0, p.index, False, i))
         for v in p.recv_inputs:
             m = meta[v]
             grad = bool(m is not None and m.requires_grad and m.dtype.is_floating_point)
@@ -71,11 +86,13 @@ class Stage:
     activations during backward (``torch.utils.checkpoint``, non-reentrant: RNG state replayed)."""
 
     def __init__(self, part: Partition, edges: list[Edge], comm: Communicator, ranks: list[int],
-                 micro_window: int, policy: StallPolicy, recompute: Callable[[int], bool] = lambda m: False) -> None:
-        self.part, self.comm, self.ranks, self.recompute = part, comm, ranks, recompute
+                 micro_window: int, policy: StallPolicy, recompute: Callable[[int], bool] = lambda m: False,
+                 autocast: bool = False) -> None:
+        self.part, self.comm, self.ranks, self.recompute, self.autocast = part, comm, ranks, recompute, autocast
         self.last = part.index == len(ranks) - 1
         self.device = model_device(part.module)  # receive buffers and data inputs go to the partition's device
         self.in_edges = [e for e in edges if e.dst == part.index]
+        self.recv_edges = [e for e in self.in_edges if e.data is None]  # the partition's recv_inputs, in order
         self.out_edges = [e for e in edges if e.src == part.index]
         self.grad_out = [e for e in self.out_edges if e.grad]
         self.window = max(1, min(micro_window, _MAX_TAG // max(2 * len(edges), 1)))
@@ -132,17 +149,21 @@ class Stage:
     # -- compute ------------------------------------------------------------------------------
     def forward(self, micro: int, inputs: list[Any], train: bool) -> Any:
         received = self._take(Action("F", micro))
-        leaves = [t.requires_grad_() if (train and e.grad) else t for e, t in zip(self.in_edges, received)]
+        data = {e.data: t for e, t in zip(self.in_edges, received) if e.data is not None}
+        recv = [(e, t) for e, t in zip(self.in_edges, received) if e.data is None]
+        leaves = [t.requires_grad_() if (train and e.grad) else t for e, t in recv]
         args = [t.clone() if c and t.requires_grad else t for t, c in zip(leaves, self._clone)]
-        call = [to_device(inputs[i], self.device) for i in self.part.data_inputs] + args
-        if train and self.recompute(micro):
-            out = checkpoint(self.part.module, *call, use_reentrant=False)
-        else:
-            out = self.part.module(*call)
+        call = [to_device(data[i] if i in data else inputs[i], self.device) for i in self.part.data_inputs] + args
+        with autocast(self.autocast):
+            if train and self.recompute(micro):
+                out = checkpoint(self.part.module, *call, use_reentrant=False)
+            else:
+                out = self.part.module(*call)
         if not self.last:
             index = {v: i for i, v in enumerate(self.part.outputs)}
             for e in self.out_edges:
-                self._send(out[index[e.value]], e, micro, backward=False)
+                value = to_device(inputs[e.data], self.device) if e.data is not None else out[index[e.value]]
+                self._send(value, e, micro, backward=False)
         if train:
             self._saved[micro] = (leaves, out)
         return out
@@ -164,7 +185,7 @@ class Stage:
             tensors, grads = [t for t, _ in pairs], [g for _, g in pairs]
         if tensors:
             torch.autograd.backward(tensors, grads)
-        for e, leaf in zip(self.in_edges, leaves):
+        for e, leaf in zip(self.recv_edges, leaves):
             if e.grad:
                 g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
                 self._send(g, e, micro, backward=True)
@@ -174,6 +195,11 @@ class Stage:
         for req, what in self._sends:
             self._wait(req, what)
         self._sends.clear()
+
+
+def autocast(enabled: bool) -> contextlib.AbstractContextManager[object]:
+    """CPU bf16 autocast when `enabled` (fit's ``precision="bf16"``), else nothing."""
+    return torch.autocast("cpu", dtype=torch.bfloat16) if enabled else contextlib.nullcontext()
 
 
 def run(stages: list[Stage], actions: list[Action], inputs: list[list[Any]],
@@ -194,7 +220,8 @@ def run(stages: list[Stage], actions: list[Action], inputs: list[list[Any]],
                 with torch.set_grad_enabled(train):
                     out = stage.forward(a.micro, inputs[a.micro], train)
                 if stage.last:
-                    loss = last_fn(a.micro, out)
+                    with autocast(stage.autocast):  # the loss too, as in one process's autocast region
+                        loss = last_fn(a.micro, out)
                     if train and loss is not None:
                         losses[a.micro] = loss
             else:

@@ -1,25 +1,52 @@
 """The "model" and "hybrid" strategies behind `fit`: a thin loop over :class:`._pipe.Pipeline`.
 
-Set-up (capture, measurement, partition) happens on the first batch; the optimizer is built then, from
-this rank's parameters. "model" is one replica of ``partitions == world size``; "hybrid" is
-``partitions x replicas == world size``. Arguments are checked on every rank before any message.
+"model" is one replica of ``partitions == world size``; "hybrid" is ``partitions x replicas == world
+size``. Arguments are checked on every rank before any message. Every loop feature of fit is
+supported (:data:`FEATURES`):
+
+* shares: replica r reads block r of each global batch (as even as possible); within a replica only
+  pipeline rank 0 reads inputs and only the last pipeline rank targets, middle ranks read nothing.
+  Set-up (capture, measurement, partition) happens on the first step, from a few rows that world rank 0
+  broadcasts. Micro-batch m of a step of `total` samples back-propagates ``loss * rows * R / total``
+  (the replica average divides by R), so the step equals one process's on those samples.
+* the optimizer is built at construction from the whole model's parameters (so fit can hand it to an
+  LR scheduler at once) and, at set-up, each parameter group keeps only this rank's parameters (a rank
+  with none keeps empty groups: its steps and scheduler still run).
+* checkpoints: a rank's shard holds its partitions' tensors under the user's ``state_dict`` names, its
+  optimizer state and the cut; see :meth:`PipelineTrainer.load_state_dict`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 
-from ...comm.base import Communicator
-from ..base import FitError, FitSpec, LossFn, OptimizerFactory, StrategyOptions, is_int
+from ...comm.base import Communicator, split_sizes
+from .._batching import batch_size, even_share, slice_share
+from ..base import (
+    DEFAULT_LOOP,
+    BatchShare,
+    FitError,
+    FitSpec,
+    LoopSpec,
+    LossFn,
+    OptimizerFactory,
+    Share,
+    StrategyOptions,
+    is_int,
+)
 from ._materialize import InitFn
 from ._pipe import CHECKPOINTS, Pipeline
 
-__all__ = ["make_trainer", "PipelineTrainer", "PipelineOptions"]
+__all__ = ["make_trainer", "PipelineTrainer", "PipelineOptions", "FEATURES"]
+
+#: The loop features fit may ask of these strategies (see :data:`~mpitrain.strategies.base.FEATURE_NAMES`).
+FEATURES = frozenset({"shares", "checkpoint", "lr_scheduler", "grad_clip", "bf16"})
 
 
 @dataclass(frozen=True)
@@ -63,31 +90,70 @@ def make_trainer(model: nn.Module, loss_fn: LossFn, optimizer: OptimizerFactory,
     opts = _check_spec(spec, comm.size)
     pipe = Pipeline(model, spec.partitions, spec.replicas, spec.micro_batches, spec.schedule, comm,
                     opts.checkpoint, balance=spec.balance, virtual_stages=opts.virtual_stages, stall=spec.stall,
-                    profile_passes=opts.profile_passes, seed=opts.seed, init_fn=opts.init_fn)
-    return PipelineTrainer(pipe, loss_fn, optimizer)
+                    profile_passes=opts.profile_passes, seed=opts.seed, init_fn=opts.init_fn,
+                    inputs_on_first=True, autocast=spec.loop.precision == "bf16")
+    return PipelineTrainer(pipe, loss_fn, optimizer, spec.strategy, spec.loop)
 
 
 class PipelineTrainer:
-    """`fit`'s Trainer over a :class:`Pipeline`. Every rank calls every method with the same batch."""
+    """`fit`'s Trainer over a :class:`Pipeline` (:class:`~..base.ShardedTrainer` and
+    :class:`~..base.CheckpointTrainer`). Every rank calls every method."""
 
-    def __init__(self, pipe: Pipeline, loss_fn: Callable[[Any, Any], torch.Tensor],
-                 optimizer: OptimizerFactory) -> None:
-        self.pipe, self.loss_fn, self.make_optimizer = pipe, loss_fn, optimizer
-        self.optimizer: torch.optim.Optimizer | None = None
-        self._built = False
+    def __init__(self, pipe: Pipeline, loss_fn: Callable[[Any, Any], torch.Tensor], optimizer: OptimizerFactory,
+                 strategy: str = "model", loop: LoopSpec = DEFAULT_LOOP) -> None:
+        self.pipe, self.loss_fn, self.strategy, self.loop = pipe, loss_fn, strategy, loop
+        self.comm = pipe.comm
+        # the user's names of the model's parameters: they survive a meta model's materialisation
+        self._names = {id(q): name for name, q in pipe.model.named_parameters(remove_duplicate=False)}
+        self.optimizer: torch.optim.Optimizer = optimizer(pipe.model.parameters())
+        self._pending: dict[str, Any] | None = None  # a checkpoint shard to load once the model is split
+        self._read: Callable[[int], dict[str, object]] | None = None
+
+    # -- shares (ShardedTrainer) ------------------------------------------------------------------------
+    def share(self, n: int) -> Share:
+        """Replica r's block of `n` rows (:func:`~mpitrain.comm.base.split_sizes`); inputs on pipeline
+        rank 0, targets on the last pipeline rank, nothing on the others."""
+        s = even_share(n, self.pipe.R, self.pipe.replica)
+        return Share(s.start, s.stop, inputs=self.pipe.p == 0, targets=self.pipe.p == self.pipe.P - 1)
 
     def train_step(self, inputs: Any, targets: Any) -> float:
-        if self.pipe.stages:  # fit's steps start from zero gradients (Pipeline.step adds to them)
-            for q in self.pipe.parameters():
-                q.grad = None
-        loss = self.pipe.step(inputs, targets, self.loss_fn)
-        if not self._built:
-            params = list(self.pipe.parameters())
-            self.optimizer = self.make_optimizer(params) if params else None
-            self._built = True
-        if self.optimizer is not None:
-            self.optimizer.step()
-        return loss
+        """One step on a global batch every rank holds in full (any size)."""
+        n = batch_size(targets)
+        return self.train_shares([slice_share(inputs, targets, self.share(n))], n)
+
+    def train_shares(self, batches: Sequence[BatchShare], total: int) -> float:
+        """One optimizer step on the concatenation of `batches` (:class:`~..base.ShardedTrainer`)."""
+        pipe = self.pipe
+        if not pipe.stages:
+            self._setup(batches[0])
+        for q in pipe.parameters():
+            q.grad = None
+        local = 0.0
+        for b in batches:
+            sizes = [s for s in split_sizes(b.share.stop - b.share.start, pipe.M) if s > 0]
+            scales = [s * pipe.R / total for s in sizes]
+            local += pipe.train_pass(_own_rows(b.inputs, b), b.targets, sizes, scales, self.loss_fn)
+        pipe.reduce_gradients()
+        if self.loop.grad_clip is not None:
+            pipe.clip_gradients(self.loop.grad_clip)
+        self.optimizer.step()
+        return float(self.comm.allreduce(torch.tensor([local], dtype=torch.float64))[0]) / total
+
+    def _setup(self, first: BatchShare) -> None:
+        """Split the model on rows of world rank 0's first batch, keep this rank's parameters in the
+        optimizer, and load a pending checkpoint."""
+        pipe = self.pipe
+        micro = -(-split_sizes(first.n, pipe.R)[0] // pipe.M)  # replica 0's first micro-batch, on every rank
+        # world rank 0 is replica 0's pipeline rank 0: it has rows (n >= 1) and inputs
+        pipe.setup_shared(_own_rows(first.inputs, first) if self.comm.rank == 0 else None, micro)
+        mine = {id(q) for q in pipe.parameters()}
+        current = dict(pipe.model.named_parameters(remove_duplicate=False))
+        for group in self.optimizer.param_groups:  # in place: an optimizer may hold the list itself
+            held = [current[self._names[id(q)]] for q in group["params"]]
+            group["params"][:] = [q for q in held if id(q) in mine]
+        if self._pending is not None:
+            self._load(self._pending)
+            self._pending = None
 
     @property
     def bounds(self) -> list[int]:
@@ -95,8 +161,97 @@ class PipelineTrainer:
         return self.pipe.bounds
 
     def eval_step(self, inputs: Any, targets: Any) -> Any:
-        """Forward only, in eval mode; any batch size."""
-        return self.pipe.eval(inputs)
+        """Forward only, in eval mode; any batch size (every rank holds it); bf16 outputs as float32."""
+        out = self.pipe.eval(inputs)
+        return pytree.tree_map(lambda t: t.float() if isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16
+                               else t, out)
 
     def trained_model(self) -> nn.Module:
+        if not self.pipe.stages and self._read is not None:  # resumed after the last step: no set-up
+            self._load_everything(self._read)
         return self.pipe.trained_model()
+
+    # -- checkpoints (CheckpointTrainer) -----------------------------------------------------------------
+    def layout(self) -> dict[str, object]:
+        """Strategy, world size, P, R, virtual stages and the cut (None before the first step)."""
+        pipe = self.pipe
+        return {"strategy": self.strategy, "world_size": self.comm.size, "partitions": pipe.P,
+                "replicas": pipe.R, "virtual_stages": pipe.V,
+                "bounds": list(pipe.bounds) if pipe.stages else None}
+
+    def state_dict(self) -> dict[str, object]:
+        """This rank's partitions' parameters and buffers under the user's ``state_dict`` names (a tied
+        weight under each of its names, on every rank holding a copy: the copies are equal), plus, on
+        world rank 0, tensors no partition holds (unused ones); the optimizer state."""
+        pipe = self.pipe
+        named = pipe.model.state_dict(keep_vars=True)
+        if not pipe.stages:  # no step taken: every rank holds the whole (initial) model
+            model = {k: t.detach() for k, t in named.items() if self.comm.rank == 0 and not t.is_meta}
+        else:
+            own, held = pipe.tensor_ids()
+            model = {k: t.detach() for k, t in named.items()
+                     if id(t) in own or (self.comm.rank == 0 and id(t) not in held and not t.is_meta)}
+        return {"model": model, "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, read: Callable[[int], dict[str, object]], saved_layout: Mapping[str, object]) -> None:
+        """Resume with the same partitions and virtual stages, cut where the saved run cut it (its
+        bounds become ``balance``); the shard is applied when the model is split at the first step.
+        Same replicas: this rank's shard. Other replicas (another world size): pipeline rank p reads
+        saved rank p, replica 0's (replicas hold the same weights and optimizer state; BatchNorm
+        statistics become replica 0's). Other partitions or virtual stages: FitError naming both
+        layouts (partitions and their optimizer state are not resharded)."""
+        now = self.layout()
+        keys = ("strategy", "partitions", "virtual_stages")
+        bounds = saved_layout.get("bounds")
+        if any(saved_layout.get(k) != now[k] for k in keys) or (bounds is not None and not isinstance(bounds, list)):
+            raise FitError(f"cannot resume strategy {self.strategy!r} (layout {now}) from a checkpoint of layout "
+                           f"{dict(saved_layout)}: a pipeline resumes only with the same partitions and virtual "
+                           f"stages (resharding partitions is not supported; replicas may change)")
+        same = saved_layout.get("replicas") == now["replicas"] and saved_layout.get("world_size") == now["world_size"]
+        state = read(self.comm.rank if same else self.pipe.p)
+        self._read = read
+        if bounds is None:  # saved before any step: the whole model on every rank
+            self.pipe.model.load_state_dict(read(0)["model"])  # type: ignore[arg-type]
+            return
+        self.pipe.balance = [b - a for a, b in zip(bounds, bounds[1:])]
+        # hyperparameters now (fit reports the lr, a scheduler was built on them); the state at set-up
+        for group, saved in zip(self.optimizer.param_groups, state["optimizer"]["param_groups"]):  # type: ignore[index]
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        if self.pipe.stages:
+            self._load(state)
+        else:
+            self._pending = state
+
+    def _load(self, state: Mapping[str, Any]) -> None:
+        own, _ = self.pipe.tensor_ids()
+        named = self.pipe.model.state_dict(keep_vars=True)
+        with torch.no_grad():
+            for k, t in state["model"].items():
+                if k in named and id(named[k]) in own:
+                    named[k].copy_(t)
+        self.optimizer.load_state_dict(state["optimizer"])
+
+    def _load_everything(self, read: Callable[[int], dict[str, object]]) -> None:
+        """The whole model from every saved shard (lowest rank first), for a run resumed with no step left."""
+        merged: dict[str, torch.Tensor] = {}
+        for r in range(self.comm.size):
+            for k, t in read(r)["model"].items():  # type: ignore[attr-defined]
+                merged.setdefault(k, t)
+        if not self.pipe.on_meta:
+            self.pipe.model.load_state_dict(merged, strict=False)
+
+
+def _rowed(t: object) -> bool:
+    return isinstance(t, torch.Tensor) and t.dim() > 0
+
+
+def _own_rows(inputs: Any, b: BatchShare) -> Any:
+    """`b`'s rows of `inputs`: inputs given as the whole global batch (a structure that fit's slicing
+    passes through whole, such as a dict) are cut to the share's rows here."""
+    if inputs is None:
+        return None
+    leaves = [t for t in pytree.tree_leaves(inputs) if _rowed(t)]
+    rows = b.share.stop - b.share.start
+    if leaves and len(leaves[0]) == b.n and rows != b.n:
+        return pytree.tree_map(lambda t: t[b.share.start:b.share.stop] if _rowed(t) else t, inputs)
+    return inputs

@@ -1,0 +1,274 @@
+"""fit's training-run features under model and hybrid parallelism, against one process over real MPI
+(2, 3, 4 ranks): a Dataset with an uneven last batch, what each rank reads, scheduler / clipping /
+accumulation / bf16, and checkpoints (stop and resume bit-identical, load_checkpoint, a meta model,
+another layout refused)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import Dataset
+
+from mpitrain import checkpoint
+from mpitrain.comm.base import split_sizes
+from mpitrain.fit import FitError, fit
+from mpitrain.strategies.pipeline._materialize import materialize
+from tests.helpers import assert_all_ranks, assert_close_all_ranks
+
+pytestmark = pytest.mark.mpi
+
+N, B = 29, 8  # batches of 8, 8, 8, 5: uneven replica and micro-batch splits
+
+
+class Points(Dataset):
+    """N labelled points; records every index it reads."""
+
+    def __init__(self, n: int = N, dtype: torch.dtype = torch.float64) -> None:
+        g = torch.Generator().manual_seed(5)
+        self.x = torch.randn(n, 6, generator=g, dtype=dtype)
+        self.y = (self.x[:, :3] @ torch.randn(3, 3, generator=g, dtype=dtype)).argmax(1)
+        self.reads: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        self.reads.append(int(i))
+        return self.x[i], self.y[i]
+
+
+class Tied(nn.Module):
+    """`shared` is applied near the input and again near the output: with P >= 2 its copies live in
+    different partitions (tied parameters, gradients summed, counted once by the clipping norm)."""
+
+    def __init__(self, h: int = 16) -> None:
+        super().__init__()
+        self.inp, self.shared, self.mid, self.head = nn.Linear(6, h), nn.Linear(h, h), nn.Linear(h, h), nn.Linear(h, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.tanh(self.shared(torch.tanh(self.inp(x))))
+        x = torch.tanh(self.mid(x))
+        x = torch.tanh(self.mid(torch.tanh(self.mid(x))))
+        return self.head(torch.tanh(self.shared(x)))
+
+
+def deep(dtype: torch.dtype = torch.float64) -> nn.Module:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for i in range(4):
+        layers += [nn.Linear(6 if i == 0 else 16, 16), nn.Tanh()]
+    return nn.Sequential(*layers, nn.Linear(16, 3)).to(dtype)
+
+
+def tied(dtype: torch.dtype = torch.float64) -> nn.Module:
+    torch.manual_seed(0)
+    return Tied().to(dtype)
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.3, momentum=0.9)
+
+
+def layouts(size: int) -> list[tuple[str, int, int]]:
+    """(strategy, P, R): the whole pipeline, and replicas (1 x size on odd sizes, 2 x 2 on four)."""
+    p = size // 2 if size % 2 == 0 else 1
+    return [("model", size, 1), ("hybrid", p, size // p)]
+
+
+def order_batches(ds: Points, epochs: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """The documented order rule (shuffle, seed 0) in one process."""
+    out = []
+    for e in range(epochs):
+        order = torch.randperm(len(ds), generator=torch.Generator().manual_seed(e))
+        out.append([(ds.x[order[i:i + B]], ds.y[order[i:i + B]]) for i in range(0, len(ds), B)])
+    return out
+
+
+def reference(model, epochs_batches, accumulate=1, clip=None, scheduler=None, precision="fp32"):
+    """One process: one optimizer step per `accumulate` global batches on the mean loss of their samples."""
+    model = copy.deepcopy(model)
+    opt = sgd(model.parameters())
+    sched = scheduler(opt) if scheduler else None
+    losses, lrs = [], []
+    for batches in epochs_batches:
+        for i in range(0, len(batches), accumulate):
+            x = torch.cat([b[0] for b in batches[i:i + accumulate]])
+            y = torch.cat([b[1] for b in batches[i:i + accumulate]])
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+                loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            lrs.append(opt.param_groups[0]["lr"])
+            opt.step()
+            if sched:
+                sched.step()
+            losses.append((loss.item(), len(y)))
+    return model, losses, lrs
+
+
+def same_params(comm, got: nn.Module, want: nn.Module, atol: float, what: str) -> None:
+    for (name, p), q in zip(got.named_parameters(), want.parameters()):
+        assert_close_all_ranks(comm, p.detach().double(), q.detach().double(), atol=atol, what=f"{what}: {name}")
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved-1f1b"])
+def test_dataset_with_uneven_last_batch_equals_one_process_and_each_rank_reads_only_what_it_uses(comm, schedule):
+    for strategy, P, R in layouts(comm.size):
+        ds = Points()
+        # 2P micro-batches: a last batch of 5 rows leaves fewer, not a multiple of P (interleaved's fallback)
+        result = fit(deep(), ds, F.cross_entropy, sgd, strategy=strategy, partitions=P, micro_batches=2 * P,
+                     schedule=schedule, batch_size=B, epochs=2, balance="params", progress=False)
+        ref, losses, _ = reference(deep(), order_batches(ds, 2))
+        what = f"{strategy} P={P} R={R} {schedule}"
+        same_params(comm, result.model, ref, 1e-10, what)
+        for e in range(2):
+            part = losses[4 * e:4 * e + 4]
+            mean = sum(lo * n for lo, n in part) / sum(n for _, n in part)
+            assert_all_ranks(comm, abs(result.history[e]["loss"] - mean) < 1e-10,
+                             f"{what}: epoch {e + 1} loss {result.history[e]['loss']} vs {mean}")
+        replica, p = divmod(comm.rank, P)
+        rows = sum(split_sizes(n, R)[replica] for n in (8, 8, 8, 5))
+        want = 2 * rows if p in (0, P - 1) else 0  # inputs on the first stage, targets on the last
+        assert_all_ranks(comm, len(ds.reads) == want, f"{what}: rank {comm.rank} read {len(ds.reads)}, not {want}")
+        firsts = [reads for r, reads in enumerate(comm.allgather_object(ds.reads)) if r % P == 0]
+        counts = torch.bincount(torch.tensor([i for reads in firsts for i in reads]), minlength=N)
+        assert_all_ranks(comm, bool((counts == 2).all()), f"{what}: first stages' reads per index {counts.tolist()}")
+
+
+def test_scheduler_clipping_and_accumulation_equal_one_process_with_tied_weights(comm, tmp_path):
+    def sched(opt):
+        return torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+
+    root = comm.broadcast_object(str(tmp_path))
+    for strategy, P, R in layouts(comm.size):
+        ds = Points()
+        result = fit(tied(), ds, F.cross_entropy, sgd, strategy=strategy, partitions=P, micro_batches=2,
+                     batch_size=B, epochs=2, accumulate=3, grad_clip=0.05, lr_scheduler=sched, balance="params",
+                     checkpoint_dir=f"{root}/{strategy}", progress=False)
+        # the tied weight's copies (one per holding rank) consolidate to the trained weight
+        assert_all_ranks(comm, same(checkpoint.load_checkpoint(f"{root}/{strategy}"), result.model.state_dict()),
+                         f"{strategy}: load_checkpoint of a tied model")
+        ref, _, lrs = reference(tied(), order_batches(ds, 2), accumulate=3, clip=0.05, scheduler=sched)
+        same_params(comm, result.model, ref, 1e-10, f"{strategy} P={P} R={R} scheduler+clip+accumulate")
+        assert_all_ranks(comm, [h["lr"] for h in result.history] == [lrs[1], lrs[3]],
+                         f"history lr {[h['lr'] for h in result.history]} vs steps' {lrs}")
+
+
+def test_bf16_autocast_matches_one_process_autocast(comm):
+    for strategy, P, R in layouts(comm.size):
+        ds = Points(dtype=torch.float32)
+        held_out = [(ds.x[:7], ds.y[:7])]
+        result = fit(deep(torch.float32), ds, F.cross_entropy, sgd, strategy=strategy, partitions=P,
+                     micro_batches=2, batch_size=B, precision="bf16", balance="params", eval_data=held_out,
+                     progress=False)
+        ref, losses, _ = reference(deep(torch.float32), order_batches(ds, 1), precision="bf16")
+        _, full, _ = reference(deep(torch.float32), order_batches(ds, 1))
+        same_params(comm, result.model, ref, 2e-2, f"{strategy} P={P} R={R} bf16")
+        assert_all_ranks(comm, losses != full, "autocast made no difference in one process")
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            want = F.cross_entropy(ref(held_out[0][0]).float(), held_out[0][1]).item()
+        got = result.history[-1]["eval_loss"]
+        assert_all_ranks(comm, abs(got - want) < 2e-2, f"{strategy} bf16 eval loss {got} vs {want}")
+
+
+def noisy() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 16),
+                         nn.Tanh(), nn.Linear(16, 3)).double()
+
+
+def same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def test_stopped_run_resumes_bit_identical_and_load_checkpoint_consolidates(comm, tmp_path):
+    root = comm.broadcast_object(str(tmp_path))  # rank 0's directory: every rank sees it
+
+    def train(strategy, P, directory, **kw):
+        torch.manual_seed(100 + comm.rank)  # dropout streams differ per rank
+        return fit(noisy(), Points(45), F.cross_entropy, sgd, strategy=strategy, partitions=P,
+                   micro_batches=2 if strategy == "model" else 1, batch_size=12, epochs=2, balance="params",
+                   checkpoint_dir=directory, checkpoint_every=3, grad_clip=1.0, progress=False,
+                   lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=3, gamma=0.5), **kw)
+
+    for strategy, P, R in layouts(comm.size):
+        full_dir, part_dir = f"{root}/{strategy}-full", f"{root}/{strategy}-part"
+        full = train(strategy, P, full_dir)
+        stopped = train(strategy, P, part_dir, on_step_end=lambda s: s.step == 5)
+        resumed = train(strategy, P, part_dir, resume=True)
+        what = f"{strategy} P={P} R={R}"
+        shards = [checkpoint.read_shard(checkpoint.latest(d), comm.rank)["trainer"] for d in (full_dir, part_dir)]
+        ok = same(resumed.model.state_dict(), full.model.state_dict()) and same(shards[0], shards[1])
+        ok = ok and [h["loss"] for h in resumed.history] == [h["loss"] for h in full.history]
+        assert_all_ranks(comm, ok and len(stopped.history) == 2, f"{what}: resumed run differs from the uninterrupted")
+        consolidated = checkpoint.load_checkpoint(part_dir)
+        fresh = noisy()
+        fresh.load_state_dict(consolidated)  # the user's class takes it as is
+        assert_all_ranks(comm, same(consolidated, full.model.state_dict()), f"{what}: load_checkpoint")
+        held = [k for k, t in shards[0]["model"].items()]
+        assert_all_ranks(comm, R > 1 or len(held) < len(consolidated) or comm.size == 1,
+                         f"{what}: rank {comm.rank} saved the whole model {held}")
+
+
+def test_checkpoint_of_fewer_replicas_resumes_on_more(comm, tmp_path):
+    """Replicas hold the same weights: P ranks (one replica) save mid-run, every rank continues."""
+    _, P, R = layouts(comm.size)[1]
+    directory = comm.broadcast_object(str(tmp_path / "ckpt"))
+    first = comm.split(0 if comm.rank < P else None, comm.rank)
+    if first is not None:
+        fit(deep(), Points(), F.cross_entropy, sgd, strategy="hybrid", partitions=P, micro_batches=2, batch_size=B,
+            epochs=2, balance="params", checkpoint_dir=directory, checkpoint_every=3, comm=first, progress=False,
+            on_step_end=lambda s: s.step == 5)
+        first.free()
+    result = fit(deep(), Points(), F.cross_entropy, sgd, strategy="hybrid", partitions=P, micro_batches=2,
+                 batch_size=B, epochs=2, checkpoint_dir=directory, resume=True, progress=False)
+    ref, _, _ = reference(deep(), order_batches(Points(), 2))
+    same_params(comm, result.model, ref, 1e-10, f"hybrid P={P}: 1 replica -> {R}")
+    assert_all_ranks(comm, len(result.history) == 2, f"history {result.history}")
+
+
+def test_resume_on_another_layout_is_refused_naming_both(comm, tmp_path):
+    directory = comm.broadcast_object(str(tmp_path / "ckpt"))
+    fit(deep(), Points(), F.cross_entropy, sgd, strategy="hybrid", partitions=comm.size, batch_size=B, steps=1,
+        balance="params", checkpoint_dir=directory, progress=False)
+    with pytest.raises(FitError, match=rf"layout .*'partitions': 1, 'replicas': {comm.size}.*checkpoint of "
+                                       rf"layout .*'partitions': {comm.size}, 'replicas': 1"):
+        fit(deep(), Points(), F.cross_entropy, sgd, strategy="hybrid", partitions=1, batch_size=B,
+            checkpoint_dir=directory, resume=True, progress=False)
+
+
+def test_meta_model_checkpoints_its_materialised_partition_and_resumes(comm, tmp_path):
+    root = comm.broadcast_object(str(tmp_path))
+
+    def on_meta() -> nn.Module:
+        with torch.device("meta"):
+            return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16),
+                                 nn.Tanh(), nn.Linear(16, 3)).double()
+
+    def train(directory, **kw):
+        return fit(on_meta(), Points(), F.cross_entropy, sgd, strategy="model", partitions=comm.size, batch_size=B,
+                   epochs=2, balance="params", checkpoint_dir=directory, progress=False, **kw)
+
+    train(f"{root}/full")
+    train(f"{root}/part", checkpoint_every=2, on_step_end=lambda s: s.step == 3)
+    train(f"{root}/part", resume=True)
+    reference_model = on_meta()
+    materialize(reference_model)  # one process, the same seeded initialisation
+    ref, _, _ = reference(reference_model, order_batches(Points(), 2))
+    full, part = checkpoint.load_checkpoint(f"{root}/full"), checkpoint.load_checkpoint(f"{root}/part")
+    assert_all_ranks(comm, same(full, part), "resumed meta run differs from the uninterrupted one")
+    assert_all_ranks(comm, list(full) == list(ref.state_dict()), f"consolidated keys {list(full)}")
+    for k, t in ref.state_dict().items():
+        assert_close_all_ranks(comm, full[k], t, atol=1e-10, what=f"consolidated {k}")
