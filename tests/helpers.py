@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["assert_all_ranks", "assert_close_all_ranks", "run_job", "ROOT"]
+__all__ = ["assert_all_ranks", "assert_close_all_ranks", "bitwise_equal", "run_job", "ROOT"]
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -29,6 +29,18 @@ def assert_close_all_ranks(comm, actual: torch.Tensor, expected: torch.Tensor, a
     ok = same_shape and torch.allclose(actual.double(), expected.double(), atol=atol, rtol=rtol)
     err = (actual.double() - expected.double()).abs().max().item() if same_shape and actual.numel() else 0.0
     assert_all_ranks(comm, ok, f"{what} shape {tuple(actual.shape)} vs {tuple(expected.shape)}, max abs err {err}")
+
+
+def bitwise_equal(a: object, b: object) -> bool:
+    """`a` and `b` (tensors, or dicts / lists / tuples of them, such as state dicts) are equal to the
+    bit: same structure, keys, dtypes and values."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(bitwise_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(bitwise_equal(x, y) for x, y in zip(a, b))
+    return a == b
 
 
 def run_job(script: str | Path, n: int = 2, timeout: float = 120) -> subprocess.CompletedProcess:

@@ -21,7 +21,7 @@ from mpitrain import checkpoint
 from mpitrain.comm.base import split_sizes
 from mpitrain.fit import fit
 from mpitrain.spatial import RegionSamples
-from tests.helpers import assert_all_ranks, assert_close_all_ranks
+from tests.helpers import assert_all_ranks, assert_close_all_ranks, bitwise_equal
 from tests.spatial.test_trainer import hybrid_layouts
 
 pytestmark = pytest.mark.mpi
@@ -212,16 +212,6 @@ def optimizer_state(path: Path, rank: int) -> dict:
     return checkpoint.read_shard(checkpoint.latest(path), rank)["trainer"]["optimizer"]
 
 
-def exactly(a, b) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(exactly(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(exactly(x, y) for x, y in zip(a, b))
-    return a == b
-
-
 @pytest.mark.parametrize("which", [0, 1], ids=["spatial", "hybrid"])
 def test_stopped_run_resumes_bit_identical_and_load_checkpoint_consolidates(comm, which):
     layout = hybrid_layouts(comm.size)[which]
@@ -231,14 +221,14 @@ def test_stopped_run_resumes_bit_identical_and_load_checkpoint_consolidates(comm
         stopped = train(comm, layout, root / "part", on_step_end=lambda s: s.step == 4)  # mid-epoch 2
         steps = sorted(p.name for p in (root / "part").iterdir())
         resumed = train(comm, layout, root / "part", resume=True)
-        ok = exactly(resumed.model.state_dict(), full.model.state_dict())
-        ok = ok and exactly(optimizer_state(root / "part", comm.rank), optimizer_state(root / "full", comm.rank))
+        ok = bitwise_equal(resumed.model.state_dict(), full.model.state_dict())
+        ok = ok and bitwise_equal(optimizer_state(root / "part", comm.rank), optimizer_state(root / "full", comm.rank))
         assert_all_ranks(comm, ok, "resumed weights, buffers or optimizer state differ from the full run")
         assert_all_ranks(comm, steps == ["step-2", "step-4"] and len(stopped.history) == 2, f"{steps}")
         assert_all_ranks(comm, [h["loss"] for h in resumed.history] == [h["loss"] for h in full.history],
                          f"{resumed.history} vs {full.history}")
         consolidated = checkpoint.load_checkpoint(root / "part")
-        assert_all_ranks(comm, exactly(consolidated, full.model.state_dict()), "load_checkpoint")
+        assert_all_ranks(comm, bitwise_equal(consolidated, full.model.state_dict()), "load_checkpoint")
         cnn().load_state_dict(checkpoint.load_checkpoint(root / "full" / "step-2"))  # the user's class takes it
     finally:
         assert_all_ranks(comm, True)  # every rank is done with the directory

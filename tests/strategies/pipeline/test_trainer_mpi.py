@@ -5,40 +5,21 @@ another layout refused)."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import Dataset
 
 from mpitrain import checkpoint
 from mpitrain.comm.base import split_sizes
 from mpitrain.fit import FitError, fit
 from mpitrain.strategies.pipeline._materialize import materialize
-from tests.helpers import assert_all_ranks, assert_close_all_ranks
+from tests.helpers import assert_all_ranks, assert_close_all_ranks, bitwise_equal
+from tests.test_fit_dataset import Points, order_batches, reference, sgd
 
 pytestmark = pytest.mark.mpi
 
-N, B = 29, 8  # batches of 8, 8, 8, 5: uneven replica and micro-batch splits
-
-
-class Points(Dataset):
-    """N labelled points; records every index it reads."""
-
-    def __init__(self, n: int = N, dtype: torch.dtype = torch.float64) -> None:
-        g = torch.Generator().manual_seed(5)
-        self.x = torch.randn(n, 6, generator=g, dtype=dtype)
-        self.y = (self.x[:, :3] @ torch.randn(3, 3, generator=g, dtype=dtype)).argmax(1)
-        self.reads: list[int] = []
-
-    def __len__(self) -> int:
-        return len(self.y)
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        self.reads.append(int(i))
-        return self.x[i], self.y[i]
+N, B = 29, 8  # batches of 8, 8, 8, 5: uneven replica and micro-batch splits (Points(N), as tests/test_fit_dataset's)
 
 
 class Tied(nn.Module):
@@ -69,47 +50,10 @@ def tied(dtype: torch.dtype = torch.float64) -> nn.Module:
     return Tied().to(dtype)
 
 
-def sgd(params):
-    return torch.optim.SGD(params, lr=0.3, momentum=0.9)
-
-
 def layouts(size: int) -> list[tuple[str, int, int]]:
     """(strategy, P, R): the whole pipeline, and replicas (1 x size on odd sizes, 2 x 2 on four)."""
     p = size // 2 if size % 2 == 0 else 1
     return [("model", size, 1), ("hybrid", p, size // p)]
-
-
-def order_batches(ds: Points, epochs: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
-    """The documented order rule (shuffle, seed 0) in one process."""
-    out = []
-    for e in range(epochs):
-        order = torch.randperm(len(ds), generator=torch.Generator().manual_seed(e))
-        out.append([(ds.x[order[i:i + B]], ds.y[order[i:i + B]]) for i in range(0, len(ds), B)])
-    return out
-
-
-def reference(model, epochs_batches, accumulate=1, clip=None, scheduler=None, precision="fp32"):
-    """One process: one optimizer step per `accumulate` global batches on the mean loss of their samples."""
-    model = copy.deepcopy(model)
-    opt = sgd(model.parameters())
-    sched = scheduler(opt) if scheduler else None
-    losses, lrs = [], []
-    for batches in epochs_batches:
-        for i in range(0, len(batches), accumulate):
-            x = torch.cat([b[0] for b in batches[i:i + accumulate]])
-            y = torch.cat([b[1] for b in batches[i:i + accumulate]])
-            opt.zero_grad()
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
-                loss = F.cross_entropy(model(x), y)
-            loss.backward()
-            if clip is not None:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-            lrs.append(opt.param_groups[0]["lr"])
-            opt.step()
-            if sched:
-                sched.step()
-            losses.append((loss.item(), len(y)))
-    return model, losses, lrs
 
 
 def same_params(comm, got: nn.Module, want: nn.Module, atol: float, what: str) -> None:
@@ -120,15 +64,17 @@ def same_params(comm, got: nn.Module, want: nn.Module, atol: float, what: str) -
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved-1f1b"])
 def test_dataset_with_uneven_last_batch_equals_one_process_and_each_rank_reads_only_what_it_uses(comm, schedule):
     for strategy, P, R in layouts(comm.size):
-        ds = Points()
+        ds = Points(N)
         # 2P micro-batches: a last batch of 5 rows leaves fewer, not a multiple of P (interleaved's fallback)
         result = fit(deep(), ds, F.cross_entropy, sgd, strategy=strategy, partitions=P, micro_batches=2 * P,
                      schedule=schedule, batch_size=B, epochs=2, balance="params", progress=False)
-        ref, losses, _ = reference(deep(), order_batches(ds, 2))
+        batches = order_batches(ds, 2)
+        ref, losses, _ = reference(deep(), batches)
+        steps = list(zip(losses, [len(y) for epoch in batches for _, y in epoch]))  # (loss, samples) per step
         what = f"{strategy} P={P} R={R} {schedule}"
         same_params(comm, result.model, ref, 1e-10, what)
         for e in range(2):
-            part = losses[4 * e:4 * e + 4]
+            part = steps[4 * e:4 * e + 4]
             mean = sum(lo * n for lo, n in part) / sum(n for _, n in part)
             assert_all_ranks(comm, abs(result.history[e]["loss"] - mean) < 1e-10,
                              f"{what}: epoch {e + 1} loss {result.history[e]['loss']} vs {mean}")
@@ -147,12 +93,13 @@ def test_scheduler_clipping_and_accumulation_equal_one_process_with_tied_weights
 
     root = comm.broadcast_object(str(tmp_path))
     for strategy, P, R in layouts(comm.size):
-        ds = Points()
+        ds = Points(N)
         result = fit(tied(), ds, F.cross_entropy, sgd, strategy=strategy, partitions=P, micro_batches=2,
                      batch_size=B, epochs=2, accumulate=3, grad_clip=0.05, lr_scheduler=sched, balance="params",
                      checkpoint_dir=f"{root}/{strategy}", progress=False)
         # the tied weight's copies (one per holding rank) consolidate to the trained weight
-        assert_all_ranks(comm, same(checkpoint.load_checkpoint(f"{root}/{strategy}"), result.model.state_dict()),
+        consolidated = checkpoint.load_checkpoint(f"{root}/{strategy}")
+        assert_all_ranks(comm, bitwise_equal(consolidated, result.model.state_dict()),
                          f"{strategy}: load_checkpoint of a tied model")
         ref, _, lrs = reference(tied(), order_batches(ds, 2), accumulate=3, clip=0.05, scheduler=sched)
         same_params(comm, result.model, ref, 1e-10, f"{strategy} P={P} R={R} scheduler+clip+accumulate")
@@ -183,16 +130,6 @@ def noisy() -> nn.Module:
                          nn.Tanh(), nn.Linear(16, 3)).double()
 
 
-def same(a, b) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
-    return a == b
-
-
 def test_stopped_run_resumes_bit_identical_and_load_checkpoint_consolidates(comm, tmp_path):
     root = comm.broadcast_object(str(tmp_path))  # rank 0's directory: every rank sees it
 
@@ -210,13 +147,13 @@ def test_stopped_run_resumes_bit_identical_and_load_checkpoint_consolidates(comm
         resumed = train(strategy, P, part_dir, resume=True)
         what = f"{strategy} P={P} R={R}"
         shards = [checkpoint.read_shard(checkpoint.latest(d), comm.rank)["trainer"] for d in (full_dir, part_dir)]
-        ok = same(resumed.model.state_dict(), full.model.state_dict()) and same(shards[0], shards[1])
+        ok = bitwise_equal(resumed.model.state_dict(), full.model.state_dict()) and bitwise_equal(shards[0], shards[1])
         ok = ok and [h["loss"] for h in resumed.history] == [h["loss"] for h in full.history]
         assert_all_ranks(comm, ok and len(stopped.history) == 2, f"{what}: resumed run differs from the uninterrupted")
         consolidated = checkpoint.load_checkpoint(part_dir)
         fresh = noisy()
         fresh.load_state_dict(consolidated)  # the user's class takes it as is
-        assert_all_ranks(comm, same(consolidated, full.model.state_dict()), f"{what}: load_checkpoint")
+        assert_all_ranks(comm, bitwise_equal(consolidated, full.model.state_dict()), f"{what}: load_checkpoint")
         held = [k for k, t in shards[0]["model"].items()]
         assert_all_ranks(comm, R > 1 or len(held) < len(consolidated) or comm.size == 1,
                          f"{what}: rank {comm.rank} saved the whole model {held}")
@@ -228,24 +165,24 @@ def test_checkpoint_of_fewer_replicas_resumes_on_more(comm, tmp_path):
     directory = comm.broadcast_object(str(tmp_path / "ckpt"))
     first = comm.split(0 if comm.rank < P else None, comm.rank)
     if first is not None:
-        fit(deep(), Points(), F.cross_entropy, sgd, strategy="hybrid", partitions=P, micro_batches=2, batch_size=B,
+        fit(deep(), Points(N), F.cross_entropy, sgd, strategy="hybrid", partitions=P, micro_batches=2, batch_size=B,
             epochs=2, balance="params", checkpoint_dir=directory, checkpoint_every=3, comm=first, progress=False,
             on_step_end=lambda s: s.step == 5)
         first.free()
-    result = fit(deep(), Points(), F.cross_entropy, sgd, strategy="hybrid", partitions=P, micro_batches=2,
+    result = fit(deep(), Points(N), F.cross_entropy, sgd, strategy="hybrid", partitions=P, micro_batches=2,
                  batch_size=B, epochs=2, checkpoint_dir=directory, resume=True, progress=False)
-    ref, _, _ = reference(deep(), order_batches(Points(), 2))
+    ref, _, _ = reference(deep(), order_batches(Points(N), 2))
     same_params(comm, result.model, ref, 1e-10, f"hybrid P={P}: 1 replica -> {R}")
     assert_all_ranks(comm, len(result.history) == 2, f"history {result.history}")
 
 
 def test_resume_on_another_layout_is_refused_naming_both(comm, tmp_path):
     directory = comm.broadcast_object(str(tmp_path / "ckpt"))
-    fit(deep(), Points(), F.cross_entropy, sgd, strategy="hybrid", partitions=comm.size, batch_size=B, steps=1,
+    fit(deep(), Points(N), F.cross_entropy, sgd, strategy="hybrid", partitions=comm.size, batch_size=B, steps=1,
         balance="params", checkpoint_dir=directory, progress=False)
     with pytest.raises(FitError, match=rf"layout .*'partitions': 1, 'replicas': {comm.size}.*checkpoint of "
                                        rf"layout .*'partitions': {comm.size}, 'replicas': 1"):
-        fit(deep(), Points(), F.cross_entropy, sgd, strategy="hybrid", partitions=1, batch_size=B,
+        fit(deep(), Points(N), F.cross_entropy, sgd, strategy="hybrid", partitions=1, batch_size=B,
             checkpoint_dir=directory, resume=True, progress=False)
 
 
@@ -258,7 +195,7 @@ def test_meta_model_checkpoints_its_materialised_partition_and_resumes(comm, tmp
                                  nn.Tanh(), nn.Linear(16, 3)).double()
 
     def train(directory, **kw):
-        return fit(on_meta(), Points(), F.cross_entropy, sgd, strategy="model", partitions=comm.size, batch_size=B,
+        return fit(on_meta(), Points(N), F.cross_entropy, sgd, strategy="model", partitions=comm.size, batch_size=B,
                    epochs=2, balance="params", checkpoint_dir=directory, progress=False, **kw)
 
     train(f"{root}/full")
@@ -266,9 +203,9 @@ def test_meta_model_checkpoints_its_materialised_partition_and_resumes(comm, tmp
     train(f"{root}/part", resume=True)
     reference_model = on_meta()
     materialize(reference_model)  # one process, the same seeded initialisation
-    ref, _, _ = reference(reference_model, order_batches(Points(), 2))
+    ref, _, _ = reference(reference_model, order_batches(Points(N), 2))
     full, part = checkpoint.load_checkpoint(f"{root}/full"), checkpoint.load_checkpoint(f"{root}/part")
-    assert_all_ranks(comm, same(full, part), "resumed meta run differs from the uninterrupted one")
+    assert_all_ranks(comm, bitwise_equal(full, part), "resumed meta run differs from the uninterrupted one")
     assert_all_ranks(comm, list(full) == list(ref.state_dict()), f"consolidated keys {list(full)}")
     for k, t in ref.state_dict().items():
         assert_close_all_ranks(comm, full[k], t, atol=1e-10, what=f"consolidated {k}")
