@@ -33,7 +33,8 @@ from torch.utils.checkpoint import checkpoint
 from ...comm._wait import StallPolicy, wait_request
 from ...comm.base import Communicator, Request
 from ...timeline import span
-from .._device import model_device, to_device
+from .._device import CPU, model_device, to_device
+from .._device import autocast as device_autocast
 from ._graph import Partition, ValueMeta, mutated_placeholders
 from .schedule import Action
 
@@ -198,8 +199,9 @@ class Stage:
 
 
 def autocast(enabled: bool) -> contextlib.AbstractContextManager[object]:
-    """CPU bf16 autocast when `enabled` (fit's ``precision="bf16"``), else nothing."""
-    return torch.autocast("cpu", dtype=torch.bfloat16) if enabled else contextlib.nullcontext()
+    """CPU bf16 autocast when `enabled` (fit's ``precision="bf16"``), else nothing (the strategies' one
+    rule, :func:`~mpitrain.strategies._device.autocast`, on the CPU)."""
+    return device_autocast("bf16" if enabled else None, CPU)
 
 
 def run(stages: list[Stage], actions: list[Action], inputs: list[list[Any]],
