@@ -79,8 +79,10 @@ class _BatchNorm(torch.autograd.Function):
         c = mean.numel()
         # torch's fused kernel gives the local sum(dy * xhat) and sum(dy) for the given (global) stats
         if x.numel():
+            # weight ones: the kernel's grad_weight is then sum(dy * xhat) whatever the layer's weight
+            # (CUDA's kernel refuses an undefined weight, the CPU one takes it)
             _, sum_dyxhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
-                dy, x, None, None, None, mean, invstd, True, ctx.eps, [False, True, True])
+                dy, x, torch.ones_like(mean), None, None, mean, invstd, True, ctx.eps, [False, True, True])
         else:  # an empty block (a sample group without samples) adds nothing; torch's kernel refuses it
             sum_dyxhat = sum_dy = mean.new_zeros(c)
         local = torch.cat([sum_dy, sum_dyxhat])

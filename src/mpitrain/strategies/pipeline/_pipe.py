@@ -33,7 +33,7 @@ from ..._utils.flat import spans
 from ..._utils.stall import DEFAULT_POLICY, StallPolicy, watched
 from ...comm.base import Communicator, split_sizes
 from .._batching import check_divisible
-from .._device import to_device
+from .._device import model_device, to_device
 from .._grad_allreduce import allreduce_gradients, start_allreduce_gradients
 from ..base import FitError
 from ._graph import (
@@ -127,6 +127,7 @@ class Pipeline:
         self.inputs_on_first, self.autocast = inputs_on_first, autocast
         _check_options(self.P, micro_batches, schedule, checkpoint, balance, virtual_stages)
         self.on_meta = is_meta(model)
+        self.device = _CPU if self.on_meta else model_device(model)  # a meta model is materialised on the CPU
         self.V = virtual_stages if schedule == "interleaved-1f1b" else 1
         self.replica, self.p = divmod(comm.rank, self.P)
         self.pipe = _split(comm, self.replica, self.p)
@@ -359,7 +360,8 @@ class Pipeline:
         if parts_n > len(traced.nodes):
             raise FitError(f"{parts_n} partitions exceed the {len(traced.nodes)} nodes of the captured graph "
                            f"of {type(self.model).__name__}; use fewer partitions")
-        sample = self._sample = _rows(flat, 0, micro)
+        # a model on a device (CUDA) is profiled there: the loader's rows arrive on the CPU
+        sample = self._sample = _rows(flat, 0, micro) if self.on_meta else to_device(_rows(flat, 0, micro), self.device)
         # shapes of a meta model come from a meta copy of its graph (no storage), before and after
         # this rank materialises its own partition
         self._shapes = dataclasses.replace(traced, gm=copy.deepcopy(traced.gm)) if self.on_meta else traced
@@ -372,7 +374,7 @@ class Pipeline:
             bounds = self._meta_bounds(sample, meta, cuts)
         else:
             timed = self.balance == "time"
-            with autocast(self.autocast):
+            with autocast(self.autocast, self.device):
                 timing = measure(traced, sample, self.profile_passes) if timed else None
             costs = self._agree(timing, sample)
             bounds = _bounds(self.balance, parts_n, costs or param_counts(traced), cuts)
@@ -509,7 +511,7 @@ class Pipeline:
         """Value metas of one forward on `sample`; for a meta model on meta copies of the inputs."""
         if self.on_meta:
             sample = [a.to("meta") if isinstance(a, torch.Tensor) else a for a in sample]
-        with autocast(self.autocast):  # bf16 messages are received into bf16 buffers
+        with autocast(self.autocast, self.device):  # bf16 messages are received into bf16 buffers
             return profile(self._shapes, sample, grad=grad)
 
     def _actions(self, count: int) -> list[Action]:

@@ -33,8 +33,8 @@ from torch.utils.checkpoint import checkpoint
 from ...comm._wait import StallPolicy, wait_request
 from ...comm.base import Communicator, Request
 from ...timeline import span
-from .._device import CPU, model_device, to_device
 from .._device import autocast as device_autocast
+from .._device import model_device, to_device
 from ._graph import Partition, ValueMeta, mutated_placeholders
 from .schedule import Action
 
@@ -155,7 +155,7 @@ class Stage:
         leaves = [t.requires_grad_() if (train and e.grad) else t for e, t in recv]
         args = [t.clone() if c and t.requires_grad else t for t, c in zip(leaves, self._clone)]
         call = [to_device(data[i] if i in data else inputs[i], self.device) for i in self.part.data_inputs] + args
-        with autocast(self.autocast):
+        with autocast(self.autocast, self.device):
             if train and self.recompute(micro):
                 out = checkpoint(self.part.module, *call, use_reentrant=False)
             else:
@@ -198,10 +198,10 @@ class Stage:
         self._sends.clear()
 
 
-def autocast(enabled: bool) -> contextlib.AbstractContextManager[object]:
-    """CPU bf16 autocast when `enabled` (fit's ``precision="bf16"``), else nothing (the strategies' one
-    rule, :func:`~mpitrain.strategies._device.autocast`, on the CPU)."""
-    return device_autocast("bf16" if enabled else None, CPU)
+def autocast(enabled: bool, device: torch.device) -> contextlib.AbstractContextManager[object]:
+    """bf16 autocast on `device`'s type when `enabled` (fit's ``precision="bf16"``), else nothing (the
+    strategies' one rule, :func:`~mpitrain.strategies._device.autocast`)."""
+    return device_autocast("bf16" if enabled else None, device)
 
 
 def run(stages: list[Stage], actions: list[Action], inputs: list[list[Any]],
@@ -222,7 +222,7 @@ def run(stages: list[Stage], actions: list[Action], inputs: list[list[Any]],
                 with torch.set_grad_enabled(train):
                     out = stage.forward(a.micro, inputs[a.micro], train)
                 if stage.last:
-                    with autocast(stage.autocast):  # the loss too, as in one process's autocast region
+                    with autocast(stage.autocast, stage.device):  # the loss too, as in one process's autocast region
                         loss = last_fn(a.micro, out)
                     if train and loss is not None:
                         losses[a.micro] = loss
