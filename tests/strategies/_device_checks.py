@@ -122,20 +122,23 @@ def pipeline_layouts(size: int) -> list[tuple[str, int]]:
     return out
 
 
-def train_pipeline(comm, device: torch.device, strategy: str, partitions: int) -> list[torch.Tensor]:
+def train_pipeline(comm, device: torch.device, strategy: str, partitions: int,
+                   precision: str = "fp32") -> list[torch.Tensor]:
     """fit(strategy="model"/"hybrid") of the MLP on `device`, CPU batches; parameters on the CPU."""
     result = fit(mlp(device), global_batches(comm.size), F.cross_entropy,
                  lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), strategy=strategy, partitions=partitions,
-                 micro_batches=2, progress=False, balance="params", comm=comm)
+                 micro_batches=2, progress=False, balance="params", comm=comm, precision=precision)
     return [p.detach().cpu() for p in result.model.parameters()]
 
 
-def train_pipeline_one_process(size: int, device: torch.device) -> list[torch.Tensor]:
+def train_pipeline_one_process(size: int, device: torch.device, precision: str = "fp32") -> list[torch.Tensor]:
     model = mlp(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     for x, y in global_batches(size):
         opt.zero_grad()
-        F.cross_entropy(model(x.to(device)), y.to(device)).backward()
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
+            loss = F.cross_entropy(model(x.to(device)), y.to(device))
+        loss.backward()
         opt.step()
     return [p.detach().cpu() for p in model.parameters()]
 

@@ -177,7 +177,8 @@ class SpatialTrainer:
         if not self.parallel.training:  # eval_step restores training mode; train() walks every module
             self.parallel.train()
         self.optimizer.zero_grad(set_to_none=True)
-        local = torch.zeros(1, dtype=torch.float64)  # this group's summed per-sample loss (spatial rank 0)
+        # this group's summed per-sample loss (spatial rank 0), on the model's device: no host sync per batch
+        local = torch.zeros(1, dtype=torch.float64, device=self.device)
         for b in batches:
             x, _ = self._share_block(b, blocks=True)
             with autocast(self.loop.precision, self.device):

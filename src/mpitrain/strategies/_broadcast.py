@@ -45,6 +45,8 @@ def broadcast_tensors(tensors: list[torch.Tensor], comm: Communicator, root: int
     Collective over `comm`: every rank passes tensors of the same shapes and dtypes in the same order.
     A lone contiguous tensor is broadcast in place; otherwise a flat buffer costs one copy each way.
     """
+    if comm.size == 1:  # root's tensors are these: nothing to send (and, on a GPU, no host round trip)
+        return
     groups = group_by((t for t in tensors if t.numel()), lambda t: (t.dtype, t.device))
     for ts in groups.values():
         if len(ts) == 1 and ts[0].is_contiguous():
