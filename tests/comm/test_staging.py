@@ -53,13 +53,22 @@ def test_staged_allreduce_is_bitwise_the_direct_one(pair, dtype):
             same(direct, a, b, f"iallreduce {op} {dtype} n={n}")
 
 
-def test_staged_allreduce_of_a_large_tensor_cut_into_pieces(pair):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_staged_allreduce_and_broadcast_of_a_large_tensor_piece_by_piece(pair, dtype):
+    """Above SPLIT_ABOVE the staged path copies and reduces piece by piece (the direct path's pieces);
+    bf16 goes whole through its float32 copy. Either way the bits of the direct path."""
     direct, staged = pair
-    n = SPLIT_ABOVE // 4 + 5
-    a, b = data(direct.rank, n, torch.float32), data(direct.rank, n, torch.float32)
-    direct.allreduce(a)
-    staged.allreduce(b)
-    same(direct, a, b, "large allreduce")
+    n = SPLIT_ABOVE // dtype.itemsize + 5
+    for op in ("sum", "avg"):
+        a, b = data(direct.rank, n, dtype), data(direct.rank, n, dtype)
+        direct.allreduce(a, op)
+        assert_all_ranks(direct, staged.allreduce(b, op) is b, "staged allreduce is in place")
+        same(direct, a, b, f"large allreduce {op}")
+    root = direct.size - 1
+    a, b = data(direct.rank, n, dtype), data(direct.rank, n, dtype)
+    direct.broadcast(a, root)
+    staged.broadcast(b, root)
+    same(direct, a, b, "large broadcast")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64], ids=str)

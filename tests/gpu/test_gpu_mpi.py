@@ -73,6 +73,17 @@ def test_cuda_collectives_equal_the_cpu_ones(comm, dev, dtype):
     same(comm, got, data(left, 11, dtype), "isend/irecv")
 
 
+def test_large_cuda_allreduce_and_broadcast_go_piece_by_piece_and_equal_the_cpu_ones(comm, dev):
+    """Above SPLIT_ABOVE a staged tensor is copied and reduced piece by piece (copies overlapping MPI)."""
+    from mpitrain.comm._mpi import SPLIT_ABOVE
+
+    r, n = comm.rank, SPLIT_ABOVE // 4 + 5
+    for op in ("sum", "avg"):
+        want = comm.allreduce(data(r, n, torch.float32), op)
+        same(comm, comm.allreduce(data(r, n, torch.float32).to(dev), op), want, f"large allreduce {op}")
+    same(comm, comm.broadcast(data(r, n, torch.float32).to(dev), 0), data(0, n, torch.float32), "large broadcast")
+
+
 @pytest.mark.parametrize("kvstore", ["dist_sync_mpi", "depchain", "funnel", "concurrent"])
 def test_data_parallel_of_a_cuda_model_equals_one_process(comm, dev, kvstore):
     got = dc.train_data_parallel(comm, kvstore, dev)

@@ -142,7 +142,11 @@ class MPICommunicator(Communicator):
         # (its leaders' ring works on host memory); the verdict depends on sizes only, alike on every rank
         if (not t.is_cpu or self._stage_cpu) and self._staged_call(t, reduce=True):
             host, staging = self._stage(t, "t", op)
-            return staging.inplace(t, lambda h: host.allreduce(h, op))
+            if _staged(t) or self._hierarchical(t) is not None:  # a float32 copy, or the hosts' stages: whole
+                return staging.inplace(t, lambda h: host.allreduce(h, op))
+            # the direct path's pieces (the same MPI calls, so the same bits), each copied while another
+            # is reduced
+            return staging.pieces(t, _pieces, lambda h: host.allreduce(h, op))
         if not _staged(t):
             return self._allreduce_inplace(t, op)
         self.iallreduce(t, op).wait()  # through a float32 copy, copied back into t
@@ -164,7 +168,8 @@ class MPICommunicator(Communicator):
         self._check(t, "t")
         if (not t.is_cpu or self._stage_cpu) and self._staged_call(t):
             host, staging = self._stage(t, "t")
-            return staging.inplace(t, lambda h: host.broadcast(h, root))
+            self._check_rank(root, "root")
+            return staging.pieces(t, _pieces, lambda h: host.broadcast(h, root))
         self._check_rank(root, "root")
         if t.numel() and self._size > 1:
             self._comm.Bcast(_buf(t), root=root)

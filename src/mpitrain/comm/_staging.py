@@ -70,6 +70,41 @@ class Staging:
         self.back(t, host)
         return t
 
+    def pieces(self, t: torch.Tensor, cut: Callable[[torch.Tensor], list[torch.Tensor]],
+               op: Callable[[torch.Tensor], object]) -> torch.Tensor:
+        """:meth:`inplace` for an elementwise blocking host operation `op` (an allreduce, a broadcast),
+        run piece by piece: ``cut`` splits a tensor into views, alike for `t` and its mirror. For a CUDA
+        tensor every piece's copy to the host is queued on the side stream at once, and each piece's copy
+        back is queued as soon as `op` has run on it, so the copy engines work while MPI reduces the next
+        piece on the host. Complete (every piece back in `t`) when this returns; if `op` raises, the
+        pieces before it are already written back."""
+        host = self.take(t)
+        try:
+            if not t.is_cuda:  # forced staging of a CPU tensor: the same pieces, one after another
+                for d, h in zip(cut(t), cut(host)):
+                    h.copy_(d)
+                    op(h)
+                    d.copy_(h)
+                return t
+            s = side_stream(t.device)
+            s.wait_stream(torch.cuda.current_stream(t.device))  # what the caller's stream produced so far
+            pairs, ready = list(zip(cut(t), cut(host))), []
+            with torch.cuda.stream(s):
+                for d, h in pairs:
+                    h.copy_(d, non_blocking=True)
+                    ready.append(torch.cuda.Event())
+                    ready[-1].record(s)
+            for (d, h), ev in zip(pairs, ready):
+                ev.synchronize()  # this piece is on the host; the later ones are still being copied
+                op(h)
+                with torch.cuda.stream(s):
+                    d.copy_(h, non_blocking=True)
+        finally:
+            if t.is_cuda:  # no copy may still read or write the mirror when it is lent again
+                side_stream(t.device).synchronize()
+            self.give(host)
+        return t
+
     def out(self, t: torch.Tensor, op: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """Run the blocking host operation `op` on a mirror of `t`; its new host output, moved to
         `t`'s device, is returned."""
