@@ -128,3 +128,32 @@ def test_model_and_hybrid_fit_of_a_cuda_model_equal_one_process(comm, dev, preci
 def test_spatial_fit_of_a_cuda_model_equals_one_process(comm, dev):
     got, ref = dc.train_spatial(comm, dev)
     dc.assert_one_process(comm, got, ref, f"spatial on {dev}")
+
+
+def test_spatial_fit_on_region_batches_moves_blocks_to_the_cuda_model(comm, dev, tmp_path_factory):
+    """A RegionBatch's blocks are read on the CPU and moved to the model's device: training on them
+    equals training on the same images as full tensors (both on the GPU, float64)."""
+    import copy
+
+    import numpy as np
+    from torch import nn
+
+    from mpitrain.fit import fit
+    from mpitrain.spatial import NpyRegions, region_batches
+
+    g = torch.Generator().manual_seed(3)
+    images = torch.randn(4, 3, 6 * comm.size + 1, 9, dtype=torch.float64, generator=g)
+    targets = torch.randint(0, 3, (4,), generator=g)
+    path = tmp_path_factory.mktemp(f"rank{comm.rank}") / "images.npy"  # each rank's own copy
+    np.save(path, images.numpy())
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, 1, 1), nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 2, 3, 1, 1),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(2, 3)).double().to(dev)
+    ref = copy.deepcopy(model)
+    sgd = lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)  # noqa: E731
+    opts = dict(strategy="spatial", grid=(comm.size, 1), samples=1, progress=False, comm=comm)
+    got = fit(model, region_batches(NpyRegions(path), targets, 2), nn.CrossEntropyLoss(), sgd, **opts)
+    want = fit(ref, [(images[a:a + 2], targets[a:a + 2]) for a in (0, 2)], nn.CrossEntropyLoss(), sgd, **opts)
+    got_p = [p.detach().cpu() for p in got.model.parameters()]
+    dc.assert_one_process(comm, got_p, [p.detach().cpu() for p in want.model.parameters()], "region vs full on cuda",
+                          atol=1e-12)

@@ -153,9 +153,10 @@ class SpatialTrainer:
             else:  # whole samples of my rows: crop (a view)
                 shape = (b.n, *x.shape[1:])
                 block = x[(slice(None), slice(None), *region_of(dist, shape[1:]))]
-            block = to_device(block, self.device)
         elif x is not None:
             raise SpatialError(f"strategy 'spatial' takes NCHW tensors or RegionBatch inputs, got {type(x).__name__}")
+        if block is not None:  # blocks read on the CPU (a RegionBatch's reader, the loader) go to the model
+            block = to_device(block, self.device)
         if b.n < dist.samples:  # some group has no sample: it learns the shape from rank 0 (group 0 has one)
             shape, dtype = dist.comm.broadcast_object((shape, None if block is None else block.dtype)
                                                       if dist.comm.rank == 0 else None)
