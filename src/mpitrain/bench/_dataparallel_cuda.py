@@ -53,7 +53,8 @@ class _Step:
         ctx = torch.autocast("cuda", dtype=torch.bfloat16) if self.bf16 else contextlib.nullcontext()
         with ctx:
             loss = F.cross_entropy(self.model(self.x), self.y)
-        loss.backward()
+        with torch.profiler.record_function(_BACKWARD):  # a no-op unless a profiler runs (--trace)
+            loss.backward()
         self.opt.step()
 
 
@@ -108,6 +109,11 @@ def run(args: argparse.Namespace) -> list[list[object]]:
             dps.append(dp)
             timers[f"mpitrain/{kv}"] = _ms_per_step(comm, _Step(dp, x, y, bf16), args.steps)
         ms = paired_rounds(timers, args.rounds)
+        if args.trace and dps:
+            waits = _trace(comm, _Step(dps[0], x, y, bf16), args.trace, precision)
+            if comm.rank == 0:
+                print_table(["precision", "rank", "backward ms", "CUDA calls: main thread", "host waits: main",
+                             "other threads"], waits)
         for name, v in ms.items():
             ratio = [a / b for a, b in zip(v, ms["plain torch"])]
             rows.append([precision, name, sorted(v)[len(v) // 2], min(v), max(v),
@@ -131,3 +137,40 @@ def _cuda_aware(comm: Communicator) -> str:
     if direct is None:
         return f"n/a ({comm.backend} backend)"
     return "yes (device buffers direct)" if "cuda" in direct else "no (staged through pinned host memory)"
+
+
+_BACKWARD = "mpitrain.bench.backward"
+#: CUDA runtime calls that block the calling host thread until the GPU gets somewhere
+_HOST_WAITS = frozenset({"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy"})
+
+
+def _trace(comm: Communicator, step: _Step, out_dir: str, precision: str) -> list[list[object]]:
+    """Profile two steps of `step` on every rank (a Chrome trace per rank in `out_dir`) and count the
+    CUDA runtime calls that block a host thread during backward: on the thread that runs backward, a
+    wait per bucket would stall the kernels' launches (the overlap's promise is that only the comm
+    threads wait, for their side streams). Collective; returns rank 0's table rows of every rank."""
+    import json
+    import os
+
+    from torch.profiler import ProfilerActivity, profile
+
+    os.makedirs(out_dir, exist_ok=True)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(2):
+            step()
+        torch.cuda.synchronize()
+    path = os.path.join(out_dir, f"dataparallel-{precision}-rank{comm.rank}.json")
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        events = [e for e in json.load(f).get("traceEvents", []) if e.get("ph") == "X"]
+    windows = [(e["ts"], e["ts"] + e["dur"], e["tid"]) for e in events if e.get("name") == _BACKWARD]
+    main = windows[0][2] if windows else None
+    during = [e for e in events if e.get("cat") == "cuda_runtime" and any(a <= e["ts"] <= b for a, b, _ in windows)]
+    waits = [e for e in during if e.get("name") in _HOST_WAITS]
+    on_main = sum(1 for e in waits if e["tid"] == main)
+    # the main thread's own runtime calls (kernel launches) show that its calls are attributed to it
+    calls_on_main = sum(1 for e in during if e["tid"] == main)
+    row = [precision, comm.rank, round(sum(b - a for a, b, _ in windows) / 1e3 / max(len(windows), 1), 2),
+           calls_on_main, on_main, len(waits) - on_main]
+    return list(comm.allgather_object(row))

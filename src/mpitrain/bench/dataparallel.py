@@ -81,6 +81,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=64, help="--device cuda: per-rank batch")
     p.add_argument("--image", type=int, default=224, help="--device cuda: image side")
     p.add_argument("--precisions", default="fp32,bf16", help="--device cuda: comma list of fp32, bf16")
+    p.add_argument("--trace", metavar="DIR", help="--device cuda: after the timings, profile two DataParallel "
+                   "steps per rank (Chrome traces in DIR) and count the host's CUDA waits during backward, "
+                   "main thread vs comm threads")
     add_outputs(p)  # --json FILE, --plot FILE.png (this benchmark draws its own bar chart)
     return p.parse_args(argv)
 
