@@ -111,9 +111,11 @@ def test_staged_data_parallel_of_a_cuda_model_is_bitwise_the_default_path(comm, 
         dc.assert_bitwise(comm, got, ref, "staged vs default (staged too)")
 
 
-def test_synchronous_pipe_sgd_of_a_cuda_model_equals_one_process(comm, dev):
-    got = dc.train_pipe_sgd_sync(comm, dev)
-    dc.assert_one_process(comm, got, dc.train_one_process(comm.size, dev), f"pipe-sgd K=1 on {dev}")
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_synchronous_pipe_sgd_of_a_cuda_model_equals_one_process(comm, dev, precision):
+    got = dc.train_pipe_sgd_sync(comm, dev, precision)
+    dc.assert_one_process(comm, got, dc.train_one_process(comm.size, dev, precision),
+                          f"pipe-sgd K=1 {precision} on {dev}", atol=dc.ATOL if precision == "fp32" else 1e-2)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -125,9 +127,11 @@ def test_model_and_hybrid_fit_of_a_cuda_model_equal_one_process(comm, dev, preci
         dc.assert_one_process(comm, got, ref, f"{strategy} P={parts} {precision} on {dev}", atol=atol)
 
 
-def test_spatial_fit_of_a_cuda_model_equals_one_process(comm, dev):
-    got, ref = dc.train_spatial(comm, dev)
-    dc.assert_one_process(comm, got, ref, f"spatial on {dev}")
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_spatial_fit_of_a_cuda_model_equals_one_process(comm, dev, precision):
+    got, ref = dc.train_spatial(comm, dev, precision)
+    dc.assert_one_process(comm, got, ref, f"spatial {precision} on {dev}",
+                          atol=dc.ATOL if precision == "fp32" else 1e-2)
 
 
 def test_spatial_fit_on_region_batches_moves_blocks_to_the_cuda_model(comm, dev, tmp_path_factory):

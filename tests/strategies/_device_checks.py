@@ -99,11 +99,11 @@ def assert_one_process(comm, got: list[torch.Tensor], ref: list[torch.Tensor], w
         assert_close_all_ranks(comm, p, q, atol=atol, what=f"{what}: parameter {i}")
 
 
-def train_pipe_sgd_sync(comm, device: torch.device) -> list[torch.Tensor]:
+def train_pipe_sgd_sync(comm, device: torch.device, precision: str = "fp32") -> list[torch.Tensor]:
     """fit(strategy="pipe-sgd", staleness=1): synchronous SGD, so the one-process steps are its reference."""
     model = fresh_model(device)
     fit(model, global_batches(comm.size), F.cross_entropy, lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
-        strategy="pipe-sgd", comm=comm, progress=False, staleness=1)
+        strategy="pipe-sgd", comm=comm, progress=False, staleness=1, precision=precision)
     return [p.detach().cpu() for p in model.parameters()]
 
 
@@ -143,7 +143,7 @@ def train_pipeline_one_process(size: int, device: torch.device, precision: str =
     return [p.detach().cpu() for p in model.parameters()]
 
 
-def train_spatial(comm, device: torch.device) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def train_spatial(comm, device: torch.device, precision: str = "fp32") -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """fit(strategy="spatial") of a small mesh model on `device` over a (size x 1) grid, and the same
     steps in one process; both parameter lists on the CPU."""
     from mpitrain.spatial.mesh import mesh_batch, mesh_model
@@ -155,10 +155,12 @@ def train_spatial(comm, device: torch.device) -> tuple[list[torch.Tensor], list[
     data = [mesh_batch(2, 24, in_channels=3, blocks=2, seed=s) for s in range(2)]
     sgd = lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9)  # noqa: E731
     result = fit(model, data, nn.CrossEntropyLoss(), sgd, strategy="spatial", grid=(comm.size, 1), samples=1,
-                 progress=False, comm=comm)
+                 progress=False, comm=comm, precision=precision)
     opt = sgd(ref.parameters())
     for x, y in data:
         opt.zero_grad()
-        nn.CrossEntropyLoss()(ref(x.to(device)), y.to(device)).backward()
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
+            loss = nn.CrossEntropyLoss()(ref(x.to(device)), y.to(device))
+        loss.backward()
         opt.step()
     return [p.detach().cpu() for p in result.model.parameters()], [p.detach().cpu() for p in ref.parameters()]

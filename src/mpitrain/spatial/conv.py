@@ -316,12 +316,14 @@ class SpatialConv2d(WindowLayer):
 
 def _autocast_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: SpatialConv2d,
                    plan: HaloPlan, dist: Distribution) -> torch.Tensor:
-    """:class:`_Conv` as autocast would run ``F.conv2d``: under CPU autocast the block, weight and bias are
-    cast to its dtype first (autograd casts the gradients back to the parameters' dtype) and the
-    custom function runs on them without autocast (its backward would otherwise mix dtypes)."""
-    if torch.is_autocast_enabled("cpu") and torch.float64 not in (x.dtype, weight.dtype):  # as autocast
-        low = torch.get_autocast_dtype("cpu")
-        with torch.autocast("cpu", enabled=False):
+    """:class:`_Conv` as autocast would run ``F.conv2d``: under autocast for the block's device type the
+    block, weight and bias are cast to its dtype first (autograd casts the gradients back to the
+    parameters' dtype) and the custom function runs on them without autocast (its backward would
+    otherwise mix dtypes)."""
+    dev = x.device.type
+    if torch.is_autocast_enabled(dev) and torch.float64 not in (x.dtype, weight.dtype):  # as autocast
+        low = torch.get_autocast_dtype(dev)
+        with torch.autocast(dev, enabled=False):
             cast: torch.Tensor = _Conv.apply(x.to(low), weight.to(low), None if bias is None else bias.to(low),
                                              layer, plan, dist.spatial_comm, dist.sends)
         return cast
