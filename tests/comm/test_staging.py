@@ -119,6 +119,22 @@ def test_staged_point_to_point_is_the_direct_one(pair):
     same(direct, got, expected, "send/recv")
 
 
+def test_staged_isends_to_one_peer_with_one_tag_arrive_in_the_order_sent(pair):
+    """Staged isends are posted by a worker thread (the host copy waits for the tensor's producer off the
+    caller's thread), in the order they were queued."""
+    direct, staged = pair
+    r, p = direct.rank, direct.size
+    right, left = (r + 1) % p, (r - 1) % p
+    got = [torch.zeros(1000) for _ in range(6)]
+    recvs = [direct.irecv(g, left, 6) for g in got]  # posted in order: they match in order
+    sends = [staged.isend(data(r, 1000, torch.float32, seed=k), right, 6) for k in range(6)]
+    for q in sends + recvs:
+        q.wait()
+    assert_all_ranks(direct, all(q.test() for q in sends), "completed sends test true")
+    for k, g in enumerate(got):
+        same(direct, g, data(left, 1000, torch.float32, seed=k), f"message {k} in order")
+
+
 def test_staged_calls_refuse_bad_input_before_any_message(pair):
     _, staged = pair
     errors = []

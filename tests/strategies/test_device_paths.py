@@ -1,4 +1,4 @@
-"""The device-agnostic paths of DataParallel, fit(strategy="data") and Pipe-SGD on the CPU: over the MPI
+"""The device-agnostic paths of DataParallel, fit(strategy="data"), pipelines and spatial on the CPU: over the MPI
 backend's host-staging path (what CUDA buckets take when MPI is not CUDA-aware), forced for CPU tensors,
 bitwise the direct path's parameters; and within float32 rounding of one process."""
 
@@ -42,14 +42,19 @@ def test_synchronous_pipe_sgd_on_the_cpu_equals_one_process(comm):
                           "pipe-sgd K=1")
 
 
-def test_pipeline_device_check_on_the_cpu_equals_one_process(comm):
-    """The device-parameterised model/hybrid check the GPU suite runs on CUDA, here on the CPU."""
+def test_pipeline_over_staging_is_bitwise_the_direct_path(comm, staged):
+    """The device-parameterised model/hybrid check the GPU suite runs on CUDA, here on the CPU, direct
+    and with every message staged (sends queued to the staged-send thread)."""
     ref = dc.train_pipeline_one_process(comm.size, CPU)
     for strategy, parts in dc.pipeline_layouts(comm.size):
-        dc.assert_one_process(comm, dc.train_pipeline(comm, CPU, strategy, parts), ref, f"{strategy} P={parts}")
+        direct = dc.train_pipeline(comm, CPU, strategy, parts)
+        dc.assert_bitwise(comm, dc.train_pipeline(staged, CPU, strategy, parts), direct, f"{strategy} staged")
+        dc.assert_one_process(comm, direct, ref, f"{strategy} P={parts}")
 
 
-def test_spatial_device_check_on_the_cpu_equals_one_process(comm):
-    """The device-parameterised spatial check the GPU suite runs on CUDA, here on the CPU."""
+def test_spatial_over_staging_is_bitwise_the_direct_path(comm, staged):
+    """The device-parameterised spatial check the GPU suite runs on CUDA, here on the CPU, direct and
+    with every halo staged."""
     got, ref = dc.train_spatial(comm, CPU)
+    dc.assert_bitwise(comm, dc.train_spatial(staged, CPU)[0], got, "spatial staged")
     dc.assert_one_process(comm, got, ref, "spatial")

@@ -17,6 +17,7 @@ from mpi4py import MPI
 from .._utils.flat import offsets
 from ._cuda import host_wait, mpi_cuda_aware
 from ._hierarchical import HIERARCHY_ABOVE, Hierarchy
+from ._staged_sends import StagedSends
 from ._staging import Staging
 from .base import CommError, Communicator, Request, _CallbackRequest, _DoneRequest, split_sizes
 
@@ -87,6 +88,7 @@ class MPICommunicator(Communicator):
         self._cuda_direct = "cuda" in self._direct
         self._staged_to: MPICommunicator | None = None  # the direct CPU view staged calls run on
         self._staging: Staging | None = None
+        self._sends: StagedSends | None = None  # staged isends' worker thread, started by the first
 
     def _staged_call(self, t: torch.Tensor, reduce: bool = False) -> bool:
         """Whether a call on `t` (not a CPU tensor, or staging forced) runs on host mirrors: a CPU tensor
@@ -326,6 +328,11 @@ class MPICommunicator(Communicator):
         self._check(t, "t")
         if (not t.is_cpu or self._stage_cpu) and self._staged_call(t):
             host, staging = self._stage(t, "t")
+            host._check_rank(dest, "dest")
+            if _thread_multiple():  # the copy to the host waits for t's producer: off this thread
+                if self._sends is None:
+                    self._sends = StagedSends(staging, host.isend)
+                return self._sends.isend(t, dest, tag)
             return self._staged_request(t, lambda h: host.isend(h, dest, tag), staging, write=False)
         self._check_rank(dest, "dest")
         req = self._comm.Isend(_buf(t), dest=dest, tag=tag)
@@ -369,6 +376,9 @@ class MPICommunicator(Communicator):
         MPI.COMM_WORLD.Abort(code or 1)
 
     def free(self) -> None:
+        if self._sends is not None:
+            self._sends.close()
+            self._sends = None
         if self._hierarchy is not None and not self._closed:
             self._hierarchy.close()
         if not self._closed and self._comm not in (MPI.COMM_WORLD, MPI.COMM_SELF):
@@ -376,6 +386,12 @@ class MPICommunicator(Communicator):
         if self._staged_to is not None:
             self._staged_to._closed = True  # shares our MPI communicator
         self._closed = True
+
+
+@functools.cache
+def _thread_multiple() -> bool:
+    """Whether MPI runs with MPI_THREAD_MULTIPLE (staged sends post from a worker thread)."""
+    return bool(MPI.Query_thread() == MPI.THREAD_MULTIPLE)
 
 
 @functools.cache
