@@ -39,3 +39,24 @@ def test_a_failing_operation_gives_its_mirror_back():
         s.inplace(t, fail)
     assert torch.equal(t, torch.ones(5))  # untouched
     assert len(s._free[(torch.float32, 5)]) == 1
+
+
+class _Copying:
+    """Stands for the CUDA event of a copy back still running (``query()`` False until it is done)."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+
+def test_a_mirror_whose_copy_back_is_running_is_lent_again_only_once_it_is_done():
+    s = Staging()
+    h = s.take(torch.zeros(4))
+    copy_back = _Copying()
+    s.give(h, copy_back)
+    busy = s.take(torch.zeros(4))
+    assert busy.data_ptr() != h.data_ptr()  # a fresh mirror while the copy runs
+    copy_back.done = True
+    assert s.take(torch.zeros(4)).data_ptr() == h.data_ptr()

@@ -3,9 +3,10 @@
 A collective on a CUDA tensor runs on a host mirror: the tensor is copied into a pinned host buffer
 (on the device's side stream, ordered after the caller's current stream: only that copy is waited
 for, never the caller's stream as a whole), MPI works on the host buffer, and what MPI wrote is copied
-back on the side stream, which the host waits for before the operation counts as complete. Host
-buffers are pinned (page-locked, so the copies are DMA at full bandwidth) and reused per
-(dtype, element count): a steady training step allocates none.
+back on the caller's current stream, which the host does not wait for: kernels queued there afterwards
+see the result, as with NCCL (torch.distributed's rule). Host buffers are pinned (page-locked, so the
+copies are DMA at full bandwidth) and reused per (dtype, element count): a steady training step
+allocates none; a mirror whose copy back may still be running is lent again only once it is done.
 
 The same path runs for CPU tensors when a communicator is told to stage everything (a test of this
 code against the direct path, over real MPI, on machines without a GPU): the mirror is then ordinary
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -29,23 +31,28 @@ class Staging:
     lent to one operation at a time (:meth:`take` / :meth:`give`)."""
 
     def __init__(self) -> None:
-        self._free: dict[tuple[torch.dtype, int], list[torch.Tensor]] = {}
+        # free mirrors, each with the event after which no copy reads it any more (None: none does)
+        self._free: dict[tuple[torch.dtype, int], list[tuple[torch.Tensor, Any]]] = {}
         self._lock = threading.Lock()
 
     def take(self, like: torch.Tensor) -> torch.Tensor:
         """A host tensor of `like`'s shape and dtype, lent until :meth:`give` (contents undefined)."""
         key = (like.dtype, like.numel())
+        flat = None
         with self._lock:
-            free = self._free.get(key)
-            flat = free.pop() if free else None
+            free = self._free.get(key, [])
+            for i in range(len(free) - 1, -1, -1):
+                if free[i][1] is None or free[i][1].query():
+                    flat = free.pop(i)[0]
+                    break
         if flat is None:
             flat = torch.empty(like.numel(), dtype=like.dtype, pin_memory=like.is_cuda)
         return flat.view(like.shape)
 
-    def give(self, host: torch.Tensor) -> None:
-        """Return a mirror from :meth:`take` for reuse."""
+    def give(self, host: torch.Tensor, done: Any = None) -> None:
+        """Return a mirror from :meth:`take` for reuse, once the CUDA event `done` (if any) completes."""
         with self._lock:
-            self._free.setdefault((host.dtype, host.numel()), []).append(host.view(-1))
+            self._free.setdefault((host.dtype, host.numel()), []).append((host.view(-1), done))
 
     def to_host(self, t: torch.Tensor) -> torch.Tensor:
         """A lent mirror holding `t`'s contents as of the caller's current stream."""
@@ -54,9 +61,18 @@ class Staging:
         return host
 
     def back(self, t: torch.Tensor, host: torch.Tensor) -> None:
-        """Copy a mirror into `t` (complete when this returns) and return the mirror for reuse."""
-        _copy(t, host)
-        self.give(host)
+        """Copy a mirror into `t`, ordered on the caller's current stream of `t`'s device (the host does
+        not wait for it), and return the mirror for reuse once that copy is done."""
+        if not t.is_cuda:
+            t.copy_(host)
+            self.give(host)
+            return
+        stream = torch.cuda.current_stream(t.device)
+        with torch.cuda.stream(stream):
+            t.copy_(host, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(stream)
+        self.give(host, done)
 
     def inplace(self, t: torch.Tensor, op: Callable[[torch.Tensor], object], read: bool = True) -> torch.Tensor:
         """Run the blocking host operation `op` on a mirror of `t` (filled from `t` when `read`),
@@ -76,8 +92,8 @@ class Staging:
         run piece by piece: ``cut`` splits a tensor into views, alike for `t` and its mirror. For a CUDA
         tensor every piece's copy to the host is queued on the side stream at once, and each piece's copy
         back is queued as soon as `op` has run on it, so the copy engines work while MPI reduces the next
-        piece on the host. Complete (every piece back in `t`) when this returns; if `op` raises, the
-        pieces before it are already written back."""
+        piece on the host. The caller's current stream then waits for the copies back (the host does
+        not); if `op` raises, the pieces before it are already written back."""
         host = self.take(t)
         try:
             if not t.is_cuda:  # forced staging of a CPU tensor: the same pieces, one after another
@@ -99,9 +115,17 @@ class Staging:
                 op(h)
                 with torch.cuda.stream(s):
                     d.copy_(h, non_blocking=True)
-        finally:
+        except BaseException:
             if t.is_cuda:  # no copy may still read or write the mirror when it is lent again
                 side_stream(t.device).synchronize()
+            self.give(host)
+            raise
+        if t.is_cuda:  # the caller's stream waits for the copies back; the host does not
+            done = torch.cuda.Event()
+            done.record(s)
+            torch.cuda.current_stream(t.device).wait_event(done)
+            self.give(host, done)
+        else:
             self.give(host)
         return t
 
@@ -131,8 +155,9 @@ def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 
 def _to_device(host: torch.Tensor, dev: torch.device) -> torch.Tensor:
+    """`host` (MPI's new output, pageable memory) on `dev`, on its current stream. From pageable memory
+    CUDA stages the source before the call returns, so `host` may be freed at once; the host does not
+    wait for the stream."""
     if dev.type == "cpu":
         return host
-    out = torch.empty(host.shape, dtype=host.dtype, device=dev)
-    _copy(out, host)
-    return out
+    return host.to(dev, non_blocking=True)
