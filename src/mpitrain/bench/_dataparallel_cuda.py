@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import time
+from collections import Counter
 from collections.abc import Callable
 
 import torch
@@ -112,7 +113,7 @@ def run(args: argparse.Namespace) -> list[list[object]]:
         if args.trace and dps:
             waits = _trace(comm, _Step(dps[0], x, y, bf16), args.trace, precision)
             if comm.rank == 0:
-                print_table(["precision", "rank", "backward ms", "CUDA calls: main thread", "host waits: main",
+                print_table(["precision", "rank", "backward ms", "kernel launches", "waits (n / ms): launching thread",
                              "other threads"], waits)
         for name, v in ms.items():
             ratio = [a / b for a, b in zip(v, ms["plain torch"])]
@@ -146,9 +147,11 @@ _HOST_WAITS = frozenset({"cudaStreamSynchronize", "cudaDeviceSynchronize", "cuda
 
 def _trace(comm: Communicator, step: _Step, out_dir: str, precision: str) -> list[list[object]]:
     """Profile two steps of `step` on every rank (a Chrome trace per rank in `out_dir`) and count the
-    CUDA runtime calls that block a host thread during backward: on the thread that runs backward, a
-    wait per bucket would stall the kernels' launches (the overlap's promise is that only the comm
-    threads wait, for their side streams). Collective; returns rank 0's table rows of every rank."""
+    CUDA runtime calls that block a host thread during backward. Autograd launches a CUDA backward's
+    kernels from its own device thread (the thread with the most launches in the window) and runs
+    DataParallel's gradient hooks there: a wait per bucket on that thread would stall the launches (the
+    overlap's promise is that only the comm threads wait, for their side streams). Collective; returns
+    every rank's row."""
     import json
     import os
 
@@ -164,13 +167,14 @@ def _trace(comm: Communicator, step: _Step, out_dir: str, precision: str) -> lis
     prof.export_chrome_trace(path)
     with open(path) as f:
         events = [e for e in json.load(f).get("traceEvents", []) if e.get("ph") == "X"]
-    windows = [(e["ts"], e["ts"] + e["dur"], e["tid"]) for e in events if e.get("name") == _BACKWARD]
-    main = windows[0][2] if windows else None
-    during = [e for e in events if e.get("cat") == "cuda_runtime" and any(a <= e["ts"] <= b for a, b, _ in windows)]
+    windows = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("name") == _BACKWARD and e.get("dur", 0) > 0]
+    during = [e for e in events if e.get("cat") == "cuda_runtime" and any(a <= e["ts"] <= b for a, b in windows)]
+    launches = Counter(e["tid"] for e in during if e.get("name", "").startswith("cudaLaunchKernel"))
+    launcher = launches.most_common(1)[0][0] if launches else None
     waits = [e for e in during if e.get("name") in _HOST_WAITS]
-    on_main = sum(1 for e in waits if e["tid"] == main)
-    # the main thread's own runtime calls (kernel launches) show that its calls are attributed to it
-    calls_on_main = sum(1 for e in during if e["tid"] == main)
-    row = [precision, comm.rank, round(sum(b - a for a, b, _ in windows) / 1e3 / max(len(windows), 1), 2),
-           calls_on_main, on_main, len(waits) - on_main]
+    mine = [e for e in waits if e["tid"] == launcher]
+    others = [e for e in waits if e["tid"] != launcher]
+    row = [precision, comm.rank, round(sum(b - a for a, b in windows) / 1e3 / max(len(windows), 1), 2),
+           launches.get(launcher, 0), f"{len(mine)} / {sum(e['dur'] for e in mine) / 1e3:.2f}",
+           f"{len(others)} / {sum(e['dur'] for e in others) / 1e3:.2f}"]
     return list(comm.allgather_object(row))
