@@ -167,7 +167,8 @@ def _trace(comm: Communicator, step: _Step, out_dir: str, precision: str) -> lis
     prof.export_chrome_trace(path)
     with open(path) as f:
         events = [e for e in json.load(f).get("traceEvents", []) if e.get("ph") == "X"]
-    windows = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("name") == _BACKWARD and e.get("dur", 0) > 0]
+    windows = [(e["ts"], e["ts"] + e["dur"]) for e in events
+               if e.get("name") == _BACKWARD and e.get("cat") == "user_annotation"]
     during = [e for e in events if e.get("cat") == "cuda_runtime" and any(a <= e["ts"] <= b for a, b in windows)]
     launches = Counter(e["tid"] for e in during if e.get("name", "").startswith("cudaLaunchKernel"))
     launcher = launches.most_common(1)[0][0] if launches else None
