@@ -21,7 +21,8 @@ from ..comm.base import Communicator
 __all__ = ["machine", "command_line", "time_call", "slowest_rank_times", "step_timer", "alone_timer", "rank_max",
            "median",
            "paired_rounds", "paired_ratio", "quartiles", "on_rank0_alone", "print_table", "header",
-           "add_outputs", "save_outputs", "tables"]
+           "add_outputs", "save_outputs", "tables", "cuda_unavailable", "device_line", "device_timer",
+           "device_alone_timer"]
 
 
 #: Waiting ranks test the broadcast with sleeps of at most a millisecond: they leave rank 0 its core.
@@ -116,6 +117,73 @@ def alone_timer(comm: Communicator, step: Callable[[], object] | None, steps: in
         return median(time_call(step, steps, warmup=0))
 
     return lambda: on_rank0_alone(comm, alone)
+
+
+def _drained_seconds(step: Callable[[], object], steps: int, device: torch.device) -> float:
+    """Seconds per step of `steps` back-to-back calls of `step`, `device` drained before the clock starts
+    and before it stops (on a GPU the host only queues kernels; a CPU device needs no drain)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else None
+    if sync is not None:
+        sync()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    if sync is not None:
+        sync()
+    return (time.perf_counter() - t0) / max(steps, 1)
+
+
+def device_timer(comm: Communicator, step: Callable[[], object], steps: int,
+                 device: torch.device) -> Callable[[], float]:
+    """A timer for :func:`paired_rounds`: seconds per step of `steps` consecutive calls of `step` on every
+    rank at once (started after a barrier, `device` drained before each clock read), the slowest rank's.
+    Back-to-back steps let the host queue the next step's kernels while the GPU runs, as training does.
+    Collective over `comm`."""
+    def timer() -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        comm.barrier()
+        return rank_max(comm, _drained_seconds(step, steps, device))
+
+    return timer
+
+
+def device_alone_timer(comm: Communicator, step: Callable[[], object] | None, steps: int,
+                       device: torch.device) -> Callable[[], float]:
+    """A timer for :func:`paired_rounds`: like :func:`device_timer` on rank 0 while the other ranks sleep
+    (:func:`on_rank0_alone`; `step` may be None there): one process with the device to itself.
+    Collective over `comm`."""
+    def alone() -> float:
+        assert step is not None, "rank 0 needs the step it times"
+        return _drained_seconds(step, steps, device)
+
+    return lambda: on_rank0_alone(comm, alone)
+
+
+def cuda_unavailable(benchmark: str) -> str | None:
+    """Why ``mpitrain bench BENCHMARK --device cuda`` cannot run here, or None. Local and the same on
+    every rank of a host: callers return status 2 with it before any message is sent."""
+    if not torch.cuda.is_available():
+        return (f"mpitrain bench {benchmark} --device cuda: no CUDA device (torch.cuda.is_available() is False; "
+                f"torch {torch.__version__}); run it on a GPU machine, or drop --device cuda for the CPU benchmark")
+    return None
+
+
+def device_line(comm: Communicator, device: torch.device) -> str:
+    """A header line naming `device`: the GPU's name, how many torch sees, how many ranks share it, and
+    whether the MPI backend hands device buffers to MPI (CUDA-aware) or stages them through pinned host
+    memory (:func:`mpitrain.comm._cuda.mpi_cuda_aware`)."""
+    if device.type != "cuda":
+        return f"# device: {device}"
+    from ..comm._cuda import mpi_cuda_aware
+
+    count = torch.cuda.device_count()
+    if comm.backend != "mpi":
+        aware = f"n/a ({comm.backend} backend)"
+    else:
+        aware = "yes (device buffers direct)" if mpi_cuda_aware() else "no (staged through pinned host memory)"
+    return (f"# device: {torch.cuda.get_device_name(device)} ({count} visible; {comm.size} ranks, up to "
+            f"{-(-comm.size // max(count, 1))} per GPU); MPI CUDA-aware: {aware}")
 
 
 def rank_max(comm: Communicator, value: float) -> float:

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import mpitrain
-from mpitrain.bench.common import add_outputs, header, on_rank0_alone, print_table, save_outputs
+from mpitrain.bench.common import add_outputs, cuda_unavailable, header, on_rank0_alone, print_table, save_outputs
 from mpitrain.comm.base import Communicator
 from mpitrain.kvstore._interface import Key
 from mpitrain.strategies.data_parallel import DataParallel
@@ -316,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
 def _main_cuda(args: argparse.Namespace) -> int:
     from mpitrain.bench import _dataparallel_cuda as cuda
 
-    why = cuda.unavailable()  # the same verdict on every rank, before any message
+    why = cuda_unavailable("dataparallel")  # the same verdict on every rank, before any message
     if why is not None:
         print(why, file=sys.stderr)
         return 2
