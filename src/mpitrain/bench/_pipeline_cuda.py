@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 from collections.abc import Callable, Iterable
 
 import torch
@@ -91,12 +92,17 @@ def _torch_step(args: argparse.Namespace, dev: torch.device, x: torch.Tensor, y:
 
 
 def _strategy_step(args: argparse.Namespace, comm: Communicator, dev: torch.device, x: torch.Tensor,
-                   y: torch.Tensor, strategy: str, partitions: int, schedule: str, bf16: bool) -> Callable[[], None]:
-    """One step of `fit`'s trainer for `strategy` on the global batch (CPU tensors: it moves them)."""
+                   y: torch.Tensor, strategy: str, partitions: int, schedule: str, bf16: bool,
+                   finish: list[Callable[[], object]]) -> Callable[[], None]:
+    """One step of `fit`'s trainer for `strategy` on the global batch (CPU tensors: it moves them). A
+    data trainer's ``trained_model`` (collective: it closes its kvstore's thread) is appended to
+    `finish`, called when the timing is over, as fit does."""
     micro = args.micro_batches if strategy != "data" else 1
     spec = FitSpec(strategy=strategy, partitions=partitions, micro_batches=micro, schedule=schedule,
                    balance="params", loop=LoopSpec(precision="bf16" if bf16 else "fp32"))
     trainer = make_trainer(_model(args, dev), nn.CrossEntropyLoss(), _sgd, comm, spec)
+    if strategy == "data":
+        finish.append(trainer.trained_model)
 
     def step() -> None:
         trainer.train_step(x, y)
@@ -105,8 +111,9 @@ def _strategy_step(args: argparse.Namespace, comm: Communicator, dev: torch.devi
 
 
 def _contenders(args: argparse.Namespace, comm: Communicator, dev: torch.device, x: torch.Tensor,
-                y: torch.Tensor, bf16: bool) -> dict[str, tuple[int, int, Timer]]:
-    """label -> (pipeline stages P, micro-batches M, timer in seconds per step)."""
+                y: torch.Tensor, bf16: bool, finish: list[Callable[[], object]]) -> dict[str, tuple[int, int, Timer]]:
+    """label -> (pipeline stages P, micro-batches M, timer in seconds per step); what to call after the
+    timing goes to `finish`."""
     size, M, steps = comm.size, args.micro_batches, args.steps
 
     def torch_timer(micro: int) -> Timer:  # only rank 0 builds the model it times
@@ -114,8 +121,8 @@ def _contenders(args: argparse.Namespace, comm: Communicator, dev: torch.device,
         return device_alone_timer(comm, step, steps, dev)
 
     def ours(strategy: str, partitions: int, schedule: str = "1f1b") -> Timer:
-        return device_timer(comm, _strategy_step(args, comm, dev, x, y, strategy, partitions, schedule, bf16),
-                            steps, dev)
+        step = _strategy_step(args, comm, dev, x, y, strategy, partitions, schedule, bf16, finish)
+        return device_timer(comm, step, steps, dev)
 
     out: dict[str, tuple[int, int, Timer]] = {"torch, 1 process": (1, 1, torch_timer(1))}
     if M > 1:
@@ -132,26 +139,11 @@ def _contenders(args: argparse.Namespace, comm: Communicator, dev: torch.device,
 
 
 def run(args: argparse.Namespace) -> list[list[object]]:
-    """Time every contender (module doc) for each of ``args.precisions``; rank 0 prints the table.
-    Collective: every rank calls it with the same arguments."""
+    """Time every contender (module doc) for each of ``args.precisions``; rank 0 prints the header, then
+    a table per precision as soon as it is measured. Returns every row. Collective: every rank calls
+    it with the same arguments."""
     comm = mpitrain.init()
     dev = mpitrain.device()
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(args.batch, args.mlp_width, generator=g)
-    y = torch.randint(0, 10, (args.batch,), generator=g)
-    rows: list[list[object]] = []
-    for precision in args.precisions.split(","):
-        contenders = _contenders(args, comm, dev, x, y, precision == "bf16")
-        t = paired_rounds({label: timer for label, (_, _, timer) in contenders.items()}, args.rounds)
-        base, base_m = t["torch, 1 process"], t.get(f"torch, 1 process, M={args.micro_batches}")
-        for label, (P, M, _) in contenders.items():
-            ratios = [a / b for a, b in zip(t[label], base)]
-            rows.append([precision, label, P, M, 1e3 * median(t[label]), 1e3 * min(t[label]), 1e3 * max(t[label]),
-                         paired_ratio(t[label], base), quartiles(ratios),
-                         paired_ratio(t[label], base_m) if base_m else "-"])
-        del contenders
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
     if comm.rank == 0:
         print(header("pipeline on CUDA: ms/step of model/hybrid/data vs one process of plain torch, interleaved "
                      "rounds", comm.size))
@@ -159,7 +151,30 @@ def run(args: argparse.Namespace) -> list[list[object]]:
         print(f"# MLP {args.mlp_depth + 2} Linear layers x {args.mlp_width} (fx-traced, balance='params'); global "
               f"batch {args.batch} (CPU tensors, moved by each contender); M={args.micro_batches}; "
               f"{args.rounds} rounds x {args.steps} steps; 'x torch' = ms/step over torch alone on the whole "
-              f"batch (median of per-round ratios)")
-        print_table(["precision", "contender", "P", "M", "ms/step", "min", "max", "x torch", "q25-q75",
-                     "x torch M"], rows)
+              f"batch, 'x torch M' over torch alone in M micro-batches (medians of per-round ratios)", flush=True)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(args.batch, args.mlp_width, generator=g)
+    y = torch.randint(0, 10, (args.batch,), generator=g)
+    rows: list[list[object]] = []
+    for precision in args.precisions.split(","):
+        finish: list[Callable[[], object]] = []
+        contenders = _contenders(args, comm, dev, x, y, precision == "bf16", finish)
+        t = paired_rounds({label: timer for label, (_, _, timer) in contenders.items()}, args.rounds)
+        base, base_m = t["torch, 1 process"], t.get(f"torch, 1 process, M={args.micro_batches}")
+        table = []
+        for label, (P, M, _) in contenders.items():
+            ratios = [a / b for a, b in zip(t[label], base)]
+            table.append([precision, label, P, M, 1e3 * median(t[label]), 1e3 * min(t[label]),
+                          1e3 * max(t[label]), paired_ratio(t[label], base), quartiles(ratios),
+                          paired_ratio(t[label], base_m) if base_m else "-"])
+        if comm.rank == 0:
+            print_table(["precision", "contender", "P", "M", "ms/step", "min", "max", "x torch", "q25-q75",
+                         "x torch M"], table)
+        rows += table
+        for f in finish:
+            f()
+        del contenders, finish
+        gc.collect()  # the trainers (and their GPU memory) go before the next precision's are built
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
     return rows

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import math
 from collections.abc import Callable
 
@@ -133,10 +134,18 @@ def run(args: argparse.Namespace, model: nn.Module, x: torch.Tensor, y: torch.Te
         grids: list[tuple[tuple[int, ...], int]],
         memory_format: Callable[[str, int], torch.memory_format]) -> list[list[object]]:
     """Time every contender (module doc) on `model` (moved to this rank's device) and the CPU batch
-    (`x`, `y`) for every grid of `grids` ((grid, sample groups)); rank 0 prints the table. Collective:
-    every rank calls it with the same arguments."""
+    (`x`, `y`) for every grid of `grids` ((grid, sample groups)); rank 0 prints the header, then a table
+    per precision and format as soon as it is measured. Returns every row. Collective: every rank calls
+    it with the same arguments."""
     comm = mpitrain.init()
     dev = mpitrain.device()
+    if comm.rank == 0:
+        print(header(f"spatial on CUDA: {title}; ms/step vs one process of plain torch, interleaved rounds",
+                     comm.size))
+        print(device_line(comm, dev))
+        print(f"# global batch made on the CPU, moved by each contender; {args.rounds} rounds x {args.steps} steps; "
+              f"'x torch' = ms/step over torch alone in the same format and precision (median of per-round "
+              f"ratios); peak MiB/rank: the allocator's rise during one step, largest rank", flush=True)
     if dev.type == "cuda":
         torch.backends.cudnn.benchmark = True  # every contender's shapes are tuned in the warm-up round
     model = model.to(dev)
@@ -148,21 +157,18 @@ def run(args: argparse.Namespace, model: nn.Module, x: torch.Tensor, y: torch.Te
             t = paired_rounds({c.label: c.timer for c in contenders}, args.rounds)
             mems = [c.memory() for c in contenders]
             base, base_mem = t[contenders[0].label], mems[0]
+            table = []
             for c, mem in zip(contenders, mems):
                 ratios = [a / b for a, b in zip(t[c.label], base)]
-                rows.append([c.label, math.prod(c.grid), c.groups, 1e3 * median(t[c.label]),
-                             1e3 * min(t[c.label]), 1e3 * max(t[c.label]), paired_ratio(t[c.label], base),
-                             quartiles(ratios), mem, mem / base_mem if base_mem else "-"])
+                table.append([c.label, math.prod(c.grid), c.groups, 1e3 * median(t[c.label]),
+                              1e3 * min(t[c.label]), 1e3 * max(t[c.label]), paired_ratio(t[c.label], base),
+                              quartiles(ratios), mem, mem / base_mem if base_mem else "-"])
+            if comm.rank == 0:
+                print_table(["config", "ranks/sample", "groups", "ms/step", "min", "max", "x torch", "q25-q75",
+                             "peak MiB/rank", "mem ratio"], table)
+            rows += table
             del contenders
+            gc.collect()  # the trainers (and their GPU memory) go before the next ones are built
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
-    if comm.rank == 0:
-        print(header(f"spatial on CUDA: {title}; ms/step vs one process of plain torch, interleaved rounds",
-                     comm.size))
-        print(device_line(comm, dev))
-        print(f"# global batch made on the CPU, moved by each contender; {args.rounds} rounds x {args.steps} steps; "
-              f"'x torch' = ms/step over torch alone in the same format and precision (median of per-round "
-              f"ratios); peak MiB/rank: the CUDA allocator's rise during one step, largest rank")
-        print_table(["config", "ranks/sample", "groups", "ms/step", "min", "max", "x torch", "q25-q75",
-                     "peak MiB/rank", "mem ratio"], rows)
     return rows
