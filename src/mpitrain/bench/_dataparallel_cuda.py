@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -23,12 +22,10 @@ from mpitrain.bench.common import (
     device_line,
     device_timer,
     header,
-    paired_ratio,
+    ms_against,
     paired_rounds,
     print_table,
-    quartiles,
 )
-from mpitrain.comm.base import Communicator
 from mpitrain.strategies.data_parallel import DataParallel
 
 __all__ = ["run"]
@@ -56,12 +53,6 @@ class _Step:
         self.opt.step()
 
 
-def _ms_per_step(comm: Communicator, step: Callable[[], None], steps: int, dev: torch.device) -> Callable[[], float]:
-    """A timer in milliseconds per step (:func:`~.common.device_timer`: the slowest rank's, the GPU drained)."""
-    seconds = device_timer(comm, step, steps, dev)
-    return lambda: 1e3 * seconds()
-
-
 def _ddp(model: nn.Module, dev: torch.device, bucket_mb: float) -> nn.Module:
     import torch.distributed as dist
 
@@ -86,22 +77,20 @@ def run(args: argparse.Namespace) -> list[list[object]]:
         bf16 = precision == "bf16"
         torch.manual_seed(0)
         plain = _resnet50().to(dev)
-        timers = {"plain torch": _ms_per_step(comm, _Step(plain, x, y, bf16), args.steps, dev)}
+        timers = {"plain torch": device_timer(comm, _Step(plain, x, y, bf16), args.steps, dev)}
         if own_gpu and not args.no_ddp:
             torch.manual_seed(0)
             ddp = _ddp(_resnet50().to(dev), dev, args.bucket_mb)
-            timers["ddp (nccl)"] = _ms_per_step(comm, _Step(ddp, x, y, bf16), args.steps, dev)
+            timers["ddp (nccl)"] = device_timer(comm, _Step(ddp, x, y, bf16), args.steps, dev)
         dps = []
         for kv in args.kvstores.split(","):
             torch.manual_seed(0)
             dp = DataParallel(_resnet50().to(dev), kvstore=kv, bucket_mb=args.bucket_mb, comm=comm)
             dps.append(dp)
-            timers[f"mpitrain/{kv}"] = _ms_per_step(comm, _Step(dp, x, y, bf16), args.steps, dev)
-        ms = paired_rounds(timers, args.rounds)
-        for name, v in ms.items():
-            ratio = [a / b for a, b in zip(v, ms["plain torch"])]
-            rows.append([precision, name, sorted(v)[len(v) // 2], min(v), max(v),
-                         f"{paired_ratio(v, ms['plain torch']):.3f}", quartiles(ratio)])
+            timers[f"mpitrain/{kv}"] = device_timer(comm, _Step(dp, x, y, bf16), args.steps, dev)
+        t = paired_rounds(timers, args.rounds)
+        for name, v in t.items():
+            rows.append([precision, name, *ms_against(v, t["plain torch"])])
         for dp in dps:
             dp.close()
         del plain, dps, timers

@@ -35,11 +35,10 @@ from .common import (
     device_line,
     device_timer,
     header,
-    median,
+    ms_against,
     paired_ratio,
     paired_rounds,
     print_table,
-    quartiles,
 )
 
 __all__ = ["run", "mlp"]
@@ -163,9 +162,7 @@ def run(args: argparse.Namespace) -> list[list[object]]:
         base, base_m = t["torch, 1 process"], t.get(f"torch, 1 process, M={args.micro_batches}")
         table = []
         for label, (P, M, _) in contenders.items():
-            ratios = [a / b for a, b in zip(t[label], base)]
-            table.append([precision, label, P, M, 1e3 * median(t[label]), 1e3 * min(t[label]),
-                          1e3 * max(t[label]), paired_ratio(t[label], base), quartiles(ratios),
+            table.append([precision, label, P, M, *ms_against(t[label], base),
                           paired_ratio(t[label], base_m) if base_m else "-"])
         if comm.rank == 0:
             print_table(["precision", "contender", "P", "M", "ms/step", "min", "max", "x torch", "q25-q75",

@@ -37,12 +37,10 @@ from .common import (
     device_line,
     device_timer,
     header,
-    median,
+    ms_against,
     on_rank0_alone,
-    paired_ratio,
     paired_rounds,
     print_table,
-    quartiles,
     rank_max,
 )
 
@@ -159,10 +157,8 @@ def run(args: argparse.Namespace, model: nn.Module, x: torch.Tensor, y: torch.Te
             base, base_mem = t[contenders[0].label], mems[0]
             table = []
             for c, mem in zip(contenders, mems):
-                ratios = [a / b for a, b in zip(t[c.label], base)]
-                table.append([c.label, math.prod(c.grid), c.groups, 1e3 * median(t[c.label]),
-                              1e3 * min(t[c.label]), 1e3 * max(t[c.label]), paired_ratio(t[c.label], base),
-                              quartiles(ratios), mem, mem / base_mem if base_mem else "-"])
+                table.append([c.label, math.prod(c.grid), c.groups, *ms_against(t[c.label], base), mem,
+                              mem / base_mem if base_mem else "-"])
             if comm.rank == 0:
                 print_table(["config", "ranks/sample", "groups", "ms/step", "min", "max", "x torch", "q25-q75",
                              "peak MiB/rank", "mem ratio"], table)

@@ -20,8 +20,8 @@ from ..comm.base import Communicator
 
 __all__ = ["machine", "command_line", "time_call", "slowest_rank_times", "step_timer", "alone_timer", "rank_max",
            "median",
-           "paired_rounds", "paired_ratio", "quartiles", "on_rank0_alone", "print_table", "header",
-           "add_outputs", "save_outputs", "tables", "cuda_unavailable", "device_line", "device_timer",
+           "paired_rounds", "paired_ratio", "ms_against", "quartiles", "on_rank0_alone", "print_table", "header",
+           "add_outputs", "save_outputs", "tables", "without_cuda", "DEVICE_STEPS", "device_line", "device_timer",
            "device_alone_timer"]
 
 
@@ -160,13 +160,20 @@ def device_alone_timer(comm: Communicator, step: Callable[[], object] | None, st
     return lambda: on_rank0_alone(comm, alone)
 
 
-def cuda_unavailable(benchmark: str) -> str | None:
-    """Why ``mpitrain bench BENCHMARK --device cuda`` cannot run here, or None. Local and the same on
-    every rank of a host: callers return status 2 with it before any message is sent."""
-    if not torch.cuda.is_available():
-        return (f"mpitrain bench {benchmark} --device cuda: no CUDA device (torch.cuda.is_available() is False; "
-                f"torch {torch.__version__}); run it on a GPU machine, or drop --device cuda for the CPU benchmark")
-    return None
+#: Consecutive steps a ``--device cuda`` timer takes at least: the host queues kernels ahead of the GPU
+#: as training does, and the two drains per timer are amortised.
+DEVICE_STEPS = 10
+
+
+def without_cuda(benchmark: str) -> int | None:
+    """Status 2, having said on stderr why ``mpitrain bench BENCHMARK --device cuda`` cannot run here (no
+    CUDA device), or None where it can. Local, the same verdict on every rank: call it before any message."""
+    if torch.cuda.is_available():
+        return None
+    print(f"mpitrain bench {benchmark} --device cuda: no CUDA device (torch.cuda.is_available() is False; "
+          f"torch {torch.__version__}); run it on a GPU machine, or drop --device cuda for the CPU benchmark",
+          file=sys.stderr)
+    return 2
 
 
 def device_line(comm: Communicator, device: torch.device) -> str:
@@ -211,6 +218,14 @@ def paired_rounds(timers: Mapping[str, Callable[[], float]], rounds: int) -> dic
 def paired_ratio(num: Sequence[float], den: Sequence[float]) -> float:
     """The median over rounds of ``num[r] / den[r]`` (see :func:`paired_rounds`)."""
     return median([a / b for a, b in zip(num, den)])
+
+
+def ms_against(seconds: Sequence[float], base: Sequence[float]) -> list[object]:
+    """Table cells of a contender timed by :func:`paired_rounds` against `base` (the competitor's times,
+    same rounds): median, min and max milliseconds per step, the median per-round time ratio over
+    `base` and that ratio's q25-q75."""
+    ratios = [a / b for a, b in zip(seconds, base)]
+    return [1e3 * median(seconds), 1e3 * min(seconds), 1e3 * max(seconds), median(ratios), quartiles(ratios)]
 
 
 def quartiles(values: Sequence[float]) -> str:

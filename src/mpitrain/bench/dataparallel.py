@@ -29,7 +29,15 @@ import torch.nn.functional as F
 from torch import nn
 
 import mpitrain
-from mpitrain.bench.common import add_outputs, cuda_unavailable, header, on_rank0_alone, print_table, save_outputs
+from mpitrain.bench.common import (
+    DEVICE_STEPS,
+    add_outputs,
+    header,
+    on_rank0_alone,
+    print_table,
+    save_outputs,
+    without_cuda,
+)
 from mpitrain.comm.base import Communicator
 from mpitrain.kvstore._interface import Key
 from mpitrain.strategies.data_parallel import DataParallel
@@ -316,13 +324,12 @@ def main(argv: list[str] | None = None) -> int:
 def _main_cuda(args: argparse.Namespace) -> int:
     from mpitrain.bench import _dataparallel_cuda as cuda
 
-    why = cuda_unavailable("dataparallel")  # the same verdict on every rank, before any message
-    if why is not None:
-        print(why, file=sys.stderr)
-        return 2
+    refused = without_cuda("dataparallel")  # the same verdict on every rank, before any message
+    if refused is not None:
+        return refused
     if args.kvstores == _parse([]).kvstores:
         args.kvstores = "dist_sync_mpi"  # the GPU table times the default store unless asked
-    args.steps = max(args.steps, 10)
+    args.steps = max(args.steps, DEVICE_STEPS)
     cuda.run(args)
     save_outputs(args, "dataparallel-cuda", mpitrain.size(), mpitrain.rank())
     return 0

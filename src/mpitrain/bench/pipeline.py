@@ -28,9 +28,9 @@ from ..comm.base import Communicator
 from ..fit import FitSpec, make_trainer
 from ..runtime import init
 from .common import (
+    DEVICE_STEPS,
     add_outputs,
     alone_timer,
-    cuda_unavailable,
     header,
     median,
     paired_ratio,
@@ -39,6 +39,7 @@ from .common import (
     quartiles,
     save_outputs,
     step_timer,
+    without_cuda,
 )
 
 __all__ = ["main", "ResidualCNN"]
@@ -271,7 +272,8 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     # ranks of a small machine share (`mpitrain bench machine`; docs/pipeline.md)
     p.add_argument("--width", type=int, default=64)
     p.add_argument("--image", type=int, default=16)
-    p.add_argument("--steps", type=int, default=1, help="timed steps per contender per round (median)")
+    p.add_argument("--steps", type=int, default=1, help="timed steps per contender per round (median); "
+                                                        "--device cuda: consecutive steps per timer, at least 10")
     p.add_argument("--rounds", type=int, default=10, help="interleaved rounds (ratios taken per round)")
     p.add_argument("--tables", default="throughput,efficiency,transformer",
                    help="comma-separated subset of throughput,efficiency,transformer")
@@ -319,11 +321,10 @@ def _main_cuda(args: argparse.Namespace) -> int:
     """``--device cuda`` (:mod:`mpitrain.bench._pipeline_cuda`): status 2, saying why, without CUDA."""
     from . import _pipeline_cuda
 
-    why = cuda_unavailable("pipeline")  # the same verdict on every rank, before any message
-    if why is not None:
-        print(why, file=sys.stderr)
-        return 2
-    args.steps = max(args.steps, 10)  # back-to-back steps per timer: the host queues ahead of the GPU
+    refused = without_cuda("pipeline")  # the same verdict on every rank, before any message
+    if refused is not None:
+        return refused
+    args.steps = max(args.steps, DEVICE_STEPS)
     comm = init()
     _pipeline_cuda.run(args)
     save_outputs(args, "pipeline-cuda", comm.size, comm.rank)

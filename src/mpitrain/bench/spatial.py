@@ -46,9 +46,9 @@ from ..spatial.mesh import WIDTHS, mesh_batch, mesh_model
 from ..spatial.models import UNet, cosmoflow, torchvision_module
 from ..spatial.trainer import SpatialTrainer
 from .common import (
+    DEVICE_STEPS,
     add_outputs,
     alone_timer,
-    cuda_unavailable,
     header,
     median,
     on_rank0_alone,
@@ -60,6 +60,7 @@ from .common import (
     save_outputs,
     step_timer,
     time_call,
+    without_cuda,
 )
 
 __all__ = ["main"]
@@ -75,7 +76,8 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--size", type=int, default=None, help="input side (paper: 1024 or 2048); default 1024, "
                                                            "--device cuda: 512")
     p.add_argument("--batch", type=int, default=None, help="global mini-batch N; default 1, --device cuda: 4")
-    p.add_argument("--steps", type=int, default=1, help="timed steps per contender per round (median)")
+    p.add_argument("--steps", type=int, default=1, help="timed steps per contender per round (median); "
+                                                        "--device cuda: consecutive steps per timer, at least 10")
     p.add_argument("--rounds", type=int, default=8, help="interleaved rounds (ratios taken per round)")
     p.add_argument("--convs", type=int, default=3, help="conv-BN-ReLU per block (paper: 3 at 1K, 5 at 2K)")
     p.add_argument("--widths", default=",".join(map(str, WIDTHS)), help="filters per block")
@@ -322,17 +324,14 @@ def main(argv: Sequence[str]) -> int:
 
 def _main_cuda(args: argparse.Namespace) -> int:
     """``--device cuda`` (:mod:`mpitrain.bench._spatial_cuda`): status 2, saying why, without CUDA."""
-    import sys
-
     import mpitrain
 
     from . import _spatial_cuda
 
-    why = cuda_unavailable("spatial")  # the same verdict on every rank, before any message
-    if why is not None:
-        print(why, file=sys.stderr)
-        return 2
-    args.steps = max(args.steps, 10)  # back-to-back steps per timer: the host queues ahead of the GPU
+    refused = without_cuda("spatial")  # the same verdict on every rank, before any message
+    if refused is not None:
+        return refused
+    args.steps = max(args.steps, DEVICE_STEPS)
     comm = mpitrain.init()
     model, x, y, title = _workload(args)
     _spatial_cuda.run(args, model, x, y, title, _grids(comm.size, args.batch, args.grids), _fmt)
