@@ -15,3 +15,13 @@ def test_device_cuda_without_a_gpu_exits_2_saying_why(bench, capsys):
     assert main(["--device", "cuda"]) == 2
     err = capsys.readouterr().err
     assert f"mpitrain bench {bench} --device cuda: no CUDA device" in err and "drop --device cuda" in err
+
+
+@pytest.mark.parametrize("bench", ["dataparallel", "pipeline", "spatial"])
+def test_precisions_parse_to_a_list_and_refuse_an_unknown_one(bench, capsys):
+    parse = importlib.import_module(f"mpitrain.bench.{bench}")._parse
+    assert parse(["--precisions", "bf16"]).precisions == ["bf16"]
+    assert parse([]).precisions == ["fp32", "bf16"]
+    with pytest.raises(SystemExit) as e:
+        parse(["--device", "cuda", "--precisions", "fp32,fp16"])
+    assert e.value.code == 2 and "a comma list of fp32, bf16" in capsys.readouterr().err

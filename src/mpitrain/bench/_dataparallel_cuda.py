@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> list[list[object]]:
     y = torch.randint(0, 1000, (args.batch,), generator=g).to(dev)
     own_gpu = torch.cuda.device_count() >= comm.size
     rows: list[list[object]] = []
-    for precision in args.precisions.split(","):
+    for precision in args.precisions:
         bf16 = precision == "bf16"
         torch.manual_seed(0)
         plain = _resnet50().to(dev)

@@ -18,7 +18,6 @@ process there: the table shows what the stages and their messages cost.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 from collections.abc import Callable, Iterable
 
@@ -29,6 +28,7 @@ import mpitrain
 
 from ..comm.base import Communicator
 from ..fit import FitSpec, make_trainer
+from ..strategies._device import autocast
 from ..strategies.base import LoopSpec
 from .common import (
     device_alone_timer,
@@ -67,12 +67,8 @@ def _model(args: argparse.Namespace, dev: torch.device) -> nn.Module:
         return mlp(args.mlp_depth, args.mlp_width)
 
 
-def _autocast(bf16: bool, dev: torch.device) -> contextlib.AbstractContextManager[object]:
-    return torch.autocast(dev.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
-
-
 def _torch_step(args: argparse.Namespace, dev: torch.device, x: torch.Tensor, y: torch.Tensor, micro: int,
-                bf16: bool) -> Callable[[], None]:
+                precision: str) -> Callable[[], None]:
     """One process's step on the whole global batch (moved to `dev` as a user would), in `micro`
     micro-batches with the gradients accumulated."""
     model, loss_fn = _model(args, dev), nn.CrossEntropyLoss()
@@ -82,7 +78,7 @@ def _torch_step(args: argparse.Namespace, dev: torch.device, x: torch.Tensor, y:
         opt.zero_grad(set_to_none=True)
         xd, yd = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
         for xs, ys in zip(xd.chunk(micro), yd.chunk(micro)):
-            with _autocast(bf16, dev):
+            with autocast(precision, dev):  # the strategies' rule
                 loss = loss_fn(model(xs), ys) / micro
             loss.backward()
         opt.step()
@@ -91,14 +87,14 @@ def _torch_step(args: argparse.Namespace, dev: torch.device, x: torch.Tensor, y:
 
 
 def _strategy_step(args: argparse.Namespace, comm: Communicator, dev: torch.device, x: torch.Tensor,
-                   y: torch.Tensor, strategy: str, partitions: int, schedule: str, bf16: bool,
+                   y: torch.Tensor, strategy: str, partitions: int, schedule: str, precision: str,
                    finish: list[Callable[[], object]]) -> Callable[[], None]:
     """One step of `fit`'s trainer for `strategy` on the global batch (CPU tensors: it moves them). A
     data trainer's ``trained_model`` (collective: it closes its kvstore's thread) is appended to
     `finish`, called when the timing is over, as fit does."""
     micro = args.micro_batches if strategy != "data" else 1
     spec = FitSpec(strategy=strategy, partitions=partitions, micro_batches=micro, schedule=schedule,
-                   balance="params", loop=LoopSpec(precision="bf16" if bf16 else "fp32"))
+                   balance="params", loop=LoopSpec(precision=precision))
     trainer = make_trainer(_model(args, dev), nn.CrossEntropyLoss(), _sgd, comm, spec)
     if strategy == "data":
         finish.append(trainer.trained_model)
@@ -110,17 +106,18 @@ def _strategy_step(args: argparse.Namespace, comm: Communicator, dev: torch.devi
 
 
 def _contenders(args: argparse.Namespace, comm: Communicator, dev: torch.device, x: torch.Tensor,
-                y: torch.Tensor, bf16: bool, finish: list[Callable[[], object]]) -> dict[str, tuple[int, int, Timer]]:
+                y: torch.Tensor, precision: str,
+                finish: list[Callable[[], object]]) -> dict[str, tuple[int, int, Timer]]:
     """label -> (pipeline stages P, micro-batches M, timer in seconds per step); what to call after the
     timing goes to `finish`."""
     size, M, steps = comm.size, args.micro_batches, args.steps
 
     def torch_timer(micro: int) -> Timer:  # only rank 0 builds the model it times
-        step = _torch_step(args, dev, x, y, micro, bf16) if comm.rank == 0 else None
+        step = _torch_step(args, dev, x, y, micro, precision) if comm.rank == 0 else None
         return device_alone_timer(comm, step, steps, dev)
 
     def ours(strategy: str, partitions: int, schedule: str = "1f1b") -> Timer:
-        step = _strategy_step(args, comm, dev, x, y, strategy, partitions, schedule, bf16, finish)
+        step = _strategy_step(args, comm, dev, x, y, strategy, partitions, schedule, precision, finish)
         return device_timer(comm, step, steps, dev)
 
     out: dict[str, tuple[int, int, Timer]] = {"torch, 1 process": (1, 1, torch_timer(1))}
@@ -155,9 +152,9 @@ def run(args: argparse.Namespace) -> list[list[object]]:
     x = torch.randn(args.batch, args.mlp_width, generator=g)
     y = torch.randint(0, 10, (args.batch,), generator=g)
     rows: list[list[object]] = []
-    for precision in args.precisions.split(","):
+    for precision in args.precisions:
         finish: list[Callable[[], object]] = []
-        contenders = _contenders(args, comm, dev, x, y, precision == "bf16", finish)
+        contenders = _contenders(args, comm, dev, x, y, precision, finish)
         t = paired_rounds({label: timer for label, (_, _, timer) in contenders.items()}, args.rounds)
         base, base_m = t["torch, 1 process"], t.get(f"torch, 1 process, M={args.micro_batches}")
         table = []

@@ -31,6 +31,7 @@ from ..comm.base import Communicator
 from ..perf.memory import step_memory
 from ..spatial.distribution import Distribution
 from ..spatial.trainer import SpatialTrainer
+from ..strategies._device import autocast
 from ..strategies.base import LoopSpec
 from .common import (
     device_alone_timer,
@@ -79,7 +80,7 @@ def _torch(args: argparse.Namespace, comm: Communicator, dev: torch.device, mode
 
         def step() -> None:
             opt.zero_grad(set_to_none=True)
-            with _autocast(loop, dev):
+            with autocast(loop.precision, dev):  # the strategies' rule
                 loss = args.loss_fn(m(x.to(dev, non_blocking=True)), y.to(dev, non_blocking=True))
             loss.backward()
             opt.step()
@@ -93,10 +94,6 @@ def _torch(args: argparse.Namespace, comm: Communicator, dev: torch.device, mode
 
     return _Contender(label, (1, 1), 1, device_alone_timer(comm, step, args.steps, dev),
                       lambda: on_rank0_alone(comm, memory))
-
-
-def _autocast(loop: LoopSpec, dev: torch.device) -> torch.autocast:
-    return torch.autocast(dev.type, dtype=torch.bfloat16, enabled=loop.precision == "bf16")
 
 
 def _spatial(args: argparse.Namespace, comm: Communicator, dev: torch.device, model: nn.Module, x: torch.Tensor,
@@ -148,7 +145,7 @@ def run(args: argparse.Namespace, model: nn.Module, x: torch.Tensor, y: torch.Te
         torch.backends.cudnn.benchmark = True  # every contender's shapes are tuned in the warm-up round
     model = model.to(dev)
     rows: list[list[object]] = []
-    for precision in args.precisions.split(","):
+    for precision in args.precisions:
         loop = LoopSpec(precision=precision)
         for fmt in args.formats:
             contenders = _contenders(args, comm, dev, model, x, y, fmt, loop, grids, memory_format(fmt, x.dim()))

@@ -21,8 +21,8 @@ from ..comm.base import Communicator
 __all__ = ["machine", "command_line", "time_call", "slowest_rank_times", "step_timer", "alone_timer", "rank_max",
            "median",
            "paired_rounds", "paired_ratio", "ms_against", "quartiles", "on_rank0_alone", "print_table", "header",
-           "add_outputs", "save_outputs", "tables", "without_cuda", "DEVICE_STEPS", "device_line", "device_timer",
-           "device_alone_timer"]
+           "add_outputs", "save_outputs", "tables", "without_cuda", "DEVICE_STEPS", "PRECISIONS", "add_precisions",
+           "device_line", "device_timer", "device_alone_timer"]
 
 
 #: Waiting ranks test the broadcast with sleeps of at most a millisecond: they leave rank 0 its core.
@@ -174,6 +174,24 @@ def without_cuda(benchmark: str) -> int | None:
           f"torch {torch.__version__}); run it on a GPU machine, or drop --device cuda for the CPU benchmark",
           file=sys.stderr)
     return 2
+
+
+PRECISIONS = ("fp32", "bf16")
+
+
+def _precisions(text: str) -> list[str]:
+    out = [v.strip() for v in text.split(",") if v.strip()]
+    bad = [v for v in out if v not in PRECISIONS]
+    if bad or not out:
+        raise argparse.ArgumentTypeError(f"{text!r}: a comma list of {', '.join(PRECISIONS)}")
+    return out
+
+
+def add_precisions(p: argparse.ArgumentParser) -> None:
+    """Give a benchmark's parser ``--precisions`` (``--device cuda``: fp32, bf16 autocast or both; a list
+    after parsing, checked there: a bad value ends every rank with status 2 before any message)."""
+    p.add_argument("--precisions", type=_precisions, default=list(PRECISIONS),
+                   help="--device cuda: comma list of fp32, bf16 (bf16: autocast)")
 
 
 def device_line(comm: Communicator, device: torch.device) -> str:

@@ -32,6 +32,7 @@ import mpitrain
 from mpitrain.bench.common import (
     DEVICE_STEPS,
     add_outputs,
+    add_precisions,
     header,
     on_rank0_alone,
     print_table,
@@ -88,7 +89,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
                    help="cuda: ResNet-50 on each rank's GPU vs DDP (NCCL) and plain torch (module doc)")
     p.add_argument("--batch", type=int, default=64, help="--device cuda: per-rank batch")
     p.add_argument("--image", type=int, default=224, help="--device cuda: image side")
-    p.add_argument("--precisions", default="fp32,bf16", help="--device cuda: comma list of fp32, bf16")
+    add_precisions(p)
     add_outputs(p)  # --json FILE, --plot FILE.png (this benchmark draws its own bar chart)
     return p.parse_args(argv)
 

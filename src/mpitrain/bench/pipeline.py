@@ -30,6 +30,7 @@ from ..runtime import init
 from .common import (
     DEVICE_STEPS,
     add_outputs,
+    add_precisions,
     alone_timer,
     header,
     median,
@@ -289,7 +290,7 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=256, help="--device cuda: global batch")
     p.add_argument("--mlp-depth", type=int, default=16, help="--device cuda: hidden layers of the MLP")
     p.add_argument("--mlp-width", type=int, default=3072, help="--device cuda: width of the MLP")
-    p.add_argument("--precisions", default="fp32,bf16", help="--device cuda: comma list of fp32, bf16")
+    add_precisions(p)
     add_outputs(p)
     return p.parse_args(list(argv))
 

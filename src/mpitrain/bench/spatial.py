@@ -48,6 +48,7 @@ from ..spatial.trainer import SpatialTrainer
 from .common import (
     DEVICE_STEPS,
     add_outputs,
+    add_precisions,
     alone_timer,
     header,
     median,
@@ -90,7 +91,7 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cuda: ms/step on each rank's GPU vs one process of plain torch (mpitrain.bench."
                         "_spatial_cuda); --baseline, --ceiling and the model columns do not apply")
-    p.add_argument("--precisions", default="fp32,bf16", help="--device cuda: comma list of fp32, bf16")
+    add_precisions(p)
     add_outputs(p)
     args = p.parse_args(list(argv))
     cuda = args.device == "cuda"
