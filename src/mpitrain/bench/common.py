@@ -195,9 +195,10 @@ def add_precisions(p: argparse.ArgumentParser) -> None:
 
 
 def device_line(comm: Communicator, device: torch.device) -> str:
-    """A header line naming `device`: the GPU's name, how many torch sees, how many ranks share it, and
+    """A header line naming `device`: the GPU's name, how many torch sees, how many ranks share it,
     whether the MPI backend hands device buffers to MPI (CUDA-aware) or stages them through pinned host
-    memory (:func:`mpitrain.comm._cuda.mpi_cuda_aware`)."""
+    memory (:func:`mpitrain.comm._cuda.mpi_cuda_aware`), whether fp32 matmuls and convolutions may use
+    TF32, and the torch and CUDA versions."""
     if device.type != "cuda":
         return f"# device: {device}"
     from ..comm._cuda import mpi_cuda_aware
@@ -207,8 +208,11 @@ def device_line(comm: Communicator, device: torch.device) -> str:
         aware = f"n/a ({comm.backend} backend)"
     else:
         aware = "yes (device buffers direct)" if mpi_cuda_aware() else "no (staged through pinned host memory)"
+    tf32 = (f"TF32 matmul {'on' if torch.backends.cuda.matmul.allow_tf32 else 'off'}, "
+            f"conv {'on' if torch.backends.cudnn.allow_tf32 else 'off'}")
     return (f"# device: {torch.cuda.get_device_name(device)} ({count} visible; {comm.size} ranks, up to "
-            f"{-(-comm.size // max(count, 1))} per GPU); MPI CUDA-aware: {aware}")
+            f"{-(-comm.size // max(count, 1))} per GPU); MPI CUDA-aware: {aware}; fp32 {tf32}; "
+            f"torch {torch.__version__}, CUDA {torch.version.cuda}")
 
 
 def rank_max(comm: Communicator, value: float) -> float:

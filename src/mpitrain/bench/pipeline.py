@@ -289,7 +289,7 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
                         "(mpitrain.bench._pipeline_cuda); the CPU tables' options do not apply")
     p.add_argument("--batch", type=int, default=256, help="--device cuda: global batch")
     p.add_argument("--mlp-depth", type=int, default=16, help="--device cuda: hidden layers of the MLP")
-    p.add_argument("--mlp-width", type=int, default=3072, help="--device cuda: width of the MLP")
+    p.add_argument("--mlp-width", type=int, default=2048, help="--device cuda: width of the MLP")
     add_precisions(p)
     add_outputs(p)
     return p.parse_args(list(argv))
