@@ -11,8 +11,8 @@ model on :func:`mpitrain.device` (``init`` binds rank -> ``cuda:local_rank % cou
 and by plain torch inside its step. Plain torch runs on rank 0 alone, the other ranks asleep, twice: the
 whole batch in one pass ("torch"), and in the pipeline's M micro-batches with gradients accumulated
 ("torch M": the same arithmetic as the pipeline). Ranks may share one GPU (MPI backend: CUDA-aware or
-staged through pinned host memory); they then time-share its engines, so the pipeline cannot beat one
-process there: the table shows what the stages and their messages cost.
+staged through pinned host memory); they then time-share it (no MPS), so the pipeline has no GPU of
+its own per stage to gain from: the table shows what the stages and their messages cost.
 """
 
 from __future__ import annotations

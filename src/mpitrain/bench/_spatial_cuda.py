@@ -9,7 +9,7 @@ Every rank builds the ``--model`` (default the mesh model; ``--size`` 512, ``--b
 the CPU, as a loader gives it: the spatial trainer slices each rank's block there and moves it, plain
 torch moves the whole batch inside its step. Plain torch runs on rank 0 alone, the other ranks asleep.
 Ranks may share one GPU (MPI backend, halos CUDA-aware or staged through pinned host memory); they then
-time-share its engines. "peak MiB/rank" is the rise of the CUDA caching allocator's peak during one
+time-share it (no MPS). "peak MiB/rank" is the rise of the CUDA caching allocator's peak during one
 step (activations, gradients, halos, workspaces; not the model or the batch that exist before it), the
 largest over the ranks.
 """
