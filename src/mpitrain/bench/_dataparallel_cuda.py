@@ -12,28 +12,25 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import time
 from collections import Counter
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import mpitrain
-from mpitrain.bench.common import header, paired_ratio, paired_rounds, print_table, quartiles
+from mpitrain.bench.common import (
+    device_line,
+    device_timer,
+    header,
+    ms_against,
+    paired_rounds,
+    print_table,
+)
 from mpitrain.comm.base import Communicator
 from mpitrain.strategies.data_parallel import DataParallel
 
-__all__ = ["run", "unavailable"]
-
-
-def unavailable() -> str | None:
-    """Why this benchmark cannot run here, or None."""
-    if not torch.cuda.is_available():
-        return ("mpitrain bench dataparallel --device cuda: no CUDA device (torch.cuda.is_available() is False; "
-                f"torch {torch.__version__}); run it on a GPU machine, or drop --device cuda for the CPU benchmark")
-    return None
+__all__ = ["run"]
 
 
 def _resnet50() -> nn.Module:
@@ -59,21 +56,6 @@ class _Step:
         self.opt.step()
 
 
-def _ms_per_step(comm: Communicator, step: Callable[[], None], steps: int) -> Callable[[], float]:
-    """A timer: milliseconds per step over `steps` steps, the slowest rank's, the GPU drained before
-    the clock starts and stops (the CPU only queues kernels)."""
-    def timer() -> float:
-        torch.cuda.synchronize()
-        comm.barrier()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize()
-        elapsed = time.perf_counter() - t0
-        return 1e3 * comm.allreduce(torch.tensor([elapsed], dtype=torch.float64), "max").item() / steps
-    return timer
-
-
 def _ddp(model: nn.Module, dev: torch.device, bucket_mb: float) -> nn.Module:
     import torch.distributed as dist
 
@@ -94,31 +76,29 @@ def run(args: argparse.Namespace) -> list[list[object]]:
     y = torch.randint(0, 1000, (args.batch,), generator=g).to(dev)
     own_gpu = torch.cuda.device_count() >= comm.size
     rows: list[list[object]] = []
-    for precision in args.precisions.split(","):
+    for precision in args.precisions:
         bf16 = precision == "bf16"
         torch.manual_seed(0)
         plain = _resnet50().to(dev)
-        timers = {"plain torch": _ms_per_step(comm, _Step(plain, x, y, bf16), args.steps)}
+        timers = {"plain torch": device_timer(comm, _Step(plain, x, y, bf16), args.steps, dev)}
         if own_gpu and not args.no_ddp:
             torch.manual_seed(0)
-            timers["ddp (nccl)"] = _ms_per_step(comm, _Step(_ddp(_resnet50().to(dev), dev, args.bucket_mb), x, y,
-                                                            bf16), args.steps)
+            ddp = _ddp(_resnet50().to(dev), dev, args.bucket_mb)
+            timers["ddp (nccl)"] = device_timer(comm, _Step(ddp, x, y, bf16), args.steps, dev)
         dps = []
         for kv in args.kvstores.split(","):
             torch.manual_seed(0)
             dp = DataParallel(_resnet50().to(dev), kvstore=kv, bucket_mb=args.bucket_mb, comm=comm)
             dps.append(dp)
-            timers[f"mpitrain/{kv}"] = _ms_per_step(comm, _Step(dp, x, y, bf16), args.steps)
-        ms = paired_rounds(timers, args.rounds)
+            timers[f"mpitrain/{kv}"] = device_timer(comm, _Step(dp, x, y, bf16), args.steps, dev)
+        t = paired_rounds(timers, args.rounds)
         if args.trace and dps:
             waits = _trace(comm, _Step(dps[0], x, y, bf16), args.trace, precision)
             if comm.rank == 0:
                 print_table(["precision", "rank", "backward ms", "kernel launches", "waits (n / ms): launching thread",
                              "other threads"], waits)
-        for name, v in ms.items():
-            ratio = [a / b for a, b in zip(v, ms["plain torch"])]
-            rows.append([precision, name, sorted(v)[len(v) // 2], min(v), max(v),
-                         f"{paired_ratio(v, ms['plain torch']):.3f}", quartiles(ratio)])
+        for name, v in t.items():
+            rows.append([precision, name, *ms_against(v, t["plain torch"])])
         for dp in dps:
             dp.close()
         del plain, dps, timers
@@ -126,18 +106,11 @@ def run(args: argparse.Namespace) -> list[list[object]]:
     if comm.rank == 0:
         print(header("DataParallel on CUDA: ms/step vs torch DDP (NCCL) vs plain torch, interleaved rounds",
                      comm.size))
-        print(f"# device: {torch.cuda.get_device_name(dev)} ({torch.cuda.device_count()} visible); ResNet-50, "
-              f"per-rank batch {args.batch} x 3 x {args.image}^2; {args.rounds} rounds x {args.steps} steps; "
-              f"bucket {args.bucket_mb} MiB; MPI CUDA-aware: {_cuda_aware(comm)}")
+        print(device_line(comm, dev))
+        print(f"# ResNet-50, per-rank batch {args.batch} x 3 x {args.image}^2; {args.rounds} rounds x {args.steps} "
+              f"steps; bucket {args.bucket_mb} MiB")
         print_table(["precision", "contender", "ms/step", "min", "max", "vs plain", "q25-q75"], rows)
     return rows
-
-
-def _cuda_aware(comm: Communicator) -> str:
-    direct = getattr(comm, "_direct", None)
-    if direct is None:
-        return f"n/a ({comm.backend} backend)"
-    return "yes (device buffers direct)" if "cuda" in direct else "no (staged through pinned host memory)"
 
 
 _BACKWARD = "mpitrain.bench.backward"

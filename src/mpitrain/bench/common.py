@@ -20,8 +20,9 @@ from ..comm.base import Communicator
 
 __all__ = ["machine", "command_line", "time_call", "slowest_rank_times", "step_timer", "alone_timer", "rank_max",
            "median",
-           "paired_rounds", "paired_ratio", "quartiles", "on_rank0_alone", "print_table", "header",
-           "add_outputs", "save_outputs", "tables"]
+           "paired_rounds", "paired_ratio", "ms_against", "quartiles", "on_rank0_alone", "print_table", "header",
+           "add_outputs", "save_outputs", "tables", "without_cuda", "DEVICE_STEPS", "PRECISIONS", "add_precisions",
+           "device_line", "device_timer", "device_alone_timer"]
 
 
 #: Waiting ranks test the broadcast with sleeps of at most a millisecond: they leave rank 0 its core.
@@ -118,6 +119,102 @@ def alone_timer(comm: Communicator, step: Callable[[], object] | None, steps: in
     return lambda: on_rank0_alone(comm, alone)
 
 
+def _drained_seconds(step: Callable[[], object], steps: int, device: torch.device) -> float:
+    """Seconds per step of `steps` back-to-back calls of `step`, `device` drained before the clock starts
+    and before it stops (on a GPU the host only queues kernels; a CPU device needs no drain)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else None
+    if sync is not None:
+        sync()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    if sync is not None:
+        sync()
+    return (time.perf_counter() - t0) / max(steps, 1)
+
+
+def device_timer(comm: Communicator, step: Callable[[], object], steps: int,
+                 device: torch.device) -> Callable[[], float]:
+    """A timer for :func:`paired_rounds`: seconds per step of `steps` consecutive calls of `step` on every
+    rank at once (started after a barrier, `device` drained before each clock read), the slowest rank's.
+    Back-to-back steps let the host queue the next step's kernels while the GPU runs, as training does.
+    Collective over `comm`."""
+    def timer() -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        comm.barrier()
+        return rank_max(comm, _drained_seconds(step, steps, device))
+
+    return timer
+
+
+def device_alone_timer(comm: Communicator, step: Callable[[], object] | None, steps: int,
+                       device: torch.device) -> Callable[[], float]:
+    """A timer for :func:`paired_rounds`: like :func:`device_timer` on rank 0 while the other ranks sleep
+    (:func:`on_rank0_alone`; `step` may be None there): one process with the device to itself.
+    Collective over `comm`."""
+    def alone() -> float:
+        assert step is not None, "rank 0 needs the step it times"
+        return _drained_seconds(step, steps, device)
+
+    return lambda: on_rank0_alone(comm, alone)
+
+
+#: Consecutive steps a ``--device cuda`` timer takes at least: the host queues kernels ahead of the GPU
+#: as training does, and the two drains per timer are amortised.
+DEVICE_STEPS = 10
+
+
+def without_cuda(benchmark: str) -> int | None:
+    """Status 2, having said on stderr why ``mpitrain bench BENCHMARK --device cuda`` cannot run here (no
+    CUDA device), or None where it can. Local, the same verdict on every rank: call it before any message."""
+    if torch.cuda.is_available():
+        return None
+    print(f"mpitrain bench {benchmark} --device cuda: no CUDA device (torch.cuda.is_available() is False; "
+          f"torch {torch.__version__}); run it on a GPU machine, or drop --device cuda for the CPU benchmark",
+          file=sys.stderr)
+    return 2
+
+
+PRECISIONS = ("fp32", "bf16")
+
+
+def _precisions(text: str) -> list[str]:
+    out = [v.strip() for v in text.split(",") if v.strip()]
+    bad = [v for v in out if v not in PRECISIONS]
+    if bad or not out:
+        raise argparse.ArgumentTypeError(f"{text!r}: a comma list of {', '.join(PRECISIONS)}")
+    return out
+
+
+def add_precisions(p: argparse.ArgumentParser) -> None:
+    """Give a benchmark's parser ``--precisions`` (``--device cuda``: fp32, bf16 autocast or both; a list
+    after parsing, checked there: a bad value ends every rank with status 2 before any message)."""
+    p.add_argument("--precisions", type=_precisions, default=list(PRECISIONS),
+                   help="--device cuda: comma list of fp32, bf16 (bf16: autocast)")
+
+
+def device_line(comm: Communicator, device: torch.device) -> str:
+    """A header line naming `device`: the GPU's name, how many torch sees, how many ranks share it,
+    whether the MPI backend hands device buffers to MPI (CUDA-aware) or stages them through pinned host
+    memory (:func:`mpitrain.comm._cuda.mpi_cuda_aware`), whether fp32 matmuls and convolutions may use
+    TF32, and the torch and CUDA versions."""
+    if device.type != "cuda":
+        return f"# device: {device}"
+    from ..comm._cuda import mpi_cuda_aware
+
+    count = torch.cuda.device_count()
+    if comm.backend != "mpi":
+        aware = f"n/a ({comm.backend} backend)"
+    else:
+        aware = "yes (device buffers direct)" if mpi_cuda_aware() else "no (staged through pinned host memory)"
+    tf32 = (f"TF32 matmul {'on' if torch.backends.cuda.matmul.allow_tf32 else 'off'}, "
+            f"conv {'on' if torch.backends.cudnn.allow_tf32 else 'off'}")
+    return (f"# device: {torch.cuda.get_device_name(device)} ({count} visible; {comm.size} ranks, up to "
+            f"{-(-comm.size // max(count, 1))} per GPU); MPI CUDA-aware: {aware}; fp32 {tf32}; "
+            f"torch {torch.__version__}, CUDA {torch.version.cuda}")
+
+
 def rank_max(comm: Communicator, value: float) -> float:
     """The largest `value` over the ranks of `comm` (collective: every rank calls it)."""
     return float(comm.allreduce(torch.tensor([value], dtype=torch.float64), op="max")[0])
@@ -143,6 +240,14 @@ def paired_rounds(timers: Mapping[str, Callable[[], float]], rounds: int) -> dic
 def paired_ratio(num: Sequence[float], den: Sequence[float]) -> float:
     """The median over rounds of ``num[r] / den[r]`` (see :func:`paired_rounds`)."""
     return median([a / b for a, b in zip(num, den)])
+
+
+def ms_against(seconds: Sequence[float], base: Sequence[float]) -> list[object]:
+    """Table cells of a contender timed by :func:`paired_rounds` against `base` (the competitor's times,
+    same rounds): median, min and max milliseconds per step, the median per-round time ratio over
+    `base` and that ratio's q25-q75."""
+    ratios = [a / b for a, b in zip(seconds, base)]
+    return [1e3 * median(seconds), 1e3 * min(seconds), 1e3 * max(seconds), median(ratios), quartiles(ratios)]
 
 
 def quartiles(values: Sequence[float]) -> str:

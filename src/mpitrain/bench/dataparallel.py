@@ -29,7 +29,16 @@ import torch.nn.functional as F
 from torch import nn
 
 import mpitrain
-from mpitrain.bench.common import add_outputs, header, on_rank0_alone, print_table, save_outputs
+from mpitrain.bench.common import (
+    DEVICE_STEPS,
+    add_outputs,
+    add_precisions,
+    header,
+    on_rank0_alone,
+    print_table,
+    save_outputs,
+    without_cuda,
+)
 from mpitrain.comm.base import Communicator
 from mpitrain.kvstore._interface import Key
 from mpitrain.strategies.data_parallel import DataParallel
@@ -80,10 +89,10 @@ def _parse(argv: list[str]) -> argparse.Namespace:
                    help="cuda: ResNet-50 on each rank's GPU vs DDP (NCCL) and plain torch (module doc)")
     p.add_argument("--batch", type=int, default=64, help="--device cuda: per-rank batch")
     p.add_argument("--image", type=int, default=224, help="--device cuda: image side")
-    p.add_argument("--precisions", default="fp32,bf16", help="--device cuda: comma list of fp32, bf16")
+    add_precisions(p)
     p.add_argument("--trace", metavar="DIR", help="--device cuda: after the timings, profile two DataParallel "
-                   "steps per rank (Chrome traces in DIR) and count the host's CUDA waits during backward, "
-                   "main thread vs comm threads")
+                   "steps per rank (Chrome traces in DIR) and count the host's blocking CUDA calls during "
+                   "backward, on the thread that launches its kernels vs the comm threads")
     add_outputs(p)  # --json FILE, --plot FILE.png (this benchmark draws its own bar chart)
     return p.parse_args(argv)
 
@@ -319,13 +328,12 @@ def main(argv: list[str] | None = None) -> int:
 def _main_cuda(args: argparse.Namespace) -> int:
     from mpitrain.bench import _dataparallel_cuda as cuda
 
-    why = cuda.unavailable()  # the same verdict on every rank, before any message
-    if why is not None:
-        print(why, file=sys.stderr)
-        return 2
+    refused = without_cuda("dataparallel")  # the same verdict on every rank, before any message
+    if refused is not None:
+        return refused
     if args.kvstores == _parse([]).kvstores:
         args.kvstores = "dist_sync_mpi"  # the GPU table times the default store unless asked
-    args.steps = max(args.steps, 10)
+    args.steps = max(args.steps, DEVICE_STEPS)
     cuda.run(args)
     save_outputs(args, "dataparallel-cuda", mpitrain.size(), mpitrain.rank())
     return 0

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -27,7 +28,9 @@ from ..comm.base import Communicator
 from ..fit import FitSpec, make_trainer
 from ..runtime import init
 from .common import (
+    DEVICE_STEPS,
     add_outputs,
+    add_precisions,
     alone_timer,
     header,
     median,
@@ -37,6 +40,7 @@ from .common import (
     quartiles,
     save_outputs,
     step_timer,
+    without_cuda,
 )
 
 __all__ = ["main", "ResidualCNN"]
@@ -172,7 +176,6 @@ def _transformers() -> Any:
     """transformers, imported without torchvision when torchvision's C++ ops do not load with this
     torch (transformers then skips its image utilities)."""
     import importlib
-    import sys
 
     try:
         import torchvision  # noqa: F401
@@ -258,7 +261,7 @@ def _ints(text: str) -> list[int]:
     return [int(v) for v in text.split(",") if v]
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _parse(argv: Sequence[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="mpitrain bench pipeline", description=__doc__.splitlines()[0])
     p.add_argument("--batch-sizes", type=_ints, default=[16, 64, 256])
     p.add_argument("--micro-batches", type=int, default=8, help="M for the throughput table")
@@ -270,7 +273,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # ranks of a small machine share (`mpitrain bench machine`; docs/pipeline.md)
     p.add_argument("--width", type=int, default=64)
     p.add_argument("--image", type=int, default=16)
-    p.add_argument("--steps", type=int, default=1, help="timed steps per contender per round (median)")
+    p.add_argument("--steps", type=int, default=1, help="timed steps per contender per round (median); "
+                                                        "--device cuda: consecutive steps per timer, at least 10")
     p.add_argument("--rounds", type=int, default=10, help="interleaved rounds (ratios taken per round)")
     p.add_argument("--tables", default="throughput,efficiency,transformer",
                    help="comma-separated subset of throughput,efficiency,transformer")
@@ -280,8 +284,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--gpt-seq", type=int, default=64)
     p.add_argument("--gpt-batch", type=int, default=16)
     p.add_argument("--gpt-micro", type=int, default=4, help="M for the transformer table (a multiple of P)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: a deep MLP's pipeline on each rank's GPU vs one process of plain torch "
+                        "(mpitrain.bench._pipeline_cuda); the CPU tables' options do not apply")
+    p.add_argument("--batch", type=int, default=256, help="--device cuda: global batch")
+    p.add_argument("--mlp-depth", type=int, default=16, help="--device cuda: hidden layers of the MLP")
+    p.add_argument("--mlp-width", type=int, default=2048, help="--device cuda: width of the MLP")
+    add_precisions(p)
     add_outputs(p)
-    args = p.parse_args(list(argv or []))
+    return p.parse_args(list(argv))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parse(argv or [])
+    if args.device == "cuda":
+        return _main_cuda(args)
     comm = init()
     if comm.rank == 0:
         print(header("pipeline: sequential vs model vs data vs hybrid; pipeline efficiency", comm.size))
@@ -301,7 +318,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    import sys
+def _main_cuda(args: argparse.Namespace) -> int:
+    """``--device cuda`` (:mod:`mpitrain.bench._pipeline_cuda`): status 2, saying why, without CUDA."""
+    from . import _pipeline_cuda
 
+    refused = without_cuda("pipeline")  # the same verdict on every rank, before any message
+    if refused is not None:
+        return refused
+    args.steps = max(args.steps, DEVICE_STEPS)
+    comm = init()
+    _pipeline_cuda.run(args)
+    save_outputs(args, "pipeline-cuda", comm.size, comm.rank)
+    return 0
+
+
+if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

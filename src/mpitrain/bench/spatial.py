@@ -46,7 +46,9 @@ from ..spatial.mesh import WIDTHS, mesh_batch, mesh_model
 from ..spatial.models import UNet, cosmoflow, torchvision_module
 from ..spatial.trainer import SpatialTrainer
 from .common import (
+    DEVICE_STEPS,
     add_outputs,
+    add_precisions,
     alone_timer,
     header,
     median,
@@ -59,6 +61,7 @@ from .common import (
     save_outputs,
     step_timer,
     time_call,
+    without_cuda,
 )
 
 __all__ = ["main"]
@@ -71,9 +74,11 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="mpitrain bench spatial", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="mesh", choices=("mesh", "resnet50", "unet", "cosmoflow"),
                    help="network to train")
-    p.add_argument("--size", type=int, default=1024, help="input side (paper: 1024 or 2048)")
-    p.add_argument("--batch", type=int, default=1, help="global mini-batch N")
-    p.add_argument("--steps", type=int, default=1, help="timed steps per contender per round (median)")
+    p.add_argument("--size", type=int, default=None, help="input side (paper: 1024 or 2048); default 1024, "
+                                                           "--device cuda: 512")
+    p.add_argument("--batch", type=int, default=None, help="global mini-batch N; default 1, --device cuda: 4")
+    p.add_argument("--steps", type=int, default=1, help="timed steps per contender per round (median); "
+                                                        "--device cuda: consecutive steps per timer, at least 10")
     p.add_argument("--rounds", type=int, default=8, help="interleaved rounds (ratios taken per round)")
     p.add_argument("--convs", type=int, default=3, help="conv-BN-ReLU per block (paper: 3 at 1K, 5 at 2K)")
     p.add_argument("--widths", default=",".join(map(str, WIDTHS)), help="filters per block")
@@ -83,8 +88,16 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--baseline", action="store_true", help="time plain torch on rank 0 alone first")
     p.add_argument("--ceiling", action="store_true",
                    help="also time every rank training plain torch on its own block at once, no messages")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: ms/step on each rank's GPU vs one process of plain torch (mpitrain.bench."
+                        "_spatial_cuda); --baseline, --ceiling and the model columns do not apply")
+    add_precisions(p)
     add_outputs(p)
-    return p.parse_args(list(argv))
+    args = p.parse_args(list(argv))
+    cuda = args.device == "cuda"
+    args.size = args.size if args.size is not None else (512 if cuda else 1024)
+    args.batch = args.batch if args.batch is not None else (4 if cuda else 1)
+    return args
 
 
 def _grids(size: int, batch: int, spec: str) -> list[tuple[tuple[int, ...], int]]:
@@ -237,7 +250,9 @@ def _rows(args: argparse.Namespace, comm: Communicator, model: nn.Module,
 
 
 def _workload(args: argparse.Namespace) -> tuple[nn.Module, torch.Tensor, torch.Tensor, str]:
-    """(model, inputs, targets, title) of ``--model`` at ``--size`` (the same on every rank)."""
+    """(model, inputs, targets, title) of ``--model`` at ``--size`` (the same on every rank); sets
+    ``args.loss_fn``, the model's loss."""
+    args.loss_fn = nn.MSELoss() if args.model == "cosmoflow" else nn.CrossEntropyLoss()
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(0)
     n, size = args.batch, args.size
@@ -269,9 +284,10 @@ def main(argv: Sequence[str]) -> int:
     bad = [f for f in args.formats if f not in _FORMATS]
     if bad:
         raise SystemExit(f"unknown --formats {bad}; choose from {sorted(_FORMATS)}")
+    if args.device == "cuda":
+        return _main_cuda(args)
     comm = mpitrain.init()
     model, x, y, title = _workload(args)
-    args.loss_fn = nn.MSELoss() if args.model == "cosmoflow" else nn.CrossEntropyLoss()
     args.link = _link(comm)
     rows = _rows(args, comm, model, x, y)
     runs = paired_rounds({r.label: r.timer for r in rows}, args.rounds)
@@ -304,6 +320,23 @@ def main(argv: Sequence[str]) -> int:
         print_table(["config", "ranks/sample", "groups", "step s", "speedup", "q25-q75", "vs best torch",
                      "vs ceiling", "step MiB/rank", "mem ratio", "halo wait s", "model conv s"], table)
     save_outputs(args, "spatial", comm.size, comm.rank)
+    return 0
+
+
+def _main_cuda(args: argparse.Namespace) -> int:
+    """``--device cuda`` (:mod:`mpitrain.bench._spatial_cuda`): status 2, saying why, without CUDA."""
+    import mpitrain
+
+    from . import _spatial_cuda
+
+    refused = without_cuda("spatial")  # the same verdict on every rank, before any message
+    if refused is not None:
+        return refused
+    args.steps = max(args.steps, DEVICE_STEPS)
+    comm = mpitrain.init()
+    model, x, y, title = _workload(args)
+    _spatial_cuda.run(args, model, x, y, title, _grids(comm.size, args.batch, args.grids), _fmt)
+    save_outputs(args, "spatial-cuda", comm.size, comm.rank)
     return 0
 
 
