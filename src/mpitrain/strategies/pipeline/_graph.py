@@ -159,14 +159,19 @@ def export(model: nn.Module, sample: Any) -> Traced:
 
 def _rebind(gm: fx.GraphModule, model: nn.Module) -> None:
     """Make every parameter and buffer of `gm` the tensor of the same qualified name in `model` (the
-    graph was exported from a copy of `model`; an alias of a tied tensor is rebound under each name)."""
+    graph was exported from a copy of `model`; an alias of a tied tensor is rebound under each name).
+    A tensor the graph holds and the model does not (a constant the forward creates) stays the
+    copy's; on meta it could never run, which raises :class:`TraceFailure` naming it."""
     tensors = {**dict(model.named_parameters(remove_duplicate=False)),
                **dict(model.named_buffers(remove_duplicate=False))}
-    for name, _ in [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]:
+    for name, t in [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]:
         if name not in tensors:
-            raise TraceFailure(f"cannot split {type(model).__name__} into partitions: its exported graph holds "
-                               f"a tensor {name!r} that the model does not (a tensor created in the forward "
-                               f"or at capture); build the model on the CPU, or register it as a buffer")
+            if t.is_meta:
+                raise TraceFailure(f"cannot split {type(model).__name__} into partitions: its exported graph "
+                                   f"holds a meta tensor {name!r} that is no parameter or buffer of the model "
+                                   f"(a constant created in the forward); register it as a buffer, or build "
+                                   f"the model on the CPU")
+            continue
         holder, _, attr = name.rpartition(".")
         mod = gm.get_submodule(holder)
         slots: dict[str, Any] = mod._parameters if attr in mod._parameters else mod._buffers
