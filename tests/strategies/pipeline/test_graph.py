@@ -223,3 +223,43 @@ def test_an_exported_graph_follows_eval_mode_for_dropout_and_batch_norm():
     set_training(traced.gm, False)
     with torch.no_grad():
         assert torch.equal(traced.gm(x)[0], model.eval()(x))
+
+
+def _names_meta(gm: torch.fx.GraphModule) -> bool:
+    """Some node of `gm`, or of a graph nested in it (a higher-order op's body), names the meta device."""
+    meta = torch.device("meta")
+    return any(isinstance(a, torch.device) and a == meta for m in gm.modules() if isinstance(m, torch.fx.GraphModule)
+               for n in m.graph.nodes for a in pytree.tree_leaves((n.args, n.kwargs)))
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert", "llama"])
+def test_a_meta_transformer_is_exported_on_its_own_tensors_and_its_partitions_run_on_the_cpu(name):
+    """Exported on the meta device, the graph reads the model's own Parameter objects, which can then
+    be materialised in place; partitions split with device=cpu create on the CPU what the graph creates
+    on meta and give the materialised model's output and gradients exactly; the captured graph itself
+    keeps naming meta (the meta profile runs on it)."""
+    from mpitrain.strategies.pipeline._graph import capture, model_args, param_counts
+    from mpitrain.strategies.pipeline._materialize import materialize
+
+    from .tiny_transformers import build, lm_batches, lm_loss
+
+    model = build(name, meta=True)
+    (inputs, labels), = lm_batches(4, 1)
+    traced = capture(model, inputs)
+    assert traced.how == "export" and _names_meta(traced.gm)
+    mine = {id(t) for t in [*model.parameters(), *model.buffers()]}
+    assert all(id(t) in mine for t in [*traced.gm.parameters(), *traced.gm.buffers()])
+    flat = model_args(traced, inputs)
+    meta = profile(traced, [a.to("meta") for a in flat])
+    materialize(model, init_fn=model._init_weights)  # swap_tensors: no weak reference left by export
+    parts = split(traced, balanced_bounds(param_counts(traced), cut_points(traced, meta), 3), meta,
+                  torch.device("cpu"))
+    assert not any(_names_meta(p.module) for p in parts) and _names_meta(traced.gm)
+    got = run_partitions(traced, parts, flat)
+    lm_loss(got, labels).backward()
+    got_grads = [q.grad.clone() for q in model.parameters()]
+    model.zero_grad()
+    want = model(**inputs)
+    lm_loss(want, labels).backward()
+    assert torch.equal(got.logits, want.logits)
+    assert all(torch.equal(a, q.grad) for a, q in zip(got_grads, model.parameters()))

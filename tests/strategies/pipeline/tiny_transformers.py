@@ -39,13 +39,15 @@ def _transformers() -> Any:
     return importlib.import_module("transformers")
 
 
-def build(name: str, seed: int = 0) -> nn.Module:
-    """The tiny model `name`, float64, eager attention, no cache (a cache object is not a tensor pytree)."""
+def build(name: str, seed: int = 0, meta: bool = False) -> nn.Module:
+    """The tiny model `name`, float64, eager attention, no cache (a cache object is not a tensor pytree);
+    with `meta`, built on the meta device (no storage: `seed` plays no part)."""
     tf = _transformers()
     model_cls, config_cls, kwargs = TRANSFORMERS[name]
     config = getattr(tf, config_cls)(vocab_size=VOCAB, attn_implementation="eager", use_cache=False, **kwargs)
     torch.manual_seed(seed)
-    return getattr(tf, model_cls)(config).double()
+    with torch.device("meta" if meta else "cpu"):
+        return getattr(tf, model_cls)(config).double()
 
 
 def lm_batches(n: int, steps: int, seed: int = 0, mask: bool = True) -> list[tuple[dict[str, torch.Tensor],

@@ -20,6 +20,7 @@ trains the user's model in place.
 
 from __future__ import annotations
 
+import copy
 import inspect
 import time
 from collections.abc import Iterator, Sequence
@@ -35,7 +36,7 @@ from .._batching import call_args
 
 __all__ = ["TraceFailure", "ValueMeta", "Traced", "Partition", "capture", "trace", "export", "model_args",
            "profile", "measure", "measure_module", "reference_seconds", "param_counts", "cut_points", "split",
-           "mutated_placeholders", "local_nodes", "tied_groups", "set_training"]
+           "mutated_placeholders", "local_nodes", "tied_groups", "set_training", "retarget"]
 
 
 class TraceFailure(ValueError):
@@ -125,8 +126,13 @@ def export(model: nn.Module, sample: Any) -> Traced:
         dynamic: dict[str, Any] | None = {k: pytree.tree_map(batch_dim, v) for k, v in bound.items()}
     except (TypeError, ValueError):
         dynamic = None  # no signature to bind: shapes as in the sample
+    # torch.export leaves a weak reference on every tensor it traces, and torch.utils.swap_tensors
+    # (how a meta model gains storage in place) refuses such a tensor: trace a copy (free on meta) and
+    # point the graph at the model's own tensors afterwards
+    on_meta = any(t.is_meta for t in [*model.parameters(), *model.buffers()])
     try:
-        ep = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=dynamic)
+        ep = torch.export.export(copy.deepcopy(model) if on_meta else model, args, kwargs, strict=False,
+                                 dynamic_shapes=dynamic)
     except Exception as e:
         hint = ("set config.use_cache=False (a cache object is not a tensor pytree)"
                 if "not a known type" in str(e) or "pytree" in str(e) else
@@ -145,8 +151,31 @@ def export(model: nn.Module, sample: Any) -> Traced:
     # and train()/eval() allowed (the ATen graph itself keeps the mode it was captured in).
     graph._codegen = fx.graph.CodeGen()
     gm = fx.GraphModule(unlifted, graph)
+    if on_meta:
+        _rebind(gm, model)
     output = next(n for n in gm.graph.nodes if n.op == "output")
     return _traced(model, gm, list(output.args[0]), ep.call_spec.out_spec, ep.call_spec.in_spec, "export")
+
+
+def _rebind(gm: fx.GraphModule, model: nn.Module) -> None:
+    """Make every parameter and buffer of `gm` the tensor of the same qualified name in `model` (the
+    graph was exported from a copy of `model`; an alias of a tied tensor is rebound under each name).
+    A tensor the graph holds and the model does not (a constant the forward creates) stays the
+    copy's; on meta it could never run, which raises :class:`TraceFailure` naming it."""
+    tensors = {**dict(model.named_parameters(remove_duplicate=False)),
+               **dict(model.named_buffers(remove_duplicate=False))}
+    for name, t in [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]:
+        if name not in tensors:
+            if t.is_meta:
+                raise TraceFailure(f"cannot split {type(model).__name__} into partitions: its exported graph "
+                                   f"holds a meta tensor {name!r} that is no parameter or buffer of the model "
+                                   f"(a constant created in the forward); register it as a buffer, or build "
+                                   f"the model on the CPU")
+            continue
+        holder, _, attr = name.rpartition(".")
+        mod = gm.get_submodule(holder)
+        slots: dict[str, Any] = mod._parameters if attr in mod._parameters else mod._buffers
+        slots[attr] = tensors[name]
 
 
 def _traced(model: nn.Module, gm: fx.GraphModule, outputs: list[Any], out_spec: pytree.TreeSpec,
@@ -375,9 +404,12 @@ def cut_points(traced: Traced, meta: dict[str, ValueMeta | None]) -> list[int]:
     return out
 
 
-def split(traced: Traced, bounds: Sequence[int], meta: dict[str, ValueMeta | None]) -> list[Partition]:
+def split(traced: Traced, bounds: Sequence[int], meta: dict[str, ValueMeta | None],
+          device: torch.device | None = None) -> list[Partition]:
     """Cut the graph at `bounds` (``[0, c1, ..., len(nodes)]``) into runnable partition modules; each
-    gets copies of the local nodes (parameter reads, input shapes) it needs."""
+    gets copies of the local nodes (parameter reads, input shapes) it needs. `device` (a meta model's:
+    where it is materialised): the partitions create on it the tensors the captured graph creates on
+    meta (:func:`retarget`); `traced` itself is left as it is."""
     local = local_nodes(traced, meta)
     index = {n.name: i for i, n in enumerate(traced.nodes)}
     ph_index = {n.name: i for i, n in enumerate(traced.placeholders)}
@@ -405,9 +437,45 @@ def split(traced: Traced, bounds: Sequence[int], meta: dict[str, ValueMeta | Non
         recv = sorted((v for v in reads if v not in ph_index), key=index.__getitem__)
         outs = [] if final else [n.name for n in traced.nodes[lo:hi]
                                  if n.name not in local and last.get(n.name, -1) >= hi]
-        parts.append(Partition(k, _build(traced, own, [*data, *recv], outs, final),
-                               [ph_index[v] for v in data], recv, outs))
+        module = _build(traced, own, [*data, *recv], outs, final)
+        if device is not None:
+            retarget(module, device)
+        parts.append(Partition(k, module, [ph_index[v] for v in data], recv, outs))
     return parts
+
+
+_META = torch.device("meta")
+
+
+def retarget(gm: fx.GraphModule, device: torch.device) -> None:
+    """Make the nodes of `gm` that name the meta device in their arguments (``arange(..., device=meta)``,
+    ``x.to(device=meta)``, ``full``, ``zeros``... and the device checks torch.export inserts) name
+    `device` instead, in place.
+
+    A graph exported from a model on the meta device bakes ``device=meta`` into every tensor the
+    forward creates (position ids, causal masks): right for the meta profile, wrong once the partition
+    holds real tensors. A graph captured on a real device names no meta device and is left as it is.
+    A nested graph (the body of a higher-order op such as ``wrap_with_autocast``, read by a get_attr)
+    is shared with the graph `gm` was split from: it is replaced by a retargeted copy."""
+    changed = False
+    for n in gm.graph.nodes:
+        sub = _get_attr(gm, str(n.target)) if n.op == "get_attr" else None
+        if isinstance(sub, fx.GraphModule):
+            own = fx.GraphModule(sub, copy.deepcopy(sub.graph))
+            retarget(own, device)
+            holder, _, attr = str(n.target).rpartition(".")
+            setattr(gm.get_submodule(holder), attr, own)
+            changed = True
+
+    def swap(a: Any) -> Any:
+        return device if isinstance(a, torch.device) and a == _META else a
+
+    for n in gm.graph.nodes:
+        if any(isinstance(a, torch.device) and a == _META for a in pytree.tree_leaves((n.args, n.kwargs))):
+            n.args, n.kwargs = fx.node.map_aggregate(n.args, swap), fx.node.map_aggregate(n.kwargs, swap)
+            changed = True
+    if changed:
+        gm.recompile()
 
 
 def _build(traced: Traced, own: list[fx.Node], inputs: list[str], outputs: list[str],

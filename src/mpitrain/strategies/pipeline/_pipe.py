@@ -128,6 +128,8 @@ class Pipeline:
         _check_options(self.P, micro_batches, schedule, checkpoint, balance, virtual_stages)
         self.on_meta = is_meta(model)
         self.device = _CPU if self.on_meta else model_device(model)  # a meta model is materialised on the CPU
+        # the partitions of a meta model create on its device the tensors its graph creates on meta
+        self._place = self.device if self.on_meta else None
         self.V = virtual_stages if schedule == "interleaved-1f1b" else 1
         self.replica, self.p = divmod(comm.rank, self.P)
         self.pipe = _split(comm, self.replica, self.p)
@@ -379,7 +381,7 @@ class Pipeline:
             costs = self._agree(timing, sample)
             bounds = _bounds(self.balance, parts_n, costs or param_counts(traced), cuts)
         self.bounds = bounds
-        parts = split(traced, bounds, meta)
+        parts = split(traced, bounds, meta, self._place)
         mine = [parts[c * self.P + self.p] for c in range(self.V)]
         if self.checkpoint != "never":
             _refuse_recompute_with_batchnorm(mine)
@@ -447,7 +449,7 @@ class Pipeline:
         slowed by its neighbours meanwhile must not see its nodes as costlier."""
         traced = self._traced()
         index = {n.name: i for i, n in enumerate(traced.nodes)}
-        parts = split(traced, bounds, meta)
+        parts = split(traced, bounds, meta, self._place)
         out: list[float | None] = [None] * len(traced.nodes)
         unit = reference_seconds(self.profile_passes)
         times: dict[int, float] = {}

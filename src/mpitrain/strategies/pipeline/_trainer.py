@@ -53,21 +53,22 @@ FEATURES = frozenset({"shares", "checkpoint", "lr_scheduler", "grad_clip", "bf16
 class PipelineOptions(StrategyOptions):
     """Options of ``fit(strategy="model"|"hybrid", ...)``: the profiling passes of ``balance="time"``,
     activation recomputation (:data:`CHECKPOINTS`), the virtual stages of interleaved-1f1b, and the
-    seed and per-module initialiser of a model on the meta device (see :class:`Pipeline`). Waits
-    follow ``spec.stall`` (fit's `warn_after`/`abort_after`)."""
+    seed and per-module initialiser of a model on the meta device (:class:`Pipeline`'s `seed` and
+    `init_fn`; the seed is `init_seed` here because fit's own `seed` orders the data). Waits follow
+    ``spec.stall`` (fit's `warn_after`/`abort_after`)."""
 
     strategy: ClassVar[str] = "model/hybrid"
     profile_passes: int = 5
     checkpoint: str = "never"
     virtual_stages: int = 2
-    seed: int = 0
+    init_seed: int = 0
     init_fn: InitFn | None = None
 
     def __post_init__(self) -> None:
         self.require("profile_passes", is_int(self.profile_passes) and self.profile_passes >= 1, "an int >= 1")
         self.require("checkpoint", self.checkpoint in CHECKPOINTS, f"one of {CHECKPOINTS}")
         self.require("virtual_stages", is_int(self.virtual_stages) and self.virtual_stages >= 1, "an int >= 1")
-        self.require("seed", is_int(self.seed), "an int")
+        self.require("init_seed", is_int(self.init_seed), "an int")
         self.require("init_fn", self.init_fn is None or callable(self.init_fn), "None or a callable(module)")
 
 
@@ -90,7 +91,7 @@ def make_trainer(model: nn.Module, loss_fn: LossFn, optimizer: OptimizerFactory,
     opts = _check_spec(spec, comm.size)
     pipe = Pipeline(model, spec.partitions, spec.replicas, spec.micro_batches, spec.schedule, comm,
                     opts.checkpoint, balance=spec.balance, virtual_stages=opts.virtual_stages, stall=spec.stall,
-                    profile_passes=opts.profile_passes, seed=opts.seed, init_fn=opts.init_fn,
+                    profile_passes=opts.profile_passes, seed=opts.init_seed, init_fn=opts.init_fn,
                     inputs_on_first=True, autocast=spec.loop.precision == "bf16")
     return PipelineTrainer(pipe, loss_fn, optimizer, spec.strategy, spec.loop)
 
