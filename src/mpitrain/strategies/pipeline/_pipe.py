@@ -228,12 +228,12 @@ class Pipeline:
             constants = [None if isinstance(a, torch.Tensor) else a for a in self._sample]
             micro_args = [constants] * len(sizes)
         micro_tgt = [_slice(targets, a, b) for a, b in blocks] if targets is not None else []
-        total = [0.0]
+        losses: list[tuple[torch.Tensor, int]] = []  # read once the step is queued: no GPU sync per micro-batch
 
         def last_fn(m: int, out: list[Any]) -> torch.Tensor:
             dev = next((o.device for o in out if isinstance(o, torch.Tensor)), _CPU)  # targets go to the outputs
             loss = loss_fn(pytree.tree_unflatten(out, traced.out_spec), to_device(micro_tgt[m], dev))
-            total[0] += float(loss.detach()) * sizes[m]
+            losses.append((loss.detach(), sizes[m]))
             return loss * scales[m]
 
         self._mode(train=True)
@@ -241,7 +241,10 @@ class Pipeline:
         shared = inputs is None or self.inputs_on_first
         metas = [self._meta(None if shared else micro_args[m], s) for m, s in enumerate(sizes)]
         run(self.stages, self._actions(len(sizes)), micro_args, metas, last_fn, train=True)
-        return total[0] if self._holds_last else 0.0
+        total = 0.0
+        for loss, n in losses:  # the order and float64 arithmetic of a running sum per micro-batch
+            total += float(loss) * n
+        return total if self._holds_last else 0.0
 
     def reduce_gradients(self) -> None:
         """Collective over every rank: finish the sends of the passes, average ``.grad`` over the
