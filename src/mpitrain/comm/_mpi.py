@@ -141,8 +141,9 @@ class MPICommunicator(Communicator):
     def allreduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
         self._check(t, "t", op)
         # device tensors are staged where MPI cannot read them, and where the allreduce goes hierarchical
-        # (its leaders' ring works on host memory); the verdict depends on sizes only, alike on every rank
-        if (not t.is_cpu or self._stage_cpu) and self._staged_call(t, reduce=True):
+        # (its leaders' ring works on host memory); the verdict depends on sizes only, alike on every rank.
+        # One rank sends nothing: the direct path below (no MPI call, no host round trip for a device tensor)
+        if (not t.is_cpu or self._stage_cpu) and self._size > 1 and self._staged_call(t, reduce=True):
             host, staging = self._stage(t, "t", op)
             if _staged(t) or self._hierarchical(t) is not None:  # a float32 copy, or the hosts' stages: whole
                 return staging.inplace(t, lambda h: host.allreduce(h, op))
@@ -168,7 +169,7 @@ class MPICommunicator(Communicator):
 
     def broadcast(self, t: torch.Tensor, root: int = 0) -> torch.Tensor:
         self._check(t, "t")
-        if (not t.is_cpu or self._stage_cpu) and self._staged_call(t):
+        if (not t.is_cpu or self._stage_cpu) and self._size > 1 and self._staged_call(t):
             host, staging = self._stage(t, "t")
             self._check_rank(root, "root")
             return staging.pieces(t, _pieces, lambda h: host.broadcast(h, root))
@@ -289,7 +290,7 @@ class MPICommunicator(Communicator):
 
     def iallreduce(self, t: torch.Tensor, op: str = "sum") -> Request:
         self._check(t, "t", op)
-        if (not t.is_cpu or self._stage_cpu) and self._staged_call(t, reduce=True):
+        if (not t.is_cpu or self._stage_cpu) and self._size > 1 and self._staged_call(t, reduce=True):
             host, staging = self._stage(t, "t", op)
             return self._staged_request(t, lambda h: host.iallreduce(h, op), staging)
         if not t.numel() or self._size == 1:
@@ -315,7 +316,7 @@ class MPICommunicator(Communicator):
 
     def ibroadcast(self, t: torch.Tensor, root: int = 0) -> Request:
         self._check(t, "t")
-        if (not t.is_cpu or self._stage_cpu) and self._staged_call(t):
+        if (not t.is_cpu or self._stage_cpu) and self._size > 1 and self._staged_call(t):
             host, staging = self._stage(t, "t")
             return self._staged_request(t, lambda h: host.ibroadcast(h, root), staging)
         self._check_rank(root, "root")
