@@ -5,6 +5,7 @@ CosmoFlow-style 3-D network."""
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
 import importlib.util
 import sys
 import types
@@ -25,8 +26,8 @@ def torchvision_module(name: str) -> ModuleType:
     call them: registering the installed package directory as an empty ``torchvision`` package lets
     ``torchvision.models.*`` import as usual while the package ``__init__`` never runs. If torchvision
     was already imported normally, that module is used."""
-    if "torchvision" not in sys.modules:
-        spec = importlib.util.find_spec("torchvision")
+    if sys.modules.get("torchvision") is None:  # not imported, or blocked (None) to keep another import off it
+        spec = importlib.machinery.PathFinder.find_spec("torchvision")  # on sys.path, whatever sys.modules says
         if spec is None or not spec.submodule_search_locations:
             raise ImportError("torchvision is not installed (pip install -e '.[dev]')")
         pkg = types.ModuleType("torchvision")
