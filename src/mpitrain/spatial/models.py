@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.machinery
-import importlib.util
 import sys
 import types
 from types import ModuleType
