@@ -38,9 +38,10 @@ def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[Any], roo
     tensors = [_check_tensor(t, f"parameter {n or i}") for i, (n, t) in enumerate(items)]
     names = tuple(n for n, _ in items)
     dtypes, shapes = _specs(tensors)
+    devices = _devices(tensors)
     root = global_process_set._root(root_rank)
     key: Key = ("broadcast_parameters", None, (("names", names), ("dtypes", dtypes), ("shapes", shapes),
-                                               ("devices", _devices(tensors)), ("root_rank", root_rank)))
+                                               ("devices", devices), ("root_rank", root_rank)))
 
     def execute(comm: Communicator, infos: list[Any]) -> None:
         wire = [t if t.dtype in DTYPES else t.to(torch.int32) for t in tensors]  # 8/16-bit ints travel as int32
@@ -49,7 +50,7 @@ def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[Any], roo
             if w is not t:
                 t.copy_(w)
 
-    synchronize(_submit(Op("broadcast_parameters", None, 0, key, None, _on_device(tensors, execute))))
+    synchronize(_submit(Op("broadcast_parameters", None, 0, key, None, _on_device(tensors, devices, execute))))
 
 
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, model: Any = None) -> None:

@@ -52,7 +52,6 @@ __all__ = ["allreduce_async", "allreduce_async_", "grouped_allreduce_async", "gr
 SUPPORTED_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
                     torch.bfloat16, torch.float32, torch.float64)
 _MPI_OP = {Average: "sum", Sum: "sum", Min: "min", Max: "max", Product: "prod"}
-_DEVICES = ("cpu", "cuda")
 #: How long synchronize() waits before a warning, and before it ends the job (a peer never came).
 WAIT_POLICY = StallPolicy(warn_after=60.0, abort_after=600.0, max_nap=2.5e-4)
 
@@ -119,7 +118,7 @@ def _check_tensor(t: Any, what: str = "tensor") -> torch.Tensor:
         raise ValueError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"Tensor type {t.dtype} is not supported; supported: {[str(d) for d in SUPPORTED_DTYPES]}")
-    if t.device.type not in _DEVICES:
+    if not (t.is_cpu or t.is_cuda):
         raise ValueError(f"{what} is on {t.device}; mpitrain.horovod takes CPU and CUDA tensors: move it to "
                          f"one of them (.cpu() or .cuda())")
     if not t.is_contiguous():
@@ -147,22 +146,23 @@ def _specs(ts: Sequence[torch.Tensor], skip_first: bool = False) -> tuple[tuple[
 
 
 def _devices(ts: Sequence[torch.Tensor]) -> tuple[str, ...]:
-    """The device type of each tensor: a signature field (every rank must agree, as Horovod)."""
-    return tuple(t.device.type for t in ts)
+    """The device type of each (checked) tensor: a signature field (every rank must agree, as Horovod)
+    that also decides fusion. Computed once per operation, where it is queued."""
+    return tuple(["cuda" if t.is_cuda else "cpu" for t in ts])
 
 
 # -- CUDA: the stream rule -----------------------------------------------------------------------------
-def _on_device(ts: Sequence[torch.Tensor], execute: _Execute) -> _Execute:
+def _on_device(ts: Sequence[torch.Tensor], devices: tuple[str, ...], execute: _Execute) -> _Execute:
     """`execute` as the engine thread must run it for `ts`: unchanged when no tensor is on a CUDA
     device; otherwise on that device's side stream, after an event recorded here (on the calling
     thread's current stream, where `ts` are produced: call this after any copy of them), complete for
     every stream when it returns. New CUDA tensors it returns were allocated on the side stream: they
     are marked as used by the caller's stream, so the allocator does not hand their memory to a later
     op while the caller's kernels may still read it. ValueError (on the calling rank) for CUDA tensors
-    on more than one device."""
-    cuda = [t for t in ts if t.is_cuda]
-    if not cuda:
+    on more than one device. `devices`: :func:`_devices` of `ts`."""
+    if "cuda" not in devices:
         return execute
+    cuda = [t for t in ts if t.is_cuda]
     anchor = cuda[0]
     if any(t.device != anchor.device for t in cuda):
         raise ValueError(f"the tensors of one operation must be on one CUDA device, got "
@@ -214,14 +214,13 @@ def _finish_scale_(t: torch.Tensor, op: int, n: int, post: float) -> None:
 
 
 # -- allreduce -------------------------------------------------------------------------------------------
-def _reduce_fused(comm: Communicator, ts: Sequence[torch.Tensor], mpi_op: str,
-                  devices: Sequence[str] | None = None) -> None:
+def _reduce_fused(comm: Communicator, ts: Sequence[torch.Tensor], mpi_op: str, devices: Sequence[str]) -> None:
     """Reduce every tensor of `ts` in place: one collective per (device type, wire dtype), on a flat
     copy (on that device) unless a lone tensor already travels as it is: CPU and CUDA tensors are
-    never fused together. Joined ranks call this on CPU zeros of the same specs with the active
-    ranks' `devices` (default: each tensor's own), so both sides issue identical MPI calls."""
-    kinds = devices if devices is not None else _devices(ts)
-    for (_, wire), pairs in group_by(zip(ts, kinds), lambda tk: (tk[1], _wire(tk[0].dtype))).items():
+    never fused together. `devices` are the device types of `ts` (:func:`_devices`); joined ranks call
+    this on CPU zeros of the same specs with the active ranks' `devices`, so both sides issue identical
+    MPI calls."""
+    for (_, wire), pairs in group_by(zip(ts, devices), lambda tk: (tk[1], _wire(tk[0].dtype))).items():
         group = [t for t, _ in pairs]
         if len(group) == 1 and group[0].dtype == wire:
             comm.allreduce(group[0].view(-1), mpi_op)
@@ -231,11 +230,12 @@ def _reduce_fused(comm: Communicator, ts: Sequence[torch.Tensor], mpi_op: str,
         copy_from_flat(flat, group)
 
 
-def _allreduce_inplace(comm: Communicator, ts: Sequence[torch.Tensor], op: int, pre: float, post: float) -> None:
+def _allreduce_inplace(comm: Communicator, ts: Sequence[torch.Tensor], op: int, pre: float, post: float,
+                       devices: Sequence[str]) -> None:
     if pre != 1.0:
         for t in ts:
             _scale_(t, pre)
-    _reduce_fused(comm, ts, _MPI_OP[op])
+    _reduce_fused(comm, ts, _MPI_OP[op], devices)
     for t in ts:
         _finish_scale_(t, op, comm.size, post)
 
@@ -255,14 +255,15 @@ def _allreduce_op(outs: list[torch.Tensor], name: str | None, op: int, pre: floa
     _check_op(op)
     pid, _ = _resolve(process_set)
     dtypes, shapes = _specs(outs)
-    key: Key = ("allreduce", name, (("dtypes", dtypes), ("shapes", shapes), ("devices", _devices(outs)),
+    devices = _devices(outs)
+    key: Key = ("allreduce", name, (("dtypes", dtypes), ("shapes", shapes), ("devices", devices),
                                     ("op", OP_NAMES[op])))
 
     def execute(comm: Communicator, infos: list[Any]) -> Any:
-        _allreduce_inplace(comm, outs, op, pre, post)
+        _allreduce_inplace(comm, outs, op, pre, post, devices)
         return outs[0] if single else outs
 
-    return _submit(Op("allreduce", name, pid, key, None, _on_device(outs, execute)))
+    return _submit(Op("allreduce", name, pid, key, None, _on_device(outs, devices, execute)))
 
 
 def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
@@ -325,7 +326,8 @@ def _allgather_op(ts: list[torch.Tensor], name: str | None, process_set: Process
     """Queue an allgather; `rows_sink`, if given, receives each tensor's per-rank first dims."""
     pid, _ = _resolve(process_set)
     dtypes, trailing = _specs(ts, skip_first=True)
-    key: Key = ("allgather", name, (("dtypes", dtypes), ("trailing shapes", trailing), ("devices", _devices(ts))))
+    devices = _devices(ts)
+    key: Key = ("allgather", name, (("dtypes", dtypes), ("trailing shapes", trailing), ("devices", devices)))
     info = tuple(t.shape[0] if t.dim() else 1 for t in ts)
 
     def execute(comm: Communicator, infos: list[Any]) -> Any:
@@ -334,7 +336,7 @@ def _allgather_op(ts: list[torch.Tensor], name: str | None, process_set: Process
             rows_sink.extend([rows[i] for rows in infos] for i in range(len(ts)))
         return outs[0] if single else outs
 
-    return _submit(Op("allgather", name, pid, key, info, _on_device(ts, execute)))
+    return _submit(Op("allgather", name, pid, key, info, _on_device(ts, devices, execute)))
 
 
 def allgather_async(tensor: torch.Tensor, name: str | None = None,
@@ -356,7 +358,8 @@ def _broadcast_op(out: torch.Tensor, root_rank: int, name: str | None, process_s
         raise ValueError(f"root_rank must be an int, got {root_rank!r}")
     root = process_set._root(root_rank)
     dtypes, shapes = _specs([out])
-    key: Key = ("broadcast", name, (("dtype", dtypes[0]), ("shape", shapes[0]), ("device", out.device.type),
+    devices = _devices([out])
+    key: Key = ("broadcast", name, (("dtype", dtypes[0]), ("shape", shapes[0]), ("device", devices[0]),
                                     ("root_rank", root_rank)))
 
     def execute(comm: Communicator, infos: list[Any]) -> torch.Tensor:
@@ -367,7 +370,7 @@ def _broadcast_op(out: torch.Tensor, root_rank: int, name: str | None, process_s
             out.view(-1).copy_(buf)
         return out
 
-    return _submit(Op("broadcast", name, pid, key, None, _on_device([out], execute)))
+    return _submit(Op("broadcast", name, pid, key, None, _on_device([out], devices, execute)))
 
 
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
@@ -410,8 +413,8 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = 
         if sum(send) > t.shape[0]:
             raise ValueError(f"alltoall splits sum to {sum(send)}, more than the first dimension ({t.shape[0]})")
     dtypes, trailing = _specs([t], skip_first=True)
-    key: Key = ("alltoall", name, (("dtype", dtypes[0]), ("trailing shape", trailing[0]),
-                                   ("device", t.device.type)))
+    devices = _devices([t])
+    key: Key = ("alltoall", name, (("dtype", dtypes[0]), ("trailing shape", trailing[0]), ("device", devices[0])))
     # Horovod: received splits come on the device of a splits tensor, else on the CPU
     splits_device = splits.device if isinstance(splits, torch.Tensor) else None
 
@@ -421,7 +424,7 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = 
         out = comm.alltoallv(wire, send, recv).to(t.dtype)
         return out, torch.tensor(recv, dtype=torch.int32, device=splits_device)
 
-    return _submit(Op("alltoall", name, pid, key, tuple(send), _on_device([t], execute)))
+    return _submit(Op("alltoall", name, pid, key, tuple(send), _on_device([t], devices, execute)))
 
 
 # -- reducescatter ---------------------------------------------------------------------------------------
@@ -435,7 +438,8 @@ def _reducescatter_op(ts: list[torch.Tensor], name: str | None, op: int, pre: fl
     if any(t.dim() == 0 for t in ts):
         raise ValueError("reducescatter needs tensors with at least one dimension (got a scalar)")
     dtypes, shapes = _specs(ts)
-    key: Key = ("reducescatter", name, (("dtypes", dtypes), ("shapes", shapes), ("devices", _devices(ts)),
+    devices = _devices(ts)
+    key: Key = ("reducescatter", name, (("dtypes", dtypes), ("shapes", shapes), ("devices", devices),
                                         ("op", OP_NAMES[op])))
 
     def execute(comm: Communicator, infos: list[Any]) -> Any:
@@ -449,7 +453,7 @@ def _reducescatter_op(ts: list[torch.Tensor], name: str | None, op: int, pre: fl
             outs.append(out.to(t.dtype))
         return outs[0] if single else outs
 
-    return _submit(Op("reducescatter", name, pid, key, None, _on_device(ts, execute)))
+    return _submit(Op("reducescatter", name, pid, key, None, _on_device(ts, devices, execute)))
 
 
 def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: int = Average,
