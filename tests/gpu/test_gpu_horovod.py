@@ -17,6 +17,7 @@ from mpitrain.horovod._basics import state
 from tests.gpu._cuda import needs_cuda
 from tests.helpers import assert_all_ranks
 from tests.horovod import _device_checks as hc
+from tests.horovod._util import raises_everywhere
 from tests.strategies import _device_checks as dc
 
 pytestmark = [pytest.mark.mpi, *needs_cuda]
@@ -58,6 +59,15 @@ def test_allreduce_waits_for_an_input_produced_late_on_a_side_stream(comm, dev):
     expect = comm.size * (comm.size + 1) / 2
     ok = bool((x.cpu() == expect).all())
     assert_all_ranks(comm, ok, "allreduce read its input before the producing stream finished")
+
+
+def test_cpu_tensor_on_one_rank_and_cuda_on_the_others_fails_on_every_rank(comm, dev):
+    """Horovod's "mismatched CPU/GPU device" check: the device type is part of the signature; the
+    engine stays usable afterwards."""
+    t = torch.ones(4, device=CPU if comm.rank == 0 else dev)
+    raises_everywhere(comm, hvd.HorovodInternalError, lambda: hvd.allreduce(t, op=hvd.Sum), "devices")
+    y = hvd.allreduce(torch.ones(4, device=dev), op=hvd.Sum)
+    assert_all_ranks(comm, y.is_cuda and bool((y.cpu() == comm.size).all()), "engine unusable after a mismatch")
 
 
 def test_distributed_optimizer_of_a_cuda_model_equals_one_process(comm, dev):
