@@ -13,6 +13,7 @@ import torch
 __all__ = ["offsets", "spans", "flatten", "views", "copy_from_flat", "group_by"]
 
 K = TypeVar("K", bound=Hashable)
+T = TypeVar("T")
 
 
 def offsets(sizes: Iterable[int]) -> list[int]:
@@ -54,9 +55,10 @@ def copy_from_flat(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
         t.copy_(v)
 
 
-def group_by(items: Iterable[torch.Tensor], key: Callable[[torch.Tensor], K]) -> dict[K, list[torch.Tensor]]:
-    """Tensors grouped by ``key(t)`` (e.g. dtype and device: a flat buffer has one of each), in order."""
-    out: dict[K, list[torch.Tensor]] = {}
+def group_by(items: Iterable[T], key: Callable[[T], K]) -> dict[K, list[T]]:
+    """Items (tensors, or tuples holding them) grouped by ``key(t)`` (e.g. dtype and device: a flat
+    buffer has one of each), in order of first appearance."""
+    out: dict[K, list[T]] = {}
     for t in items:
         out.setdefault(key(t), []).append(t)
     return out

@@ -188,7 +188,11 @@ def ccl_built() -> bool:
 
 
 def cuda_built() -> bool:
-    return False
+    """True when torch was built with CUDA: the collectives then take CUDA tensors (through the MPI
+    backend, staged through host memory unless MPI is CUDA-aware; never NCCL, see :func:`nccl_built`)."""
+    import torch
+
+    return bool(torch.backends.cuda.is_built())
 
 
 def rocm_built() -> bool:

@@ -12,7 +12,7 @@ from ..strategies._broadcast import broadcast_optimizer_state as _broadcast_opti
 from ..strategies._broadcast import broadcast_tensors
 from ._basics import state
 from ._engine import Key, Op
-from ._mpi_ops import _check_tensor, _specs, _submit, synchronize
+from ._mpi_ops import _check_tensor, _devices, _on_device, _specs, _submit, synchronize
 from ._process_sets import ProcessSet, _resolve, global_process_set
 
 __all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allgather_object"]
@@ -32,15 +32,16 @@ def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[Any], roo
 
     `params` is a ``state_dict()`` (broadcast in name order, as Horovod), a list of ``(name, tensor)``
     (``named_parameters()``) or of tensors. Collective over all ranks: one negotiation checks names,
-    shapes and dtypes (a mismatch raises HorovodInternalError on every rank), then one fused broadcast
-    per dtype."""
+    shapes, dtypes and device types (a mismatch raises HorovodInternalError on every rank), then one
+    fused broadcast per dtype and device. CPU and CUDA tensors (one CUDA device) are taken."""
     items = _named(params)
     tensors = [_check_tensor(t, f"parameter {n or i}") for i, (n, t) in enumerate(items)]
     names = tuple(n for n, _ in items)
     dtypes, shapes = _specs(tensors)
+    devices = _devices(tensors)
     root = global_process_set._root(root_rank)
     key: Key = ("broadcast_parameters", None, (("names", names), ("dtypes", dtypes), ("shapes", shapes),
-                                               ("root_rank", root_rank)))
+                                               ("devices", devices), ("root_rank", root_rank)))
 
     def execute(comm: Communicator, infos: list[Any]) -> None:
         wire = [t if t.dtype in DTYPES else t.to(torch.int32) for t in tensors]  # 8/16-bit ints travel as int32
@@ -49,7 +50,7 @@ def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[Any], roo
             if w is not t:
                 t.copy_(w)
 
-    synchronize(_submit(Op("broadcast_parameters", None, 0, key, None, execute)))
+    synchronize(_submit(Op("broadcast_parameters", None, 0, key, None, _on_device(tensors, devices, execute))))
 
 
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, model: Any = None) -> None:
@@ -57,8 +58,9 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, 
 
     Works when the other ranks' optimizers are fresh (no state yet): root's state travels as a pickled
     skeleton plus fused tensor broadcasts and is loaded with ``load_state_dict`` (no dummy step).
-    Collective over all ranks. L-BFGS is refused as in Horovod; `model` is accepted and unused (sparse
-    parameters are not supported)."""
+    Collective over all ranks, run on the calling thread (CUDA state in order on its current stream).
+    L-BFGS is refused as in Horovod; `model` is accepted and unused (sparse parameters are not
+    supported)."""
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError("cannot broadcast torch.optim.LBFGS state")
     st = state()

@@ -14,19 +14,31 @@ sum that overflows wraps around as in the original dtype).
 Scaling follows Horovod on CPU: floating tensors scale in their dtype (float16/bfloat16 in float32
 math), integers in float64 truncated toward zero, the prescaled integer before the sum. Average is
 a sum followed by a division by the process set's size (ranks that have joined count, as zeros).
+
+Devices: CPU and CUDA tensors; results are on the input's device. An operation's CUDA tensors must
+share one device (a grouped call may mix them with CPU tensors, which are never fused with them), and
+every rank must pass each tensor on the same device type (part of the negotiated signature, as
+Horovod's "mismatched CPU/GPU device" check). CUDA follows mpitrain's stream rule (``comm._cuda``): the
+calling thread records an event on its current stream where the op is queued, and the engine thread
+runs the op on the device's side stream after that event, so the caller's stream is never
+synchronized as a whole; the op is complete for every stream when ``synchronize()`` returns. Results
+are bitwise the CPU call's wherever MPI reduces on the host (staging): the scaling kernels round as
+the CPU's do (see :func:`_divisor`).
 """
 
 from __future__ import annotations
 
 import itertools
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from .._utils.flat import copy_from_flat, flatten, group_by
 from .._utils.stall import StallPolicy, wait_until
+from ..comm._cuda import after, ready_event
 from ..comm.base import DTYPES, Communicator
 from ._basics import OP_NAMES, Adasum, Average, HorovodInternalError, Max, Min, Product, Sum, state
 from ._engine import JOIN_HANDLERS, Key, Op
@@ -43,6 +55,7 @@ _MPI_OP = {Average: "sum", Sum: "sum", Min: "min", Max: "max", Product: "prod"}
 #: How long synchronize() waits before a warning, and before it ends the job (a peer never came).
 WAIT_POLICY = StallPolicy(warn_after=60.0, abort_after=600.0, max_nap=2.5e-4)
 
+_Execute = Callable[[Communicator, list[Any]], Any]
 _handle_map: dict[int, Op] = {}
 _handles = itertools.count(1)
 
@@ -105,8 +118,9 @@ def _check_tensor(t: Any, what: str = "tensor") -> torch.Tensor:
         raise ValueError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"Tensor type {t.dtype} is not supported; supported: {[str(d) for d in SUPPORTED_DTYPES]}")
-    if t.device.type != "cpu":
-        raise ValueError(f"{what} is on {t.device}; mpitrain.horovod reduces CPU tensors")
+    if not (t.is_cpu or t.is_cuda):
+        raise ValueError(f"{what} is on {t.device}; mpitrain.horovod takes CPU and CUDA tensors: move it to "
+                         f"one of them (.cpu() or .cuda())")
     if not t.is_contiguous():
         raise ValueError("Tensor is required to be contiguous.")
     return t
@@ -131,7 +145,50 @@ def _specs(ts: Sequence[torch.Tensor], skip_first: bool = False) -> tuple[tuple[
     return dtypes, shapes
 
 
+def _devices(ts: Sequence[torch.Tensor]) -> tuple[str, ...]:
+    """The device type of each (checked) tensor: a signature field (every rank must agree, as Horovod)
+    that also decides fusion. Computed once per operation, where it is queued."""
+    return tuple(["cuda" if t.is_cuda else "cpu" for t in ts])
+
+
+# -- CUDA: the stream rule -----------------------------------------------------------------------------
+def _on_device(ts: Sequence[torch.Tensor], devices: tuple[str, ...], execute: _Execute) -> _Execute:
+    """`execute` as the engine thread must run it for `ts`: unchanged when no tensor is on a CUDA
+    device; otherwise on that device's side stream, after an event recorded here (on the calling
+    thread's current stream, where `ts` are produced: call this after any copy of them), complete for
+    every stream when it returns. New CUDA tensors it returns were allocated on the side stream: they
+    are marked as used by the caller's stream, so the allocator does not hand their memory to a later
+    op while the caller's kernels may still read it. ValueError (on the calling rank) for CUDA tensors
+    on more than one device. `devices`: :func:`_devices` of `ts`."""
+    if "cuda" not in devices:
+        return execute
+    cuda = [t for t in ts if t.is_cuda]
+    anchor = cuda[0]
+    if any(t.device != anchor.device for t in cuda):
+        raise ValueError(f"the tensors of one operation must be on one CUDA device, got "
+                         f"{sorted({str(t.device) for t in cuda})}")
+    ready = ready_event(anchor)
+    caller = torch.cuda.current_stream(anchor.device)
+
+    def run(comm: Communicator, infos: list[Any]) -> Any:
+        with after(anchor, ready):
+            result = execute(comm, infos)
+        for out in tree_leaves(result):
+            if isinstance(out, torch.Tensor) and out.is_cuda:
+                out.record_stream(caller)
+        return result
+
+    return run
+
+
 # -- scaling ---------------------------------------------------------------------------------------------
+def _divisor(t: torch.Tensor, n: int) -> int | torch.Tensor:
+    """`n` as the divisor of `t`: on CUDA a device scalar, because a CUDA kernel divides by a host
+    scalar as a product with its reciprocal (an ulp off the CPU's quotient, and an integer average
+    truncated from 6.999... instead of 7); a division by a device tensor rounds as the CPU's."""
+    return n if t.is_cpu else torch.full((), n, dtype=torch.float64, device=t.device)
+
+
 def _scale_(t: torch.Tensor, factor: float) -> None:
     """t *= factor in place: float16/bfloat16 in float32 math, integers in float64 truncated toward zero."""
     if t.dtype in (torch.float16, torch.bfloat16):
@@ -150,17 +207,21 @@ def _finish_scale_(t: torch.Tensor, op: int, n: int, post: float) -> None:
     elif post != 1.0:
         _scale_(t, post / n)
     elif t.is_floating_point():
-        t.copy_(t.float() / n) if t.dtype in (torch.float16, torch.bfloat16) else t.div_(n)
+        d = _divisor(t, n)
+        t.copy_(t.float() / d) if t.dtype in (torch.float16, torch.bfloat16) else t.div_(d)
     else:
-        t.copy_(torch.trunc(t.double() / n))
+        t.copy_(torch.trunc(t.double() / _divisor(t, n)))
 
 
 # -- allreduce -------------------------------------------------------------------------------------------
-def _reduce_fused(comm: Communicator, ts: Sequence[torch.Tensor], mpi_op: str) -> None:
-    """Reduce every tensor of `ts` in place: one collective per wire dtype, on a flat copy unless a
-    lone tensor already travels as it is. Joined ranks call this on zeros of the same specs, so both
-    sides issue identical MPI calls."""
-    for wire, group in group_by(ts, lambda t: _wire(t.dtype)).items():
+def _reduce_fused(comm: Communicator, ts: Sequence[torch.Tensor], mpi_op: str, devices: Sequence[str]) -> None:
+    """Reduce every tensor of `ts` in place: one collective per (device type, wire dtype), on a flat
+    copy (on that device) unless a lone tensor already travels as it is: CPU and CUDA tensors are
+    never fused together. `devices` are the device types of `ts` (:func:`_devices`); joined ranks call
+    this on CPU zeros of the same specs with the active ranks' `devices`, so both sides issue identical
+    MPI calls."""
+    for (_, wire), pairs in group_by(zip(ts, devices), lambda tk: (tk[1], _wire(tk[0].dtype))).items():
+        group = [t for t, _ in pairs]
         if len(group) == 1 and group[0].dtype == wire:
             comm.allreduce(group[0].view(-1), mpi_op)
             continue
@@ -169,11 +230,12 @@ def _reduce_fused(comm: Communicator, ts: Sequence[torch.Tensor], mpi_op: str) -
         copy_from_flat(flat, group)
 
 
-def _allreduce_inplace(comm: Communicator, ts: Sequence[torch.Tensor], op: int, pre: float, post: float) -> None:
+def _allreduce_inplace(comm: Communicator, ts: Sequence[torch.Tensor], op: int, pre: float, post: float,
+                       devices: Sequence[str]) -> None:
     if pre != 1.0:
         for t in ts:
             _scale_(t, pre)
-    _reduce_fused(comm, ts, _MPI_OP[op])
+    _reduce_fused(comm, ts, _MPI_OP[op], devices)
     for t in ts:
         _finish_scale_(t, op, comm.size, post)
 
@@ -181,7 +243,7 @@ def _allreduce_inplace(comm: Communicator, ts: Sequence[torch.Tensor], op: int, 
 def _join_allreduce(comm: Communicator, key: Key) -> None:
     fields = dict(key[2])
     zeros = [torch.zeros(shape, dtype=getattr(torch, dt)) for dt, shape in zip(fields["dtypes"], fields["shapes"])]
-    _reduce_fused(comm, zeros, _MPI_OP[[k for k, v in OP_NAMES.items() if v == fields["op"]][0]])
+    _reduce_fused(comm, zeros, _MPI_OP[[k for k, v in OP_NAMES.items() if v == fields["op"]][0]], fields["devices"])
 
 
 JOIN_HANDLERS["allreduce"] = _join_allreduce
@@ -193,13 +255,15 @@ def _allreduce_op(outs: list[torch.Tensor], name: str | None, op: int, pre: floa
     _check_op(op)
     pid, _ = _resolve(process_set)
     dtypes, shapes = _specs(outs)
-    key: Key = ("allreduce", name, (("dtypes", dtypes), ("shapes", shapes), ("op", OP_NAMES[op])))
+    devices = _devices(outs)
+    key: Key = ("allreduce", name, (("dtypes", dtypes), ("shapes", shapes), ("devices", devices),
+                                    ("op", OP_NAMES[op])))
 
     def execute(comm: Communicator, infos: list[Any]) -> Any:
-        _allreduce_inplace(comm, outs, op, pre, post)
+        _allreduce_inplace(comm, outs, op, pre, post, devices)
         return outs[0] if single else outs
 
-    return _submit(Op("allreduce", name, pid, key, None, execute))
+    return _submit(Op("allreduce", name, pid, key, None, _on_device(outs, devices, execute)))
 
 
 def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
@@ -251,7 +315,7 @@ def _gather_rows(comm: Communicator, t: torch.Tensor, rows: list[int]) -> torch.
     if all(r == rows[0] for r in rows):
         return comm.allgather(wire).to(t.dtype)
     most = max(rows)
-    padded = torch.zeros((most, *wire.shape[1:]), dtype=wire.dtype)
+    padded = torch.zeros((most, *wire.shape[1:]), dtype=wire.dtype, device=wire.device)
     padded[:wire.shape[0]] = wire
     gathered = comm.allgather(padded).view(len(rows), most, *wire.shape[1:])
     return torch.cat([gathered[r, :n] for r, n in enumerate(rows)]).to(t.dtype)
@@ -262,7 +326,8 @@ def _allgather_op(ts: list[torch.Tensor], name: str | None, process_set: Process
     """Queue an allgather; `rows_sink`, if given, receives each tensor's per-rank first dims."""
     pid, _ = _resolve(process_set)
     dtypes, trailing = _specs(ts, skip_first=True)
-    key: Key = ("allgather", name, (("dtypes", dtypes), ("trailing shapes", trailing)))
+    devices = _devices(ts)
+    key: Key = ("allgather", name, (("dtypes", dtypes), ("trailing shapes", trailing), ("devices", devices)))
     info = tuple(t.shape[0] if t.dim() else 1 for t in ts)
 
     def execute(comm: Communicator, infos: list[Any]) -> Any:
@@ -271,7 +336,7 @@ def _allgather_op(ts: list[torch.Tensor], name: str | None, process_set: Process
             rows_sink.extend([rows[i] for rows in infos] for i in range(len(ts)))
         return outs[0] if single else outs
 
-    return _submit(Op("allgather", name, pid, key, info, execute))
+    return _submit(Op("allgather", name, pid, key, info, _on_device(ts, devices, execute)))
 
 
 def allgather_async(tensor: torch.Tensor, name: str | None = None,
@@ -293,7 +358,9 @@ def _broadcast_op(out: torch.Tensor, root_rank: int, name: str | None, process_s
         raise ValueError(f"root_rank must be an int, got {root_rank!r}")
     root = process_set._root(root_rank)
     dtypes, shapes = _specs([out])
-    key: Key = ("broadcast", name, (("dtype", dtypes[0]), ("shape", shapes[0]), ("root_rank", root_rank)))
+    devices = _devices([out])
+    key: Key = ("broadcast", name, (("dtype", dtypes[0]), ("shape", shapes[0]), ("device", devices[0]),
+                                    ("root_rank", root_rank)))
 
     def execute(comm: Communicator, infos: list[Any]) -> torch.Tensor:
         wire = _wire(out.dtype)
@@ -303,7 +370,7 @@ def _broadcast_op(out: torch.Tensor, root_rank: int, name: str | None, process_s
             out.view(-1).copy_(buf)
         return out
 
-    return _submit(Op("broadcast", name, pid, key, None, execute))
+    return _submit(Op("broadcast", name, pid, key, None, _on_device([out], devices, execute)))
 
 
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
@@ -346,15 +413,18 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = 
         if sum(send) > t.shape[0]:
             raise ValueError(f"alltoall splits sum to {sum(send)}, more than the first dimension ({t.shape[0]})")
     dtypes, trailing = _specs([t], skip_first=True)
-    key: Key = ("alltoall", name, (("dtype", dtypes[0]), ("trailing shape", trailing[0])))
+    devices = _devices([t])
+    key: Key = ("alltoall", name, (("dtype", dtypes[0]), ("trailing shape", trailing[0]), ("device", devices[0])))
+    # Horovod: received splits come on the device of a splits tensor, else on the CPU
+    splits_device = splits.device if isinstance(splits, torch.Tensor) else None
 
     def execute(comm: Communicator, infos: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
         recv = [info[comm.rank] for info in infos]
         wire = t[:sum(send)].to(_wire(t.dtype)).contiguous()
         out = comm.alltoallv(wire, send, recv).to(t.dtype)
-        return out, torch.tensor(recv, dtype=torch.int32)
+        return out, torch.tensor(recv, dtype=torch.int32, device=splits_device)
 
-    return _submit(Op("alltoall", name, pid, key, tuple(send), execute))
+    return _submit(Op("alltoall", name, pid, key, tuple(send), _on_device([t], devices, execute)))
 
 
 # -- reducescatter ---------------------------------------------------------------------------------------
@@ -368,7 +438,9 @@ def _reducescatter_op(ts: list[torch.Tensor], name: str | None, op: int, pre: fl
     if any(t.dim() == 0 for t in ts):
         raise ValueError("reducescatter needs tensors with at least one dimension (got a scalar)")
     dtypes, shapes = _specs(ts)
-    key: Key = ("reducescatter", name, (("dtypes", dtypes), ("shapes", shapes), ("op", OP_NAMES[op])))
+    devices = _devices(ts)
+    key: Key = ("reducescatter", name, (("dtypes", dtypes), ("shapes", shapes), ("devices", devices),
+                                        ("op", OP_NAMES[op])))
 
     def execute(comm: Communicator, infos: list[Any]) -> Any:
         outs = []
@@ -381,7 +453,7 @@ def _reducescatter_op(ts: list[torch.Tensor], name: str | None, op: int, pre: fl
             outs.append(out.to(t.dtype))
         return outs[0] if single else outs
 
-    return _submit(Op("reducescatter", name, pid, key, None, execute))
+    return _submit(Op("reducescatter", name, pid, key, None, _on_device(ts, devices, execute)))
 
 
 def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: int = Average,
@@ -406,7 +478,7 @@ def join(device: int = -1) -> int:
     """Declare that this rank has no more data. Until every rank has joined, this rank takes part in
     the others' allreduces with zeros (Average still divides by size()) and barriers; any other
     collective fails on the ranks that issue it. Returns the last rank to join, the same on every rank.
-    Global process set only. `device` is accepted for compatibility (CPU only)."""
+    Global process set only. `device` is accepted for compatibility (zeros are sent from host memory)."""
     return int(synchronize(_submit(Op("join", None, 0, ("join", None, ()), None, lambda c, i: None))))
 
 

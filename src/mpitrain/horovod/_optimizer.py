@@ -7,6 +7,10 @@ engine (one allreduce_async_) as soon as every parameter in it has produced its 
 bucket order, so every rank issues the same operations in the same order whatever order autograd
 produces gradients in. ``synchronize()`` (called by ``step()``) sends the buckets still waiting, with
 zeros for parameters that got no gradient on this rank, and waits for all of them.
+
+Buckets live on their parameters' device (one bucket per dtype and device). A CUDA bucket follows the
+engine's stream rule: it is queued with an event on the backward's current stream and reduced on a
+side stream after it, so backward keeps running; after ``synchronize()`` every ``.grad`` is complete.
 """
 
 from __future__ import annotations
@@ -89,7 +93,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if len(ranks) == 1:
             return  # as Horovod: nothing to reduce in a set of one
         order = self._params[::-1]  # autograd produces the last layers' gradients first
-        plan = plan_buckets([(p.numel() * p.element_size(), f"{p.dtype}") for p in order],
+        plan = plan_buckets([(p.numel() * p.element_size(), f"{p.dtype}/{p.device}") for p in order],
                             int(bucket_mb * MB), int(first_bucket_mb * MB))
         self.buckets = [Bucket(i, f"DistributedOptimizer.bucket{i}", [order[j] for j in idx])
                         for i, idx in enumerate(plan)]

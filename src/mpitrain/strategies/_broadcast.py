@@ -87,19 +87,24 @@ def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[Any], roo
 
 @dataclass(frozen=True)
 class _Placeholder:
-    """Where a tensor was in a state dict sent without its tensors: its shape and dtype name."""
+    """Where a tensor was in a state dict sent without its tensors: its shape, dtype name and device
+    type. The fresh tensor is made on the same device type (a CUDA one on this rank's current CUDA
+    device), so every rank groups the fused broadcasts alike: Adam's ``step`` stays on the CPU while
+    its moments live on the GPU."""
 
     shape: tuple[int, ...]
     dtype_name: str
+    device_type: str = "cpu"
 
     @classmethod
     def of(cls, t: torch.Tensor) -> _Placeholder:
-        return cls(tuple(t.shape), str(t.dtype).removeprefix("torch."))
+        return cls(tuple(t.shape), str(t.dtype).removeprefix("torch."), t.device.type)
 
     def empty(self) -> torch.Tensor:
         dtype = getattr(torch, self.dtype_name)
         assert isinstance(dtype, torch.dtype)
-        return torch.empty(self.shape, dtype=dtype)
+        device = torch.device("cuda", torch.cuda.current_device()) if self.device_type == "cuda" else None
+        return torch.empty(self.shape, dtype=dtype, device=device)
 
 
 def _tensor_leaves(tree: object) -> list[torch.Tensor]:
