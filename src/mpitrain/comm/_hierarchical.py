@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,7 +35,7 @@ from .._utils.stall import watched
 from ._host_stage import HostStage
 from .ring import ring_allreduce
 
-__all__ = ["Hierarchy", "HIERARCHY_ABOVE", "RING_ABOVE", "SHARED_STAGES_ABOVE"]
+__all__ = ["Hierarchy", "HIERARCHY_ABOVE", "RING_ABOVE", "SHARED_STAGES_ABOVE", "ring_chunk_bytes"]
 
 #: Allreduces smaller than this stay flat (one Open MPI call): latency, not bandwidth, dominates them.
 HIERARCHY_ABOVE = 256 << 10
@@ -43,8 +44,23 @@ RING_ABOVE = 1 << 20
 #: From this size the host stages of a ring allreduce go through shared memory (HostStage); below it the
 #: non-leaders' sleeping waits cost more than the copies they save (docs/multihost.md).
 SHARED_STAGES_ABOVE = 4 << 20
+#: The leaders' ring cuts each host's block into chunks of a eighth of it, within these bounds: larger
+#: chunks cost fewer messages and Python steps per byte (the ring is CPU-bound where cores are scarce),
+#: smaller ones fill the pipeline sooner (measurements: docs/multihost.md).
+RING_CHUNK_BYTES = (256 << 10, 1 << 20)
+#: The leaders' ring waits for each message with sleeps of at most this long between tests, instead of
+#: Open MPI's busy polling: across hosts the kernel moves the bytes, and a polling leader takes a core
+#: from the network stack and the other ranks where cores are scarce (measurements: docs/multihost.md).
+RING_NAP_S = 2e-4
 #: A wait on the worker longer than this warns (naming the tensor size), as every blocking wait does.
 _WARN_S = 60.0
+
+
+def ring_chunk_bytes(nbytes: int, hosts: int) -> int:
+    """Chunk size of the leaders' ring for an allreduce of `nbytes` over `hosts` hosts (see
+    :data:`RING_CHUNK_BYTES`); the same on every rank."""
+    lo, hi = RING_CHUNK_BYTES
+    return min(hi, max(lo, nbytes // max(hosts, 1) // 8))
 
 
 @dataclass
@@ -150,19 +166,25 @@ class Hierarchy:
             self.node.Reduce(send, job.buf if self.is_leader else None, op=job.op, root=0)
         if self.leaders is not None and self.leaders.Get_size() > 1:
             if job.ring:
-                ring_allreduce(self._ring_comm(), job.tensor.view(-1))
+                ring_allreduce(self._ring_comm(), job.tensor.view(-1), chunk_bytes=ring_chunk_bytes(nbytes, self.hosts),
+                               nap=RING_NAP_S)
             else:
                 self.leaders.Allreduce(MPI.IN_PLACE, job.buf, op=job.op)
         if self.node.Get_size() > 1:
             self.node.Bcast(job.buf, root=0)
 
-    def _across(self, flat: torch.Tensor, others: list[torch.Tensor]) -> None:
-        """On a leader: `flat` plus the host's `others`, summed over all hosts by the leaders' ring."""
+    def _across(self, flat: torch.Tensor, others: list[torch.Tensor], on_final: Callable[[int, int], object]
+                ) -> None:
+        """On a leader: `flat` plus the host's `others`, summed over all hosts by the leaders' ring, calling
+        `on_final` on each chunk once it is final (HostStage's contract)."""
         if self.leaders is not None and self.leaders.Get_size() > 1:
-            ring_allreduce(self._ring_comm(), flat, addends=others)
+            chunk = ring_chunk_bytes(flat.numel() * flat.element_size(), self.hosts)
+            ring_allreduce(self._ring_comm(), flat, chunk_bytes=chunk, addends=others, on_final=on_final,
+                           nap=RING_NAP_S)
         else:
             for o in others:
                 flat.add_(o)
+            on_final(0, flat.numel())
 
     def _ring_comm(self) -> Any:
         """The leaders as a Communicator for the ring (its point-to-point calls only)."""
