@@ -12,7 +12,8 @@ tests/multihost/jobs/host_stages.py [MiB ...] [--with-open-mpi]
 (--with-open-mpi: Open MPI's allreduce and ours, alternating, instead; --chunks: the shared-memory stages
 with ring chunks of 256 KiB, 1 MiB and 4 MiB, each followed by Open MPI's allreduce with --with-open-mpi;
 --variants: Communicator.allreduce against the shared-memory stages with 256 KiB chunks and the leader's
-copy after the ring, as before on_final and the chunk rule, likewise.)
+copy after the ring, as before on_final and the chunk rule, likewise; --tuning: Communicator.allreduce with
+one constant changed at a time; --reps N: N rounds, the first one dropped, default 4.)
 """
 
 from __future__ import annotations
@@ -96,7 +97,34 @@ def napping(t: torch.Tensor, buf: list) -> None:
         ring_module._wait = busy
 
 
-if "--variants" in sys.argv:  # this tree's allreduce against the same before this change
+def patched(module: object, **values: object) -> Callable[[torch.Tensor, list], None]:
+    """Communicator.allreduce with some of `module`'s constants replaced for the call."""
+    def fn(t: torch.Tensor, buf: list) -> None:
+        saved = {k: getattr(module, k) for k in values}
+        for k, v in values.items():
+            setattr(module, k, v)
+        try:
+            comm.allreduce(t)
+        finally:
+            for k, v in saved.items():
+                setattr(module, k, v)
+    return fn
+
+
+if "--tuning" in sys.argv:  # constants of the hierarchical allreduce, one at a time
+    from mpitrain._utils.stall import StallPolicy
+    from mpitrain.comm import _hierarchical, _host_stage
+
+    def inline(t: torch.Tensor, buf: list) -> None:  # the worker thread's code, on the calling thread
+        h._stage.allreduce(t, h._across)
+
+    CONTENDERS = {"now": allreduce, "inline": inline,
+                  "host-naps-200us": patched(_host_stage, _ASLEEP=StallPolicy(max_nap=2e-4)),
+                  "ring-naps-50us": patched(_hierarchical, RING_NAP_S=5e-5),
+                  "chunks-128K": patched(_hierarchical, RING_CHUNK_BYTES=(128 << 10, 1 << 20)),
+                  "chunks-512K": patched(_hierarchical, RING_CHUNK_BYTES=(512 << 10, 1 << 20)),
+                  "chunks-1M": patched(_hierarchical, RING_CHUNK_BYTES=(1 << 20, 1 << 20))}
+elif "--variants" in sys.argv:  # this tree's allreduce against the same before this change
     CONTENDERS = {"before": before_this_change, "now": allreduce, "napping": napping}
     if "--with-open-mpi" in sys.argv:
         CONTENDERS = {k: v for c, fn in CONTENDERS.items() for k, v in ((c, fn), (f"ompi<{c}", open_mpi))}
@@ -107,11 +135,13 @@ elif "--chunks" in sys.argv:  # the shared-memory stages with the ring's chunks 
 elif "--with-open-mpi" in sys.argv:  # Open MPI's own allreduce between the others, as the benchmark has it
     CONTENDERS = {"open-mpi": open_mpi, "allreduce": allreduce, "open-mpi-2": open_mpi, "allreduce-2": allreduce}
 
-for mib in [int(a) for a in sys.argv[1:] if a.isdigit()] or [4, 16, 64]:
+sizes = [int(a) for i, a in enumerate(sys.argv[1:], 1) if a.isdigit() and sys.argv[i - 1] != "--reps"]
+for mib in sizes or [4, 16, 64]:
     t = torch.ones(mib * (1 << 20) // 4)
     buf = [t.numpy(), MPI.FLOAT]
     times: dict[str, list[float]] = {k: [] for k in CONTENDERS}
-    for rep in range(4):  # the first round warms up (connections, slots)
+    reps = int(sys.argv[sys.argv.index("--reps") + 1]) if "--reps" in sys.argv else 4
+    for rep in range(reps):  # the first round warms up (connections, slots)
         for name, fn in CONTENDERS.items():
             world.Barrier()
             t0 = time.perf_counter()
