@@ -45,7 +45,7 @@ RING_ABOVE = 1 << 20
 #: From this size the host stages of a ring allreduce go through shared memory (HostStage); below it the
 #: non-leaders' sleeping waits cost more than the copies they save (docs/multihost.md).
 SHARED_STAGES_ABOVE = 4 << 20
-#: The leaders' ring cuts each host's block into chunks of a eighth of it, within these bounds: larger
+#: The leaders' ring cuts each host's block into chunks of an eighth of it, within these bounds: larger
 #: chunks cost fewer messages and Python steps per byte (the ring is CPU-bound where cores are scarce),
 #: smaller ones fill the pipeline sooner (measurements: docs/multihost.md).
 RING_CHUNK_BYTES = (256 << 10, 1 << 20)
