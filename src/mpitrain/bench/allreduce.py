@@ -61,8 +61,10 @@ def _contenders(nbytes: int, tcomm: Any) -> dict[str, Callable[[], object]]:
 
 
 def _round_order(names: list[str], round_: int) -> list[str]:
-    """The contenders' order in round `round_`: rotated by one each round, so each follows every other
-    equally often (one contender's traffic can slow the next: docs/multihost.md)."""
+    """The contenders' order in round `round_`: rotated by one each round, so over as many rounds as
+    contenders each runs once in every position, first of its round included (one contender's traffic can
+    slow the next: docs/multihost.md). The cyclic order stays: a contender follows the same one within
+    every round but one, where it opens the round after the one it followed closed the previous round."""
     k = round_ % len(names)
     return names[k:] + names[:k]
 
