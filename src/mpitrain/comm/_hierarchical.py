@@ -45,9 +45,15 @@ RING_ABOVE = 1 << 20
 #: From this size the host stages of a ring allreduce go through shared memory (HostStage); below it the
 #: non-leaders' sleeping waits cost more than the copies they save (docs/multihost.md).
 SHARED_STAGES_ABOVE = 4 << 20
-#: The leaders' ring cuts each host's block into chunks of an eighth of it, within these bounds: larger
-#: chunks cost fewer messages and Python steps per byte (the ring is CPU-bound where cores are scarce),
-#: smaller ones fill the pipeline sooner (measurements: docs/multihost.md).
+#: Below :data:`BLOCK_CHUNKS_ABOVE` bytes the leaders' ring sends chunks of this size: under Open MPI's
+#: default TCP eager limit (64 KiB including its header), so each goes out at once, where a larger message
+#: first waits for the receiver to answer a rendezvous, which a rank busy in Python or asleep answers late
+#: (4 MiB over 4 hosts: 0.85 of the floor against 0.72 with 256 KiB chunks; docs/multihost.md).
+EAGER_CHUNK_BYTES = 64000
+BLOCK_CHUNKS_ABOVE = 16 << 20
+#: From :data:`BLOCK_CHUNKS_ABOVE` bytes the leaders' ring cuts each host's block into chunks of an eighth
+#: of it, within these bounds: larger chunks cost fewer messages and Python steps per byte (the ring is
+#: CPU-bound where cores are scarce), smaller ones fill the pipeline sooner (docs/multihost.md).
 RING_CHUNK_BYTES = (256 << 10, 1 << 20)
 #: With the shared-memory host stages (the other ranks asleep), the leaders' ring waits for each message
 #: with sleeps of at most this long between tests, instead of Open MPI's busy polling: across hosts the
@@ -61,7 +67,9 @@ _WARN_S = 60.0
 
 def ring_chunk_bytes(nbytes: int, hosts: int) -> int:
     """Chunk size of the leaders' ring for an allreduce of `nbytes` over `hosts` hosts (see
-    :data:`RING_CHUNK_BYTES`); the same on every rank."""
+    :data:`EAGER_CHUNK_BYTES`, :data:`RING_CHUNK_BYTES`); the same on every rank."""
+    if nbytes < BLOCK_CHUNKS_ABOVE:
+        return EAGER_CHUNK_BYTES
     lo, hi = RING_CHUNK_BYTES
     return min(hi, max(lo, nbytes // max(hosts, 1) // 8))
 
