@@ -91,6 +91,33 @@ def test_addends_give_bitwise_the_ring_of_the_presummed_tensor(comm, n, chunk_by
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("codec", [None, "int8"])
+def test_napping_waits_give_bitwise_the_result_of_blocking_waits(comm, codec):
+    xs = _inputs(1001, comm.size, seed=5)
+    napping, blocking = xs[comm.rank].clone(), xs[comm.rank].clone()
+    ring_allreduce(comm, napping, codec=codec, chunk_bytes=64, nap=1e-4)
+    ring_allreduce(comm, blocking, codec=codec, chunk_bytes=64)
+    assert_all_ranks(comm, torch.equal(napping, blocking), "napping waits changed the result")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("n,chunk_bytes,codec", [(1, 4, None), (2, 8, None), (1001, 64, None), (1001, 64, "int8")])
+def test_on_final_reports_every_element_once_already_holding_its_result(comm, n, chunk_bytes, codec):
+    """`on_final(lo, hi)` covers each element exactly once, and the range holds then what it holds at the end."""
+    xs = _inputs(n, 2 * comm.size, seed=11 * n)
+    t, other = xs[2 * comm.rank].clone(), xs[2 * comm.rank + 1]
+    seen, times = torch.full_like(t, float("nan")), torch.zeros(n, dtype=torch.int64)
+
+    def on_final(lo: int, hi: int) -> None:
+        seen[lo:hi] = t[lo:hi]
+        times[lo:hi] += 1
+
+    ring_allreduce(comm, t, codec=codec, chunk_bytes=chunk_bytes, addends=[other], on_final=on_final)
+    assert_all_ranks(comm, bool((times == 1).all()), f"elements reported {times.unique().tolist()} times")
+    assert_all_ranks(comm, torch.equal(seen, t), "a range reported final changed afterwards")
+
+
+@pytest.mark.mpi
 @pytest.mark.parametrize("n", [1, 7, 1001])
 def test_int8_ring_matches_one_process_ring_and_stays_within_the_sum_of_half_steps(comm, n):
     xs = [x * 10 ** (i % 3) for i, x in enumerate(_inputs(n, comm.size, seed=3 * n))]
@@ -139,7 +166,9 @@ def test_bad_arguments_raise_on_every_rank_before_any_message(comm):
              dict(t=torch.zeros(4, dtype=torch.float64), kw={"codec": "bf16"}),
              dict(t=torch.zeros(4), kw={"error_feedback": torch.zeros(3)}),
              dict(t=torch.zeros(4), kw={"codec": "lz4"}), dict(t=torch.zeros(4), kw={"chunk_bytes": 0}),
-             dict(t=torch.zeros(4), kw={"addends": [torch.zeros(3)]})]
+             dict(t=torch.zeros(4), kw={"addends": [torch.zeros(3)]}),
+             dict(t=torch.zeros(4), kw={"op": "avg", "on_final": lambda lo, hi: None}),
+             dict(t=torch.zeros(4), kw={"nap": 0.0})]
     raised = []
     for case in cases:
         try:

@@ -100,11 +100,14 @@ def _cmdline(pid: int) -> str:
 class EmulatedHosts:
     """`names` hosts on `subnet`; `rate` ("1gbit") shapes each link; `self_alias` maps a host's own name
     to that address in its /etc/hosts (Debian's 127.0.1.1) while the others' names map to their real
-    addresses. Hosts may share a name (then address them by `addresses`)."""
+    addresses. Hosts may share a name (then address them by `addresses`). `congctl` ("cubic"): the TCP
+    congestion control of every connection between the hosts (set on each host's route to the subnet;
+    None: the kernel's default, which a new namespace inherits)."""
 
     names: list[str]
     subnet: str = "10.213.7.0/24"
     rate: str | None = None
+    congctl: str | None = None
     self_alias: str | None = None
     workdir: Path = field(init=False)
     addresses: list[str] = field(init=False)
@@ -185,6 +188,10 @@ class EmulatedHosts:
         prefix = ipaddress.ip_network(self.subnet).prefixlen
         self._ns(host, "ip", "addr", "add", f"{self.addresses[i]}/{prefix}", "dev", "eth0")
         self._ns(host, "ip", "link", "set", "eth0", "up")
+        if self.congctl:  # per route: a namespace may only pick an allowed default, which may not include it
+            net = str(ipaddress.ip_network(self.subnet))
+            self._ns(host, "ip", "route", "replace", net, "dev", "eth0", "proto", "kernel", "scope", "link",
+                     "src", self.addresses[i], "congctl", self.congctl)
         if self.rate:
             # tbf on both ends: host -> switch on eth0, switch -> host on the bridge port. The burst must
             # hold at least one timer tick of traffic at this rate.
@@ -355,6 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hosts", type=int, default=4)
     p.add_argument("--slots", type=int, default=1, help="ranks per host")
     p.add_argument("--rate", default=None, help="tc tbf rate of every link, e.g. 1gbit, 100mbit")
+    p.add_argument("--congctl", default=None, help="TCP congestion control between the hosts, e.g. cubic")
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("rest", nargs=argparse.REMAINDER, help="-- VERB ARGS (run | bench NAME | demo)")
     args = p.parse_args(argv)
@@ -364,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
         print(why, file=sys.stderr)
         return 2
     verb = rest[:2] if rest[:1] == ["bench"] else rest[:1]
-    with EmulatedHosts([f"h{i}" for i in range(args.hosts)], rate=args.rate) as hosts:
+    with EmulatedHosts([f"h{i}" for i in range(args.hosts)], rate=args.rate, congctl=args.congctl) as hosts:
         out = hosts.run(args.hosts * args.slots, hosts.hostfile([args.slots] * args.hosts), rest[len(verb):],
                         verb=verb, timeout=args.timeout)
     sys.stdout.write(out.stdout)

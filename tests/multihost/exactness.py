@@ -1,7 +1,7 @@
 """The hierarchical allreduce against a flat one (raw mpi4py on the same data), shared by the emulated-host
 job and the one-machine MPI test: sizes below, between and above the thresholds, exact data (integers,
 integer-valued floats; the largest goes through the shared-memory host stages), blocking and
-nonblocking, several in flight at once."""
+nonblocking, several in flight at once, a blocking one behind nonblocking ones in flight."""
 
 from __future__ import annotations
 
@@ -44,8 +44,16 @@ def compare_with_flat(comm: MPICommunicator) -> list[str]:
     for i in range(3):
         t = torch.full((RING_ABOVE // 8 + i,), float(comm.rank + i), dtype=torch.float64)
         reqs.append((comm.iallreduce(t), t, float(sum(r + i for r in range(comm.size)))))
-    for req, t, want in reversed(reqs):
-        req.wait()
-        if not bool((t == want).all()):
-            failures.append(f"overlapping iallreduce of {t.numel()} elements")
+    # a blocking allreduce while those are in flight (queued behind them), then one with none in flight
+    # (run on the calling thread)
+    for when in ("behind nonblocking ones", "alone"):
+        t = torch.full((SHARED_STAGES_ABOVE // 4 + 3,), float(comm.rank), dtype=torch.float32)
+        comm.allreduce(t)
+        if not bool((t == float(sum(range(comm.size)))).all()):
+            failures.append(f"blocking allreduce {when}")
+        for req, t, want in reversed(reqs):
+            req.wait()
+            if not bool((t == want).all()):
+                failures.append(f"overlapping iallreduce of {t.numel()} elements")
+        reqs = []
     return failures

@@ -60,8 +60,19 @@ def _contenders(nbytes: int, tcomm: Any) -> dict[str, Callable[[], object]]:
     return out
 
 
-def _measure(nbytes: int, rounds: int, tcomm: Any) -> dict[str, float]:
-    """Median seconds per allreduce for each contender; contenders alternate inside every round."""
+def _round_order(names: list[str], round_: int) -> list[str]:
+    """The contenders' order in round `round_`: rotated by one each round, so over as many rounds as
+    contenders each runs once in every position, first of its round included (one contender's traffic can
+    slow the next: docs/multihost.md). The cyclic order stays: a contender follows the same one within
+    every round but one, where it opens the round after the one it followed closed the previous round."""
+    k = round_ % len(names)
+    return names[k:] + names[:k]
+
+
+def _measure(nbytes: int, rounds: int, tcomm: Any, log: list[str] | None = None) -> dict[str, float]:
+    """Median seconds per allreduce for each contender; contenders alternate inside every round, in an
+    order rotated each round (:func:`_round_order`). `log`: gets one line per round, each contender's
+    time in the order they ran."""
     from ..runtime import world
 
     comm = world()
@@ -70,10 +81,14 @@ def _measure(nbytes: int, rounds: int, tcomm: Any) -> dict[str, float]:
     for fn in fns.values():  # warm-up: connection set-up, page faults
         _per_call(fn, 2, comm.barrier)
     samples: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            t = _per_call(fn, iters, comm.barrier)
+    for r in range(rounds):
+        order = _round_order(list(fns), r)
+        for name in order:
+            t = _per_call(fns[name], iters, comm.barrier)
             samples[name].append(max(comm.allgather_object(t)))  # the slowest rank defines the time
+        if log is not None:
+            log.append(f"# {_fmt_size(nbytes)} round {r}: " + ", ".join(f"{k} {samples[k][-1] * 1e3:.1f} ms"
+                                                                       for k in order))
     return {k: float(np.median(v)) for k, v in samples.items()}
 
 
@@ -94,6 +109,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--min-bytes", type=int, default=KIB)
     p.add_argument("--max-bytes", type=int, default=64 << 20)
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds per size (median reported)")
+    p.add_argument("--per-round", action="store_true",
+                   help="also print every round's times in the order the contenders ran")
     p.add_argument("--no-torch", action="store_true", help="skip the torch.distributed (gloo) backend")
     p.add_argument("--link-gbit", type=float, default=None,
                    help="each host's link speed (Gbit/s): adds the floor 2S(H-1)/H/link and each share of it")
@@ -109,8 +126,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     tcomm = None if args.no_torch else init_torch_world(comm.rank, n, comm)
     names = list(_contenders(KIB, tcomm))
     rows: list[list[object]] = []
+    log: list[str] | None = [] if args.per_round else None
     for nbytes in _sizes(args.min_bytes, args.max_bytes):
-        t = _measure(nbytes, args.rounds, tcomm)
+        t = _measure(nbytes, args.rounds, tcomm, log)
         row: list[object] = [_fmt_size(nbytes)]
         for name in names:
             row += [t[name] * 1e6, nbytes / t[name] * 2 * (n - 1) / n / 1e9]
@@ -130,8 +148,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"# hosts: {len(hosts)} with {hosts} ranks; link: {args.link_gbit or 'not given'} Gbit/s")
         print("# ompi: Open MPI's own Allreduce; ring: our ring over all ranks; mpitrain: Communicator.allreduce "
               "(hierarchical across hosts); gloo: torch.distributed")
-        print(f"# rounds: {args.rounds} interleaved; median of per-round means; slowest rank per round")
+        print(f"# rounds: {args.rounds} interleaved, order rotated each round; median of per-round means; "
+              "slowest rank per round")
         print_table(heads, rows)
+        if log:
+            print("\n".join(log))
     save_outputs(args, "allreduce", n, comm.rank)
     return 0
 

@@ -4,8 +4,9 @@ host's shared memory (/dev/shm) that every rank of the host maps, instead of ``M
 Every rank of the host owns a slot of the file. A non-leader copies its tensor into its slot, tells the
 leader (a zero-byte message), sleeps until the leader says the result is in the leader's slot, and
 copies it out. The leader hands the others' slots to the leaders' ring, which adds them chunk by chunk
-while its transfers run (:func:`mpitrain.comm.ring.ring_allreduce`'s `addends`), then copies the result
-into its slot. So each byte is copied twice and added once on the host, overlapped with the network,
+while its transfers run (:func:`mpitrain.comm.ring.ring_allreduce`'s `addends`), and copies each chunk
+of the result into its slot as soon as the ring has it final (`on_final`), also while the ring still
+transfers. So each byte is copied twice and added once on the host, overlapped with the network,
 where Open MPI's reduce and broadcast over its shared-memory transport copy it several times before the
 ring may start and after it ends, and the non-leaders wait asleep while the ring runs, leaving the cores
 to the leaders and the network stack (measurements: docs/multihost.md). A plain file rather than an MPI
@@ -27,6 +28,7 @@ import mmap
 import os
 import uuid
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 from mpi4py import MPI
@@ -53,6 +55,13 @@ def _await(comm: MPI.Comm, sources: range | list[int], tag: int) -> None:
     poll(lambda: bool(MPI.Request.Testall(reqs)), _ASLEEP)
 
 
+class Across(Protocol):
+    """The leaders' part, run on a host's leader: see :meth:`HostStage.allreduce`."""
+
+    def __call__(self, flat: torch.Tensor, others: list[torch.Tensor],
+                 on_final: Callable[[int, int], object]) -> object: ...
+
+
 class HostStage:
     """The shared slots of one host's ranks (`node`, leader = rank 0). Construction is not collective;
     `allreduce` is (over `node`)."""
@@ -69,11 +78,13 @@ class HostStage:
         self._capacity = 0
         self._slots: list[torch.Tensor] = []  # bytes of each rank's slot
 
-    def allreduce(self, flat: torch.Tensor, across: Callable[[torch.Tensor, list[torch.Tensor]], object]) -> None:
+    def allreduce(self, flat: torch.Tensor, across: Across) -> None:
         """Sum the contiguous 1-D floating `flat` in place over the host's ranks. On the leader
-        ``across(flat, others)`` must leave in `flat` the global sum of ``flat + sum(others)`` (`others`:
-        the other ranks' tensors, in host-rank order; the leaders' ring adds them chunk by chunk while it
-        transfers). Every rank of the host must call it, in the same order as its other allreduces."""
+        ``across(flat, others, on_final)`` must leave in `flat` the global sum of ``flat + sum(others)``
+        (`others`: the other ranks' tensors, in host-rank order; the leaders' ring adds them chunk by chunk
+        while it transfers) and call ``on_final(lo, hi)`` once for every element, as soon as
+        ``flat[lo:hi]`` is final (it copies that range into the leader's slot). Every rank of the host must
+        call it, in the same order as its other allreduces."""
         nbytes = flat.numel() * flat.element_size()
         self._reserve(nbytes)
         mine = self._slots[self.rank][:nbytes].view(flat.dtype)
@@ -84,8 +95,11 @@ class HostStage:
             flat.copy_(self._slots[0][:nbytes].view(flat.dtype))
             return
         _await(self.node, range(1, self.size), _READY_TAG)
-        across(flat, [self._slots[r][:nbytes].view(flat.dtype) for r in range(1, self.size)])
-        mine.copy_(flat)
+
+        def on_final(lo: int, hi: int) -> None:
+            mine[lo:hi].copy_(flat[lo:hi])
+
+        across(flat, [self._slots[r][:nbytes].view(flat.dtype) for r in range(1, self.size)], on_final)
         _signal(self.node, range(1, self.size), _DONE_TAG)
 
     def _reserve(self, nbytes: int) -> None:

@@ -159,7 +159,7 @@ class MPICommunicator(Communicator):
         """The direct allreduce of a checked `t` (see :meth:`allreduce`)."""
         hier = self._hierarchical(t) if t.numel() and self._size > 1 else None
         if hier is not None:
-            hier.wait(hier.submit(_buf(t), t, _MPI_OPS[op], op in ("sum", "avg")))
+            hier.allreduce(_buf(t), t, _MPI_OPS[op], op in ("sum", "avg"))
         elif t.numel() and self._size > 1:
             for piece in _pieces(t):
                 self._comm.Allreduce(MPI.IN_PLACE, _buf(piece), op=_MPI_OPS[op])

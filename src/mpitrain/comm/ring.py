@@ -14,14 +14,14 @@ reduced, so the reduction of one chunk overlaps the transfer of the next (Fig. 3
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from .._utils.deprecation import renamed_options
 from .._utils.flat import spans
-from .._utils.stall import watched
+from .._utils.stall import StallPolicy, wait_until, watched
 from .base import CommError, Communicator, Request, split_sizes
 from .codecs import Codec, get_codec
 
@@ -61,12 +61,17 @@ def chunk_bounds(n: int, size: int, chunk_elems: int) -> list[list[tuple[int, in
     return out
 
 
-def _wait(req: Request, what: str, warn_after: float) -> None:
-    """Block inside MPI (no Python polling, see :func:`mpitrain._utils.stall.watched`), warning on a stall."""
+def _wait(req: Request, what: str, warn_after: float, nap: float | None = None) -> None:
+    """Block inside MPI (no Python polling, see :func:`mpitrain._utils.stall.watched`), warning on a stall;
+    with `nap`, test with sleeps of at most `nap` seconds in between instead."""
     if req.test():
         return
-    with watched("ring_allreduce", f"waiting for {what}; is that rank alive and calling the same allreduce?",
-                 warn_after):
+    detail = f"waiting for {what}; is that rank alive and calling the same allreduce?"
+    if nap is not None:
+        wait_until(req.test, detail, StallPolicy(warn_after=warn_after, abort_after=None, max_nap=nap,
+                                                 first_nap=min(2e-5, nap)), who="ring_allreduce")
+        return
+    with watched("ring_allreduce", detail, warn_after):
         req.wait()
 
 
@@ -92,7 +97,8 @@ def _validate(t: torch.Tensor, codec: Codec, op: str, chunk_bytes: int,
 def ring_allreduce(comm: Communicator, t: torch.Tensor, codec: str | Codec | None = None, op: str = "sum",
                    chunk_bytes: int = DEFAULT_CHUNK_BYTES, error_feedback: torch.Tensor | None = None,
                    warn_after: float = 60.0, stats: dict[str, float] | None = None,
-                   stall_warning_s: float | None = None, *, addends: Sequence[torch.Tensor] = ()) -> torch.Tensor:
+                   stall_warning_s: float | None = None, *, addends: Sequence[torch.Tensor] = (),
+                   on_final: Callable[[int, int], object] | None = None, nap: float | None = None) -> torch.Tensor:
     """Sum (or average) `t` over all ranks of `comm` in place, compressing every hop with `codec`.
 
     Every rank must call it with a tensor of the same shape and dtype and the same codec, op and
@@ -111,6 +117,13 @@ def ring_allreduce(comm: Communicator, t: torch.Tensor, codec: str | Codec | Non
     `addends`: contiguous tensors of t's shape and dtype (this rank's other contributions, e.g. the other
     ranks of its host); the result is as if ``t += a`` had run for each, in order, before the ring, but
     each chunk is added just before the ring first uses it, so the additions overlap the transfers.
+    `on_final(lo, hi)`: called (op 'sum' only) as soon as ``t.view(-1)[lo:hi]`` holds its final value on
+    this rank, once for every element, chunk by chunk while the ring still transfers others, so the
+    caller can copy results out overlapped with the network. The range must not be written by it.
+    `nap`: None (default) waits for each message inside the transport (Open MPI polls, keeping a core
+    busy); a number of seconds tests it with sleeps of at most that long in between, leaving the core to
+    others where the transfers need little of this process's time (across hosts over TCP, where the
+    kernel moves the bytes; docs/multihost.md).
     Uses point-to-point messages with tag :data:`RING_TAG`: run one ring per communicator at a time.
     """
     codec = get_codec(codec)
@@ -118,6 +131,10 @@ def ring_allreduce(comm: Communicator, t: torch.Tensor, codec: str | Codec | Non
         warn_after = renamed_options({"stall_warning_s": stall_warning_s}, {"stall_warning_s": "warn_after"},
                                      "ring_allreduce")["warn_after"]
     _validate(t, codec, op, chunk_bytes, error_feedback)
+    if nap is not None and not (isinstance(nap, (int, float)) and nap > 0):
+        raise CommError(f"ring_allreduce: nap must be None or a positive number of seconds, got {nap!r}")
+    if on_final is not None and op != "sum":
+        raise CommError("ring_allreduce: on_final needs op 'sum' (an average is final only after the ring)")
     for a in addends:
         if not isinstance(a, torch.Tensor) or a.shape != t.shape or a.dtype != t.dtype or not a.is_contiguous():
             raise CommError(f"ring_allreduce: addends must be contiguous tensors of t's shape {tuple(t.shape)} "
@@ -130,10 +147,12 @@ def ring_allreduce(comm: Communicator, t: torch.Tensor, codec: str | Codec | Non
     if comm.size == 1 or not flat.numel():
         for a in addends:
             flat.add_(a.view(-1))
+        if on_final is not None and flat.numel():
+            on_final(0, flat.numel())
     else:
         chunk_elems = max(1, chunk_bytes // t.element_size())
         ring = _Ring(comm, flat, codec, chunk_elems=chunk_elems, error_feedback=error_feedback,
-                     warn_after=warn_after, addends=[a.view(-1) for a in addends])
+                     warn_after=warn_after, addends=[a.view(-1) for a in addends], on_final=on_final, nap=nap)
         ring.run()
         if stats is not None:
             stats["codec_s"] = stats.get("codec_s", 0.0) + ring.codec_s
@@ -146,8 +165,8 @@ class _Ring:
     """State of one ring allreduce on one rank (buffers, requests); used once by ring_allreduce."""
 
     def __init__(self, comm: Communicator, flat: torch.Tensor, codec: Codec, chunk_elems: int,
-                 error_feedback: torch.Tensor | None, warn_after: float, addends: Sequence[torch.Tensor] = ()
-                 ) -> None:
+                 error_feedback: torch.Tensor | None, warn_after: float, addends: Sequence[torch.Tensor] = (),
+                 on_final: Callable[[int, int], object] | None = None, nap: float | None = None) -> None:
         self.comm, self.flat, self.codec, self.warn_after = comm, flat, codec, warn_after
         self.p, self.r = comm.size, comm.rank
         self.right, self.left = (self.r + 1) % self.p, (self.r - 1) % self.p
@@ -157,6 +176,8 @@ class _Ring:
         self.sends: list[Request] = []
         self.codec_s = 0.0  # time in encode/decode (identity: ~0)
         self.addends = addends
+        self.on_final = on_final
+        self.nap = nap
 
     def _add_own(self, lo: int, hi: int) -> None:
         """This rank's other contributions to flat[lo:hi], just before the ring first uses the chunk."""
@@ -178,7 +199,7 @@ class _Ring:
     def _wait(self, req: Request, step: RingStep, lo: int, hi: int) -> None:
         what = (f"rank {self.left} -> rank {self.r}: {step.phase} step {step.step}, block {step.recv} "
                 f"elements [{lo}, {hi}) of {self.flat.numel()}")
-        _wait(req, what, self.warn_after)
+        _wait(req, what, self.warn_after, self.nap)
 
     def _post_recvs(self, steps: list[RingStep], into_flat: bool) -> list[list[tuple[Request, torch.Tensor]]]:
         out = []
@@ -208,6 +229,8 @@ class _Ring:
                 if last and not self.codec.lossless:
                     self._decode(out, lo, hi)  # the owner keeps what the others will decode
                 self.sends.append(self.comm.isend(out, self.right, tag=RING_TAG))
+                if last and self.on_final is not None:  # after the send: the copy overlaps its transfer
+                    self.on_final(lo, hi)
         if self.codec.lossless:  # allgather receives land in blocks whose earlier sends may still read them
             for req in self.sends[: sum(len(self.blocks[st.send]) for st in rs)]:
                 req.wait()
@@ -224,6 +247,8 @@ class _Ring:
                     self.sends.append(self.comm.isend(payload, self.right, tag=RING_TAG))
                 if not in_place:
                     self._decode(payload, lo, hi)
+                if self.on_final is not None:
+                    self.on_final(lo, hi)
 
     def _decode(self, payload: torch.Tensor, lo: int, hi: int) -> None:
         t0 = time.perf_counter()
