@@ -72,17 +72,24 @@ def train_fit(comm, device: torch.device, precision: str = "fp32") -> list[torch
     return [p.detach().cpu() for p in model.parameters()]
 
 
+def steps_in_one_process(model: nn.Module, batches, loss_fn, opt: torch.optim.Optimizer, device: torch.device,
+                         precision: str = "fp32") -> list[torch.Tensor]:
+    """The reference every check compares with: plain torch steps on whole batches moved to `device`,
+    forward and loss under bf16 autocast for precision "bf16"; the parameters after, on the CPU."""
+    for x, y in batches:
+        opt.zero_grad()
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
+            loss = loss_fn(model(x.to(device)), y.to(device))
+        loss.backward()
+        opt.step()
+    return [p.detach().cpu() for p in model.parameters()]
+
+
 def train_one_process(size: int, device: torch.device, precision: str = "fp32") -> list[torch.Tensor]:
     """The reference: the same steps on the concatenated batch in this process."""
     model = fresh_model(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    for x, y in global_batches(size):
-        opt.zero_grad()
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
-            loss = F.cross_entropy(model(x.to(device)), y.to(device))
-        loss.backward()
-        opt.step()
-    return [p.detach().cpu() for p in model.parameters()]
+    return steps_in_one_process(model, global_batches(size), F.cross_entropy, opt, device, precision)
 
 
 def model_device_of(model: nn.Module) -> torch.device:
@@ -134,13 +141,7 @@ def train_pipeline(comm, device: torch.device, strategy: str, partitions: int,
 def train_pipeline_one_process(size: int, device: torch.device, precision: str = "fp32") -> list[torch.Tensor]:
     model = mlp(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    for x, y in global_batches(size):
-        opt.zero_grad()
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
-            loss = F.cross_entropy(model(x.to(device)), y.to(device))
-        loss.backward()
-        opt.step()
-    return [p.detach().cpu() for p in model.parameters()]
+    return steps_in_one_process(model, global_batches(size), F.cross_entropy, opt, device, precision)
 
 
 def train_spatial(comm, device: torch.device, precision: str = "fp32") -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -156,11 +157,5 @@ def train_spatial(comm, device: torch.device, precision: str = "fp32") -> tuple[
     sgd = lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9)  # noqa: E731
     result = fit(model, data, nn.CrossEntropyLoss(), sgd, strategy="spatial", grid=(comm.size, 1), samples=1,
                  progress=False, comm=comm, precision=precision)
-    opt = sgd(ref.parameters())
-    for x, y in data:
-        opt.zero_grad()
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
-            loss = nn.CrossEntropyLoss()(ref(x.to(device)), y.to(device))
-        loss.backward()
-        opt.step()
-    return [p.detach().cpu() for p in result.model.parameters()], [p.detach().cpu() for p in ref.parameters()]
+    want = steps_in_one_process(ref, data, nn.CrossEntropyLoss(), sgd(ref.parameters()), device, precision)
+    return [p.detach().cpu() for p in result.model.parameters()], want

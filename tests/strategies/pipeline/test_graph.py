@@ -173,12 +173,27 @@ def test_measure_leaves_buffers_gradients_modes_and_rng_untouched():
     assert not any(m.training for m in traced.gm.modules())
 
 
+def _partitions_give_the_models_logits_and_grads(model, traced, parts, flat, inputs, labels) -> None:
+    """The partitions run in sequence and back-propagated give bitwise the model's own output type,
+    logits and parameter gradients on the same batch."""
+    from .tiny_transformers import lm_loss
+
+    got = run_partitions(traced, parts, flat)
+    lm_loss(got, labels).backward()
+    got_grads = [q.grad.clone() for q in model.parameters()]
+    model.zero_grad()
+    want = model(**inputs)
+    lm_loss(want, labels).backward()
+    assert type(got) is type(want) and torch.equal(got.logits, want.logits)
+    assert all(torch.equal(a, q.grad) for a, q in zip(got_grads, model.parameters()))
+
+
 @pytest.mark.parametrize("name", ["gpt2", "bert", "llama"])
 def test_exported_transformer_partitions_in_sequence_give_its_output_and_grads_exactly(name):
     """fx cannot trace these; torch.export can, and partitions of its graph change no bit."""
     from mpitrain.strategies.pipeline._graph import capture, model_args, param_counts, tied_groups
 
-    from .tiny_transformers import build, lm_batches, lm_loss
+    from .tiny_transformers import build, lm_batches
 
     model = build(name)
     (inputs, labels), = lm_batches(4, 1)
@@ -186,15 +201,8 @@ def test_exported_transformer_partitions_in_sequence_give_its_output_and_grads_e
     flat = model_args(traced, inputs)
     meta = profile(traced, flat)
     parts = split(traced, balanced_bounds(param_counts(traced), cut_points(traced, meta), 3), meta)
-    got = run_partitions(traced, parts, flat)
-    lm_loss(got, labels).backward()
-    got_grads = [q.grad.clone() for q in model.parameters()]
-    model.zero_grad()
-    want = model(**inputs)
-    lm_loss(want, labels).backward()
-    assert traced.how == "export" and type(got) is type(want)
-    assert torch.equal(got.logits, want.logits)
-    assert all(torch.equal(a, q.grad) for a, q in zip(got_grads, model.parameters()))
+    assert traced.how == "export"
+    _partitions_give_the_models_logits_and_grads(model, traced, parts, flat, inputs, labels)
     tied = [holders for holders, _ in tied_groups(parts)]
     assert tied == ([] if name == "llama" else [(0, 2)])  # embedding and LM head: first and last partition
 
@@ -241,7 +249,7 @@ def test_a_meta_transformer_is_exported_on_its_own_tensors_and_its_partitions_ru
     from mpitrain.strategies.pipeline._graph import capture, model_args, param_counts
     from mpitrain.strategies.pipeline._materialize import materialize
 
-    from .tiny_transformers import build, lm_batches, lm_loss
+    from .tiny_transformers import build, lm_batches
 
     model = build(name, meta=True)
     (inputs, labels), = lm_batches(4, 1)
@@ -255,11 +263,4 @@ def test_a_meta_transformer_is_exported_on_its_own_tensors_and_its_partitions_ru
     parts = split(traced, balanced_bounds(param_counts(traced), cut_points(traced, meta), 3), meta,
                   torch.device("cpu"))
     assert not any(_names_meta(p.module) for p in parts) and _names_meta(traced.gm)
-    got = run_partitions(traced, parts, flat)
-    lm_loss(got, labels).backward()
-    got_grads = [q.grad.clone() for q in model.parameters()]
-    model.zero_grad()
-    want = model(**inputs)
-    lm_loss(want, labels).backward()
-    assert torch.equal(got.logits, want.logits)
-    assert all(torch.equal(a, q.grad) for a, q in zip(got_grads, model.parameters()))
+    _partitions_give_the_models_logits_and_grads(model, traced, parts, flat, inputs, labels)
