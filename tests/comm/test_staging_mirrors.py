@@ -60,3 +60,13 @@ def test_a_mirror_whose_copy_back_is_running_is_lent_again_only_once_it_is_done(
     assert busy.data_ptr() != h.data_ptr()  # a fresh mirror while the copy runs
     copy_back.done = True
     assert s.take(torch.zeros(4)).data_ptr() == h.data_ptr()
+
+
+def test_pieces_run_the_operation_per_piece_and_give_the_mirror_back():
+    s = Staging()
+    t = torch.arange(6.0)
+    seen = []
+    s.pieces(t, lambda x: list(x.view(-1).split(2)), lambda h: (seen.append(h.clone()), h.mul_(2)))
+    assert [p.tolist() for p in seen] == [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]]
+    assert torch.equal(t, torch.arange(6.0) * 2)
+    assert len(s._free[(torch.float32, 6)]) == 1  # lent again, not leaked

@@ -95,14 +95,17 @@ class Staging:
         piece on the host. The caller's current stream then waits for the copies back (the host does
         not); if `op` raises, the pieces before it are already written back."""
         host = self.take(t)
-        try:
-            if not t.is_cuda:  # forced staging of a CPU tensor: the same pieces, one after another
+        if not t.is_cuda:  # forced staging of a CPU tensor: the same pieces, one after another
+            try:
                 for d, h in zip(cut(t), cut(host)):
                     h.copy_(d)
                     op(h)
                     d.copy_(h)
-                return t
-            s = side_stream(t.device)
+            finally:
+                self.give(host)
+            return t
+        s = side_stream(t.device)
+        try:
             s.wait_stream(torch.cuda.current_stream(t.device))  # what the caller's stream produced so far
             pairs, ready = list(zip(cut(t), cut(host))), []
             with torch.cuda.stream(s):
@@ -116,17 +119,13 @@ class Staging:
                 with torch.cuda.stream(s):
                     d.copy_(h, non_blocking=True)
         except BaseException:
-            if t.is_cuda:  # no copy may still read or write the mirror when it is lent again
-                side_stream(t.device).synchronize()
+            s.synchronize()  # no copy may still read or write the mirror when it is lent again
             self.give(host)
             raise
-        if t.is_cuda:  # the caller's stream waits for the copies back; the host does not
-            done = torch.cuda.Event()
-            done.record(s)
-            torch.cuda.current_stream(t.device).wait_event(done)
-            self.give(host, done)
-        else:
-            self.give(host)
+        done = torch.cuda.Event()  # the caller's stream waits for the copies back; the host does not
+        done.record(s)
+        torch.cuda.current_stream(t.device).wait_event(done)
+        self.give(host, done)
         return t
 
     def out(self, t: torch.Tensor, op: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
