@@ -365,8 +365,9 @@ class Pipeline:
         if parts_n > len(traced.nodes):
             raise FitError(f"{parts_n} partitions exceed the {len(traced.nodes)} nodes of the captured graph "
                            f"of {type(self.model).__name__}; use fewer partitions")
-        # a model on a device (CUDA) is profiled there: the loader's rows arrive on the CPU
-        sample = self._sample = _rows(flat, 0, micro) if self.on_meta else to_device(_rows(flat, 0, micro), self.device)
+        # a model on a device (CUDA) is profiled there: the loader's rows arrive on the CPU (as is for a
+        # CPU or meta model, whose device here is the CPU)
+        sample = self._sample = to_device(_rows(flat, 0, micro), self.device)
         # shapes of a meta model come from a meta copy of its graph (no storage), before and after
         # this rank materialises its own partition
         self._shapes = dataclasses.replace(traced, gm=copy.deepcopy(traced.gm)) if self.on_meta else traced
