@@ -329,28 +329,31 @@ class EmulatedHosts:
         return self._run_job(argv, timeout, full_env)
 
     def _run_job(self, argv: list[str], timeout: float, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-        """Run `argv` in its own session and report what it printed. On timeout kill that session, and on
-        any exit every process left in the hosts (`reap`): ranks sit in process groups of their own, out
-        of the session's reach, and one holding the output pipes open would block reading them. What was
-        killed after a job is named in its stderr and kept in `reaped`."""
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                                cwd=ROOT, start_new_session=True)
-        note, code = "", None
-        try:
-            out, err = proc.communicate(timeout=timeout)
-        except BaseException as e:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
+        """Run `argv` in its own session until it exits (not until its output closes: a process a rank left
+        behind may hold that open) and report what it printed. On timeout kill that session, and on any
+        exit every process left in the hosts (`reap`): ranks sit in process groups of their own, out of the
+        session's reach. What was killed after a job is named in its stderr and kept in `reaped`."""
+        with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+            proc = subprocess.Popen(argv, stdout=out, stderr=err, text=True, env=env, cwd=ROOT,
+                                    start_new_session=True)
+            note, code = "", None
+            try:
+                proc.wait(timeout=timeout)
+            except BaseException as e:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                if not isinstance(e, subprocess.TimeoutExpired):
+                    self.reaped = self.reap()
+                    raise
+                note, code = f"\n[emulated hosts] killed after {timeout} s", -signal.SIGKILL
             self.reaped = self.reap()
-            out, err = proc.communicate()
-            if not isinstance(e, subprocess.TimeoutExpired):
-                raise
-            note, code = f"\n[emulated hosts] killed after {timeout} s", -signal.SIGKILL
-        else:
-            self.reaped = self.reap()
-        if self.reaped:
-            note += f"\n[emulated hosts] killed what the job left running: {self.reaped}"
-        return subprocess.CompletedProcess(argv, proc.returncode if code is None else code, out, err + note)
+            if self.reaped:
+                note += f"\n[emulated hosts] killed what the job left running: {self.reaped}"
+            out.seek(0)
+            err.seek(0)
+            return subprocess.CompletedProcess(argv, proc.returncode if code is None else code, out.read(),
+                                               err.read() + note)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -95,11 +96,11 @@ def _alive(pid: int) -> bool:
 
 
 def test_failure_on_a_remote_host_ends_the_job_naming_the_rank_and_nothing_outlives_it(debian_hosts):
-    """Every rank is gone within seconds. prterun itself (Open MPI 5.0.11) sometimes then hangs in
-    PMIx_server_finalize with no daemon left (docs/multihost.md); the harness kills it at the timeout.
-    Each rank also left a process in a session of its own: the harness's teardown kills it too."""
+    """Every rank and mpiexec end within seconds of a remote rank's uncaught exception. Each rank also
+    left a process in a session of its own, which outlives the job: the harness kills it after the job."""
     out = debian_hosts.run(3, debian_hosts.hostfile([1, 1, 1]), [PY, f"{JOBS}/fail.py"], timeout=30)
-    assert out.returncode != 0 and "failure on the remote rank 2" in out.stdout + out.stderr, out.stderr
+    ended_by_itself = out.returncode not in (0, -signal.SIGKILL)  # the harness kills it at the timeout
+    assert ended_by_itself and "failure on the remote rank 2" in out.stdout + out.stderr, out.stderr
     orphans = [int(ln.split()[1]) for ln in out.stdout.splitlines() if ln.startswith("ORPHAN ")]
     assert len(orphans) == 3, out.stdout + out.stderr
     assert not [p for p in orphans if _alive(p)] and debian_hosts.processes() == [], debian_hosts.processes()
