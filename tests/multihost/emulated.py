@@ -8,7 +8,7 @@ from this process, so the namespaces vanish when `close()` closes the pipes, and
 dies in any way (the pipe closes; no ``ip netns`` names persist). A namespace outlives its holder while
 any process is still inside it, so every process in the hosts' namespaces is killed: by `reap()` after each
 job (PRRTE puts every rank in a process group of its own, so killing the job's session misses ranks that
-outlive it, e.g. when prterun hangs after a remote abort), by `close()`, and, should this process die
+outlive it, e.g. processes a rank left behind), by `close()`, and, should this process die
 without closing, by each holder itself once its stdin reaches EOF.
 
 ``tc tbf`` can shape every link (both directions). This kernel may lack ``netem``: `has_netem()` says.

@@ -7,6 +7,7 @@ bandwidth floor: an allreduce of S bytes among H hosts must move 2S(H-1)/H bytes
 from __future__ import annotations
 
 import argparse
+import gc
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -124,6 +125,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     n = comm.size
     hosts = _hosts(comm)
     tcomm = None if args.no_torch else init_torch_world(comm.rank, n, comm)
+    # Collect the start-up garbage and leave every object alive now (torch's and numpy's modules: a full
+    # collection of them took 56 ms of CPU here) out of later collections, as timeit keeps the collector
+    # out of its timings: a rank's full collection otherwise lands in whichever contender's round
+    # happens to allocate past the threshold, and stalls every rank in that allreduce (docs/multihost.md).
+    gc.collect()
+    gc.freeze()
     names = list(_contenders(KIB, tcomm))
     rows: list[list[object]] = []
     log: list[str] | None = [] if args.per_round else None

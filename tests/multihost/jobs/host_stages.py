@@ -27,7 +27,7 @@ import torch
 from mpi4py import MPI
 
 import mpitrain
-from mpitrain.comm._hierarchical import Hierarchy
+from mpitrain.comm._hierarchical import RING_NAP_S, Hierarchy, ring_chunk_bytes
 from mpitrain.comm._host_stage import HostStage
 from mpitrain.comm.ring import ring_allreduce
 
@@ -62,12 +62,22 @@ def ring_alone(t: torch.Tensor, buf: list) -> None:
         time.sleep(1e-3)
 
 
+def ring_alone_as_used(t: torch.Tensor, buf: list) -> None:
+    """The leaders' ring alone with the chunks and naps Communicator.allreduce gives it."""
+    if ring_comm is not None:
+        ring_allreduce(ring_comm, t, chunk_bytes=ring_chunk_bytes(t.numel() * 4, h.hosts), nap=RING_NAP_S)
+    req = world.Ibarrier()
+    while not req.Test():
+        time.sleep(1e-3)
+
+
 def open_mpi(t: torch.Tensor, buf: list) -> None:
     world.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
 
 
 CONTENDERS: dict[str, Callable[[torch.Tensor, list], None]] = {
-    "mpi-stages": mpi_stages, "shm-stages": shm_stages, "allreduce": allreduce, "ring-alone": ring_alone}
+    "mpi-stages": mpi_stages, "shm-stages": shm_stages, "allreduce": allreduce, "ring-alone": ring_alone,
+    "ring-alone-as-used": ring_alone_as_used}
 def shm_chunks(chunk_bytes: int) -> Callable[[torch.Tensor, list], None]:
     def fn(t: torch.Tensor, buf: list) -> None:
         stage.allreduce(t, lambda flat, others, fin: ring_allreduce(ring_comm, flat, addends=others,
