@@ -46,12 +46,24 @@ def bitwise_equal(a: object, b: object) -> bool:
 def run_job(script: str | Path, n: int = 2, timeout: float = 120) -> subprocess.CompletedProcess:
     """Run `script` (source text, or a path) on `n` ranks with ``mpitrain run``, from outside any job;
     returns the finished process (stdout/stderr as text). For behaviour only visible from outside: aborts,
-    stall watchdogs, exit codes. The timeout turns a hang into a test failure."""
+    stall watchdogs, exit codes. The timeout turns a hang into a test failure (TimeoutExpired) and ends
+    the job: the launcher gets SIGTERM, which mpiexec turns into ending every rank (subprocess.run's
+    SIGKILL would leave mpiexec and the ranks running)."""
     path = Path(script) if isinstance(script, Path) else None
     with tempfile.TemporaryDirectory() as tmp:
         if path is None:
             path = Path(tmp) / "job.py"
             path.write_text(textwrap.dedent(str(script)))
         launcher = Path(sys.executable).parent / "mpitrain"
-        return subprocess.run([str(launcher), "run", "-n", str(n), "--", sys.executable, str(path)],
-                              capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+        argv = [str(launcher), "run", "-n", str(n), "--", sys.executable, str(path)]
+        with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT) as job:
+            try:
+                out, err = job.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                job.terminate()
+                try:
+                    job.communicate(timeout=30)
+                finally:
+                    job.kill()
+                raise
+        return subprocess.CompletedProcess(argv, job.returncode, out, err)

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from mpitrain._hosts import Host, expand_hostlist, expand_tasks_per_node, slurm_hosts
-from mpitrain.launch import LaunchSpec, build_command
+from mpitrain.launch import LaunchSpec, abort_on_exit, build_command
 from tests.helpers import run_job
 
 MPITRAIN = [sys.executable, "-m", "mpitrain"]
@@ -18,7 +18,7 @@ MPITRAIN = [sys.executable, "-m", "mpitrain"]
 
 def test_command_allows_root_and_sets_threads():
     argv, env = build_command(LaunchSpec(np=2, command=["python", "x.py"], threads=3), flavor="openmpi")
-    assert argv[1:3] == ["-n", "2"] and argv[-2:] == ["python", "x.py"]
+    assert argv[1:3] == ["-n", "2"] and argv[-4:] == ["python", "-m", "mpi4py", "x.py"]
     assert env["OMPI_ALLOW_RUN_AS_ROOT"] == "1" and env["OMP_NUM_THREADS"] == "3"
     assert "-x" in argv and "OMP_NUM_THREADS" in argv
 
@@ -153,7 +153,33 @@ def test_dry_run_prints_the_exact_command():
     out = subprocess.run([*MPITRAIN, "run", "-n", "3", "--dry-run", "--", "python", "train.py", "--lr", "0.1"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert "mpiexec -n 3" in out.stdout and out.stdout.rstrip().endswith("python train.py --lr 0.1")
+    assert "mpiexec -n 3" in out.stdout and out.stdout.rstrip().endswith("python -m mpi4py train.py --lr 0.1")
+
+
+@pytest.mark.parametrize(("command", "expected"), [
+    ("python train.py a", "python -m mpi4py train.py a"),
+    ("python -u -W ignore train.py", "python -u -W ignore -m mpi4py train.py"),
+    ("python -X dev -m pkg.mod --x 1", "python -X dev -m mpi4py -m pkg.mod --x 1"),
+    ("python3 -Wignore -Xdev x.py", "python3 -Wignore -Xdev -m mpi4py x.py"),
+    ("python -c code a", "python -m mpi4py -c code a"),
+    ("python -ccode", "python -m mpi4py -c code"),
+    ("python -um pkg", "python -u -m mpi4py -m pkg"),
+    ("python -- x.py", "python -m mpi4py x.py"),
+    ("/abs/path/python3.11 x.py", "/abs/path/python3.11 -m mpi4py x.py"),
+    ("python -m mpi4py x.py", "python -m mpi4py x.py"),
+    ("python -m mpi4py -m pytest -x", "python -m mpi4py -m pytest -x"),
+    ("python", "python"),
+    ("python -u -", "python -u -"),
+    ("python -V", "python -V"),
+    ("./run.sh a", "./run.sh a"),
+    ("bash -c x", "bash -c x"),
+    ("pythonista x.py", "pythonista x.py"),
+])
+def test_python_commands_run_under_mpi4pys_runner_others_unchanged(command, expected):
+    assert abort_on_exit(command.split()) == expected.split()
+    assert abort_on_exit([sys.executable, "x.py"]) == [sys.executable, "-m", "mpi4py", "x.py"]
+    argv, _ = build_command(LaunchSpec(np=2, command=command.split()), flavor="mpich")
+    assert argv[-len(expected.split()):] == expected.split()
 
 
 def _run_job(body: str, n: int = 2) -> tuple[int, str, float]:
@@ -184,7 +210,28 @@ def test_uncaught_exception_in_one_rank_aborts_the_job_quickly():
     comm.allreduce(t)          # rank 0 would wait here forever without the abort hook
     time.sleep(60)
     """)
-    assert rc != 0 and "boom from rank one" in out and "rank 1" in out, out
+    assert rc != 0 and "boom from rank one" in out, out
+    assert "[mpitrain] rank 1: uncaught exception, aborting the job" in out, out
+    assert 0 < secs < 10, f"job ended {secs:.1f}s after the failure"
+
+
+@pytest.mark.parametrize(("exit_with", "status", "shown"), [
+    ("sys.exit(3)", 3, "Errorcode: 3"),
+    ("raise SystemExit('bye from rank one')", 1, "bye from rank one"),
+    ("raise KeyboardInterrupt", 1, "[mpitrain] rank 1: uncaught exception, aborting the job"),
+])
+def test_non_zero_exit_of_one_rank_ends_the_job_with_its_status(exit_with, status, shown):
+    # SystemExit never reaches sys.excepthook: without mpi4py's runner the rank's exit calls
+    # MPI_Finalize, which waits for rank 0 in its barrier forever.
+    rc, out, secs = _run_job(JOB_HEAD + f"""
+    import sys
+    if comm.rank == 1:
+        print("FAIL_AT", time.time(), flush=True)
+        {exit_with}
+    comm.barrier()
+    time.sleep(60)
+    """)
+    assert rc == status and shown in out and "MPI_ABORT was invoked on rank 1" in out, out
     assert 0 < secs < 10, f"job ended {secs:.1f}s after the failure"
 
 
@@ -200,13 +247,16 @@ def test_rank_killed_by_sigkill_ends_the_job_quickly():
     assert 0 < secs < 10, f"job ended {secs:.1f}s after the failure"
 
 
-def test_successful_job_exits_zero_and_python_dash_m_works():
+def test_successful_job_ending_in_sys_exit_zero_exits_zero_quietly():
     rc, out, _ = _run_job(JOB_HEAD + """
+    import sys
     comm.allreduce(t)
     assert t[0].item() == comm.size
     print("sum ok on", comm.rank)
+    sys.exit(0)
     """, n=3)
     assert rc == 0 and out.count("sum ok on") == 3, out
+    assert "MPI_ABORT" not in out and "prterun" not in out, out  # finalized, no complaint from Open MPI
 
 
 def test_stalled_wait_warns_naming_rank_and_tensor_then_aborts():

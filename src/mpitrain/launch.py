@@ -14,7 +14,8 @@ from pathlib import Path
 
 from ._hosts import Host, format_hosts, parse_hosts, read_hostfile, slurm_hosts
 
-__all__ = ["LaunchSpec", "find_mpiexec", "mpi_flavor", "build_command", "launch", "run_module", "in_mpi_job"]
+__all__ = ["LaunchSpec", "find_mpiexec", "mpi_flavor", "build_command", "launch", "run_module", "in_mpi_job",
+           "abort_on_exit"]
 
 # glibc malloc tunables for training processes, unless the user set them. By default glibc mmaps
 # blocks over 128 KiB and returns a free heap top over 256 KiB to the kernel, so memory freed at the
@@ -27,6 +28,11 @@ _MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_"
 _FORWARD = ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV", "OMP_NUM_THREADS", "PYTHONUNBUFFERED")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _MCA_KEY = re.compile(r"^[A-Za-z0-9_]+$")
+_PYTHON_NAME = re.compile(r"^python(\d+(\.\d+)?)?$")
+# CPython's one-letter options that take a value (``-W arg``, ``-Warg``; ``-X opt``), and its long one.
+_VALUE_OPTS = "WX"
+_LONG_VALUE_OPTS = ("--check-hash-based-pycs",)
+_RUNNER = ["-m", "mpi4py"]
 
 
 @dataclass
@@ -116,12 +122,67 @@ def _env_requests(spec: LaunchSpec) -> tuple[dict[str, str], list[str]]:
     return values, names
 
 
+def _is_python(program: str) -> bool:
+    """True for a Python interpreter: ``python``, ``python3``, ``python3.11`` (any directory), or this one."""
+    return bool(_PYTHON_NAME.match(os.path.basename(program))) or (
+        os.sep in program and os.path.realpath(program) == os.path.realpath(sys.executable))
+
+
+def abort_on_exit(command: Sequence[str]) -> list[str]:
+    """`command` with mpi4py's runner (``-m mpi4py``) put between a Python interpreter's own options
+    and its program (a script, ``-m module`` or ``-c code``); any other command is returned unchanged.
+
+    Guarantee: a rank that exits non-zero in any way — ``sys.exit(N)``, ``raise SystemExit``,
+    KeyboardInterrupt, an uncaught exception — ends the whole job with that status. Without the
+    runner, SystemExit skips ``sys.excepthook`` (the abort hook :func:`mpitrain.init` installs), and
+    Python's exit calls MPI_Finalize, which waits forever for ranks still in a collective; the runner
+    makes mpi4py call ``MPI_Abort(status)`` instead. A pure function: commands that already run
+    ``-m mpi4py``, read the program from stdin (``-`` or nothing) or only print (``-V``, ``-h``) are
+    returned as they are, and a glued ``-mmod``/``-ccode`` (or ``-um mod``) is split so the runner
+    reads it."""
+    argv = list(command)
+    if not argv or not _is_python(argv[0]):
+        return argv
+    i = 1
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--":  # the program follows; the runner takes no "--", so drop it
+            if i + 1 < len(argv) and not argv[i + 1].startswith("-"):
+                return [*argv[:i], *_RUNNER, *argv[i + 1:]]
+            return argv
+        if arg == "-" or not arg.startswith("-"):
+            return argv if arg == "-" else [*argv[:i], *_RUNNER, *argv[i:]]
+        if arg.startswith("--"):
+            if arg in _LONG_VALUE_OPTS:
+                i += 1
+            elif arg.startswith(("--help", "--version")):
+                return argv
+            i += 1
+            continue
+        for j, letter in enumerate(arg[1:], start=1):
+            if letter in "mc":  # -m/-c end the options: the rest of this word or the next is their value
+                flags = [arg[:j]] if j > 1 else []
+                value = [arg[j + 1:]] if j + 1 < len(arg) else []
+                program = [f"-{letter}", *value, *argv[i + 1:]]
+                if letter == "m" and program[1:2] in (["mpi4py"], ["mpi4py.run"]):
+                    return argv
+                return [*argv[:i], *flags, *_RUNNER, *program]
+            if letter in "hV?":
+                return argv
+            if letter in _VALUE_OPTS:
+                i += 0 if j + 1 < len(arg) else 1  # glued (-Wignore) or the next word (-W ignore)
+                break
+        i += 1
+    return argv  # no program: Python reads it from stdin
+
+
 def build_command(spec: LaunchSpec, flavor: str | None = None) -> tuple[list[str], dict[str, str]]:
     """The exact argv and the environment additions for `spec`.
 
     Defaults: root allowed, oversubscription (and no core binding, and yielding when idle) when
     `np` exceeds the slots, OMP_NUM_THREADS=`threads` and huge-page tensor memory for every rank.
-    Every MPITRAIN_* variable and each ``-x`` name reaches the ranks on every host. Inside a Slurm
+    Every MPITRAIN_* variable and each ``-x`` name reaches the ranks on every host. A Python command
+    runs under mpi4py's runner (:func:`abort_on_exit`), so any rank's non-zero exit ends the job. Inside a Slurm
     allocation with no hosts given, the allocation's nodes and task counts are the hosts. All
     arguments are checked before anything starts (ValueError).
     """
@@ -164,7 +225,7 @@ def build_command(spec: LaunchSpec, flavor: str | None = None) -> tuple[list[str
         for k in dict.fromkeys(env_names):
             if k not in env:
                 argv += ["-genv", k, os.environ[k]]
-        return argv + list(spec.command), env
+        return argv + abort_on_exit(spec.command), env
     env.update({"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"})
     if over:
         # Busy-polling ranks on shared cores starve each other: yield.
@@ -179,7 +240,7 @@ def build_command(spec: LaunchSpec, flavor: str | None = None) -> tuple[list[str
     forward = [k for k in (*_FORWARD, *_MALLOC_ENV, *env, *env_names) if k in env or k in os.environ]
     for k in dict.fromkeys(forward):
         argv += ["-x", k]
-    return argv + list(spec.command), env
+    return argv + abort_on_exit(spec.command), env
 
 
 def in_mpi_job() -> bool:
@@ -214,5 +275,6 @@ def launch(spec: LaunchSpec, dry_run: bool = False) -> int:
 
 def run_module(spec: LaunchSpec, module: str, args: Sequence[str], dry_run: bool = False) -> int:
     """Run ``python -m module args`` as `spec` says (its command is replaced; used by ``mpitrain bench``
-    and ``mpitrain demo``, so they take the same -n/-H/--hostfile/-x/--mca arguments as ``run``)."""
+    and ``mpitrain demo``, so they take the same -n/-H/--hostfile/-x/--mca arguments as ``run``). Like
+    every Python command, it runs under mpi4py's runner (:func:`abort_on_exit`)."""
     return launch(replace(spec, command=[sys.executable, "-m", module, *args]), dry_run=dry_run)
