@@ -164,6 +164,28 @@ def test_allreduce_across_hosts_is_hierarchical_and_equals_a_flat_one(debian_hos
         assert v["failures"] == [] and v["hosts"] == 3 and v["host_sizes"] == [2, 2, 1], v
 
 
+def test_data_parallel_across_hosts_matches_one_process_for_every_kvstore(debian_hosts):
+    """Hosts with 2, 2 and 1 ranks: DataParallel over each collective kvstore, and fit(strategy="data") with
+    its defaults, end 3 steps within 1e-12 of one process (float64), their buckets going flat, hierarchical,
+    through the leaders' ring and through the shared-memory host stages (each counted on the ranks)."""
+    out = debian_hosts.run(5, debian_hosts.hostfile([2, 2, 1]), [PY, f"{JOBS}/training.py"], timeout=150)
+    assert out.returncode == 0, out.stdout + out.stderr
+    verdicts = sorted((json.loads(ln[6:]) for ln in out.stdout.splitlines() if ln.startswith("TRAIN ")),
+                      key=lambda v: v["rank"])
+    assert len(verdicts) == 5, out.stdout + out.stderr
+    for v in verdicts:
+        assert v["failures"] == [] and v["host_sizes"] == [2, 2, 1], v
+        assert set(v["runs"]) == {"dist_sync_mpi", "depchain", "concurrent", "funnel", "fit"}, v
+        leader, shared_host = v["rank"] in (0, 2, 4), v["rank"] < 4
+        for name, run in v["runs"].items():
+            # per step: DataParallel's 330 KB, 1.3 MB and 5.2 MB buckets (the leaders ring the last two);
+            # fit's defaults give a 340 KB and a 6.6 MB bucket
+            per_step = (2, 1) if name == "fit" else (3, 2)
+            assert run["hierarchical"] == 3 * per_step[0], (name, v)
+            assert run.get("ring", 0) == (3 * per_step[1] if leader else 0), (name, v)
+            assert run.get("shared", 0) == (3 if shared_host else 0), (name, v)
+
+
 def test_hybrid_replicas_keep_their_pipeline_inside_a_host(debian_hosts):
     """HyPar-Flow's placement (§6.5): a replica's partitions are consecutive ranks, so mapping ranks by
     slot keeps each pipeline inside a host and only the gradient allreduce crosses the links. Counted on
