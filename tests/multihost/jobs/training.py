@@ -10,6 +10,7 @@ hierarchy's stages. Prints one JSON verdict per rank (``TRAIN {...}``)."""
 from __future__ import annotations
 
 import json
+import threading
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -63,11 +64,17 @@ def path_of(nbytes: int) -> str:
 # -- counting the hierarchy's stages, on whichever thread the kvstore runs them ------------------------
 calls: Counter[str] = Counter()
 host_sizes: list[int] = []
+counting = threading.Lock()  # the concurrent kvstore runs stages on two threads at once: no lost counts
+
+
+def count(name: str) -> None:
+    with counting:
+        calls[name] += 1
 
 
 def counted(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        calls[name] += 1
+        count(name)
         return fn(*args, **kwargs)
     return wrapper
 
@@ -76,7 +83,7 @@ original_allreduce = Hierarchy._allreduce
 
 
 def hierarchical_allreduce(self: Hierarchy, job: Any) -> None:
-    calls["hierarchical"] += 1
+    count("hierarchical")
     if not host_sizes:
         host_sizes.extend(self.host_sizes)
     original_allreduce(self, job)
