@@ -169,11 +169,10 @@ class MPICommunicator(Communicator):
 
     def broadcast(self, t: torch.Tensor, root: int = 0) -> torch.Tensor:
         self._check(t, "t")
+        self._check_rank(root, "root")
         if (not t.is_cpu or self._stage_cpu) and self._size > 1 and self._staged_call(t):
             host, staging = self._stage(t, "t")
-            self._check_rank(root, "root")
             return staging.pieces(t, _pieces, lambda h: host.broadcast(h, root))
-        self._check_rank(root, "root")
         if t.numel() and self._size > 1:
             self._comm.Bcast(_buf(t), root=root)
         return t
@@ -316,10 +315,10 @@ class MPICommunicator(Communicator):
 
     def ibroadcast(self, t: torch.Tensor, root: int = 0) -> Request:
         self._check(t, "t")
+        self._check_rank(root, "root")
         if (not t.is_cpu or self._stage_cpu) and self._size > 1 and self._staged_call(t):
             host, staging = self._stage(t, "t")
             return self._staged_request(t, lambda h: host.ibroadcast(h, root), staging)
-        self._check_rank(root, "root")
         if not t.numel() or self._size == 1:
             return _DoneRequest(t)
         req = self._comm.Ibcast(_buf(t), root=root)
@@ -327,24 +326,23 @@ class MPICommunicator(Communicator):
 
     def isend(self, t: torch.Tensor, dest: int, tag: int = 0) -> Request:
         self._check(t, "t")
+        self._check_rank(dest, "dest")
         if (not t.is_cpu or self._stage_cpu) and self._staged_call(t):
             host, staging = self._stage(t, "t")
-            host._check_rank(dest, "dest")
             if _thread_multiple():  # the copy to the host waits for t's producer: off this thread
                 if self._sends is None:
                     self._sends = StagedSends(staging, host.isend)
                 return self._sends.isend(t, dest, tag)
             return self._staged_request(t, lambda h: host.isend(h, dest, tag), staging, write=False)
-        self._check_rank(dest, "dest")
         req = self._comm.Isend(_buf(t), dest=dest, tag=tag)
         return _CallbackRequest(req.Wait, req.Test, None, keep=t)
 
     def irecv(self, t: torch.Tensor, source: int, tag: int = 0) -> Request:
         self._check(t, "t")
+        self._check_rank(source, "source")
         if (not t.is_cpu or self._stage_cpu) and self._staged_call(t):
             host, staging = self._stage(t, "t")
             return self._staged_request(t, lambda h: host.irecv(h, source, tag), staging, read=False)
-        self._check_rank(source, "source")
         req = self._comm.Irecv(_buf(t), source=source, tag=tag)
         return _CallbackRequest(req.Wait, req.Test, t)
 
