@@ -54,21 +54,22 @@ def allreduce(t: torch.Tensor, buf: list) -> None:
     comm.allreduce(t)
 
 
-def ring_alone(t: torch.Tensor, buf: list) -> None:
+def _ring_while_the_others_sleep(t: torch.Tensor, **ring_options: object) -> None:
+    """The leaders' ring by itself; the other ranks wait asleep in a barrier meanwhile."""
     if ring_comm is not None:
-        ring_allreduce(ring_comm, t)
+        ring_allreduce(ring_comm, t, **ring_options)  # type: ignore[arg-type]
     req = world.Ibarrier()
     while not req.Test():
         time.sleep(1e-3)
+
+
+def ring_alone(t: torch.Tensor, buf: list) -> None:
+    _ring_while_the_others_sleep(t)
 
 
 def ring_alone_as_used(t: torch.Tensor, buf: list) -> None:
     """The leaders' ring alone with the chunks and naps Communicator.allreduce gives it."""
-    if ring_comm is not None:
-        ring_allreduce(ring_comm, t, chunk_bytes=ring_chunk_bytes(t.numel() * 4, h.hosts), nap=RING_NAP_S)
-    req = world.Ibarrier()
-    while not req.Test():
-        time.sleep(1e-3)
+    _ring_while_the_others_sleep(t, chunk_bytes=ring_chunk_bytes(t.numel() * 4, h.hosts), nap=RING_NAP_S)
 
 
 def open_mpi(t: torch.Tensor, buf: list) -> None:

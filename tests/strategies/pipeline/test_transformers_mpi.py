@@ -28,14 +28,20 @@ def micro_slices(inputs: dict, labels: torch.Tensor, slices: int):
         yield {k: v[i * n:(i + 1) * n] for k, v in inputs.items()}, labels[i * n:(i + 1) * n]
 
 
+def backward_in_slices(model, inputs: dict, labels: torch.Tensor, slices: int) -> None:
+    """One process: the gradients of the global batch's mean loss, as `slices` equal micro-batches,
+    added to the parameters' ``.grad``."""
+    for x, y in micro_slices(inputs, labels, slices):
+        (lm_loss(model(**x), y) / slices).backward()
+
+
 def reference_train(model, data, optimizer, slices: int):
     """One process: each global batch as `slices` equal micro-batches, gradients of the mean loss."""
     model = copy.deepcopy(model)
     opt = optimizer(model.parameters())
     for inputs, labels in data:
         opt.zero_grad()
-        for x, y in micro_slices(inputs, labels, slices):
-            (lm_loss(model(**x), y) / slices).backward()
+        backward_in_slices(model, inputs, labels, slices)
         opt.step()
     return model
 
@@ -126,8 +132,7 @@ def test_meta_transformer_in_the_loop_api_trains_and_evaluates_like_one_process(
         pipe.step(inputs, labels, lm_loss)
         opt.step()
         ref_opt.zero_grad()
-        for x, y in micro_slices(inputs, labels, 2):
-            (lm_loss(want(**x), y) / 2).backward()
+        backward_in_slices(want, inputs, labels, 2)
         ref_opt.step()
     compare_held(comm, pipe.trained_model(), want, "meta GPT-2, AdamW loop")
     x = {k: v[:5] for k, v in lm_batches(5, 1, seed=3)[0][0].items()}
@@ -154,8 +159,7 @@ def test_tied_copies_get_the_summed_gradient_and_stay_identical(comm):
         opt.zero_grad()
         pipe.step(inputs, labels, lm_loss)
         ref_opt.zero_grad()
-        for x, y in micro_slices(inputs, labels, 2):
-            (lm_loss(want(**x), y) / 2).backward()
+        backward_in_slices(want, inputs, labels, 2)
         if holders[comm.rank]:
             assert_close_all_ranks(comm, tied.grad, want.lm_head.weight.grad, atol=1e-10, what="tied grad")
         else:
@@ -186,8 +190,7 @@ def test_loop_api_eval_outputs_and_recomputation_equal_one_process(comm):
     ref_opt = torch.optim.SGD(want.parameters(), lr=0.1)
     for inputs, labels in data:
         ref_opt.zero_grad()
-        for x, y in micro_slices(inputs, labels, M):
-            (lm_loss(want(**x), y) / M).backward()
+        backward_in_slices(want, inputs, labels, M)
         ref_opt.step()
     compare(comm, pipe.trained_model(), want, "checkpoint='always'")
     # every rank saves; all ranks together keep at most 3/4 (a rank holding little more than the
