@@ -117,9 +117,10 @@ def test_model_and_hybrid_fit_of_a_cuda_model_equal_one_process(comm, device, pr
         dc.assert_one_process(comm, got, ref, f"{strategy} P={parts} {precision} on {device}", atol=atol)
 
 
+@pytest.mark.parametrize("thin", [False, True], ids=["mesh", "whole-block-halos"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_spatial_fit_of_a_cuda_model_equals_one_process(comm, device, precision):
-    got, ref = dc.train_spatial(comm, device, precision)
+def test_spatial_fit_of_a_cuda_model_equals_one_process(comm, device, precision, thin):
+    got, ref = dc.train_spatial(comm, device, precision, thin=thin)
     dc.assert_one_process(comm, got, ref, f"spatial {precision} on {device}",
                           atol=dc.ATOL if precision == "fp32" else 1e-2)
 
