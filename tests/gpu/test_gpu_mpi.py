@@ -152,3 +152,31 @@ def test_spatial_fit_on_region_batches_moves_blocks_to_the_cuda_model(comm, devi
     got_p = [p.detach().cpu() for p in got.model.parameters()]
     dc.assert_one_process(comm, got_p, [p.detach().cpu() for p in want.model.parameters()], "region vs full on cuda",
                           atol=1e-12)
+
+
+@pytest.mark.mpi(sizes=(2,))
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+def test_spatial_fit_of_torchvision_resnet18_on_cuda_equals_one_process_without_hanging(comm, device, dtype):
+    """The case that hung on an H200 (issue #30): fit(strategy="spatial") of ResNet-18 at 64^2 on grids
+    2x1 and 1x2 of ranks sharing the GPU. Its last stage is 2x2, so each rank's halo there is its whole
+    block. A stall now ends the job after 60 s, naming the exchange and the ranks."""
+    import copy
+
+    from torch import nn
+
+    from mpitrain.fit import fit
+    from mpitrain.spatial.models import torchvision_module
+
+    torch.manual_seed(0)
+    model = torchvision_module("models.resnet").resnet18(num_classes=10).to(dtype).to(device)
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(2, 3, 64, 64, dtype=dtype, generator=g), torch.randint(0, 10, (2,), generator=g))
+            for _ in range(2)]
+    sgd = lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)  # noqa: E731
+    ref = copy.deepcopy(model)
+    want = dc.steps_in_one_process(ref, data, nn.CrossEntropyLoss(), sgd(ref.parameters()), device)
+    for grid in ((2, 1), (1, 2)):
+        got = fit(copy.deepcopy(model), data, nn.CrossEntropyLoss(), sgd, strategy="spatial", grid=grid, samples=1,
+                  progress=False, comm=comm, warn_after=20.0, abort_after=60.0).model
+        dc.assert_one_process(comm, [p.detach().cpu() for p in got.parameters()], want, f"resnet18 {grid} {dtype}",
+                              atol=1e-9 if dtype == torch.float64 else 1e-3)
