@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import mpitrain
+from mpitrain.bench._dataparallel_cuda import resnet50
 from mpitrain.bench.common import (
     add_outputs,
     add_precisions,
@@ -53,12 +54,6 @@ __all__ = ["main"]
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
 
 
-def _resnet50() -> nn.Module:
-    from mpitrain.spatial.models import torchvision_module
-
-    return torchvision_module("models.resnet").resnet50(num_classes=1000)  # type: ignore[no-any-return]
-
-
 def small224() -> nn.Module:
     """A small CNN on ResNet-50's input (3 x 224^2, 1000 classes): on one CPU core a step of a batch of 64
     (38.5 MB, the batch of ResNet-50 on a GPU) takes tens of milliseconds, as ResNet-50 does on a GPU,
@@ -71,7 +66,7 @@ def small224() -> nn.Module:
 MODELS: dict[str, tuple[Callable[[], nn.Module], int, int, int, int]] = {
     "small224": (small224, 224, 1000, 64, 64),
     "cnn": (cnn, 32, 10, 16, 256),
-    "resnet50": (_resnet50, 224, 1000, 4, 64),
+    "resnet50": (resnet50, 224, 1000, 4, 64),
 }
 
 
