@@ -55,8 +55,10 @@ part() {
     local closing
     closing=$(grep -aE "[0-9]+ (passed|failed|skipped|error)" "$OUT/part.txt" | tail -1 | tr -d '|')
     note "| $name | $verdict | $(($(date +%s) - t))s | $closing |"
-    if [[ $name == bench* ]]; then  # the tables themselves, for docs/gpu.md
-        { echo '```'; grep -aE "^#|^ *[a-z0-9-]+  |^ *-+  " "$OUT/part.txt"; echo '```'; } >> "$SUMMARY.tables"
+    local table
+    table=$(grep -aE "^# |^ *[a-z0-9-]+  |^ *-+  " "$OUT/part.txt")
+    if [[ $name == bench* && -n $table ]]; then  # the tables themselves, for docs/gpu.md
+        printf '%s\n' '```' "$table" '```' >> "$SUMMARY.tables"
     fi
     rm -f "$OUT/part.txt"
 }
