@@ -42,7 +42,7 @@ class _Send(Request):
 
     def __init__(self, t: torch.Tensor, dest: int, tag: int) -> None:
         self.tensor: torch.Tensor | None = t.detach()  # the data alone, whatever the worker's grad mode
-        self.what = f"{tuple(t.shape)} {t.dtype} on {t.device} to rank {dest} (tag {tag})"
+        self._of = (t.shape, t.dtype, t.device)  # named by describe(), only if the send fails
         self.dest, self.tag = dest, tag
         self.ready = ready_event(t)  # the caller's stream has produced `t` here
         self.host: torch.Tensor | None = None
@@ -50,6 +50,10 @@ class _Send(Request):
         self.error: BaseException | None = None
         self._posted = threading.Event()
         self._release: Callable[[], None] | None = None
+
+    def describe(self) -> str:
+        shape, dtype, device = self._of
+        return f"{tuple(shape)} {dtype} on {device} to rank {self.dest} (tag {self.tag})"
 
     def _complete(self) -> None:
         if self._release is not None:
@@ -126,7 +130,7 @@ class StagedSends:
                 job.error = e
                 if job.host is not None:
                     self._staging.give(job.host)
-                say(f"[mpitrain] {self._who}: the staged send of {job.what} failed ({type(e).__name__}: {e}); "
+                say(f"[mpitrain] {self._who}: the staged send of {job.describe()} failed ({type(e).__name__}: {e}); "
                     f"its receiver would wait forever: aborting the job")
                 self._abort(1)
             finally:
