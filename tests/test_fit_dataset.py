@@ -142,6 +142,13 @@ def test_ranks_yielding_different_first_batches_raise_fit_error_naming_them(comm
     odd = [r for r in range(comm.size) if r % 2]
     with pytest.raises(FitError, match=re.escape(f"ranks {odd} disagree with rank 0")):
         fit(mlp(), data, F.cross_entropy, sgd, strategy="data", progress=False)
+    # a batch larger than the fingerprint's sample, the same rows in another order on odd ranks
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4096, 6, generator=g, dtype=torch.float64)
+    order = torch.randperm(4096, generator=torch.Generator().manual_seed(comm.rank % 2))
+    with pytest.raises(FitError, match=re.escape(f"ranks {odd} disagree with rank 0")):
+        fit(mlp(), [(x[order], torch.zeros(4096, dtype=torch.long))], F.cross_entropy, sgd, strategy="data",
+            progress=False)
 
 
 @pytest.mark.parametrize("strategy", ["data", "pipe-sgd"])

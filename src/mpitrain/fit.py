@@ -112,7 +112,7 @@ def _batch_count(data: object) -> int | None:
 class _Bar(Protocol):
     """The part of a tqdm progress bar that fit uses."""
 
-    def set_postfix(self, **kwargs: str) -> None: ...
+    def set_postfix(self, refresh: bool = True, **kwargs: str) -> None: ...
     def update(self, n: int) -> object: ...
     def close(self) -> None: ...
 
@@ -336,7 +336,7 @@ class _Loop:
                 p.batch, p.epoch_steps, p.step = p.batch + len(group), p.epoch_steps + 1, p.step + 1
                 p.loss_sum, p.samples = p.loss_sum + loss * n, p.samples + n
                 if bar is not None:
-                    bar.set_postfix(loss=f"{loss:.4f}")
+                    bar.set_postfix(loss=f"{loss:.4f}", refresh=False)  # update() redraws, at most 10 times a second
                     bar.update(1)
                 self._callback(s.on_step_end, LoopState(p.epoch + 1, p.step, loss, lr, self.history))
                 if s.checkpoint_every and p.step % s.checkpoint_every == 0:
@@ -364,7 +364,7 @@ class _Loop:
 
     def _steps_in_epoch(self) -> int | None:
         s = self.s
-        count = len(s.plan.batches(self.pos.epoch)) if s.plan is not None else _batch_count(self.data)
+        count = s.plan.count() if s.plan is not None else _batch_count(self.data)
         if count is not None:
             count = -(-count // s.accumulate)
         return min(count, s.steps) if (count is not None and s.steps is not None) else (count or s.steps)

@@ -1,4 +1,4 @@
-"""`mpitrain bench dataparallel|pipeline|spatial --device cuda` says why and exits 2 where torch sees no GPU."""
+"""`mpitrain bench dataparallel|pipeline|spatial|fit --device cuda` says why and exits 2 where torch sees no GPU."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: the benchmark would run")
-@pytest.mark.parametrize("bench", ["dataparallel", "pipeline", "spatial"])
+@pytest.mark.parametrize("bench", ["dataparallel", "pipeline", "spatial", "fit"])
 def test_device_cuda_without_a_gpu_exits_2_saying_why(bench, capsys):
     main = importlib.import_module(f"mpitrain.bench.{bench}").main
     assert main(["--device", "cuda"]) == 2

@@ -135,6 +135,25 @@ def test_staged_isends_to_one_peer_with_one_tag_arrive_in_the_order_sent(pair):
         same(direct, g, data(left, 1000, torch.float32, seed=k), f"message {k} in order")
 
 
+def test_a_staged_isend_of_a_view_that_requires_grad_sends_its_data(pair):
+    """A halo exchange sends, from inside an autograd Function's forward (no_grad), a rank's whole block:
+    a view of an activation that requires grad. The staged-send thread runs with grad mode on; it must
+    send the data (it failed to copy such a view, and the receiver waited forever)."""
+    direct, staged = pair
+    r, p = direct.rank, direct.size
+    right, left = (r + 1) % p, (r - 1) % p
+    weight = torch.ones(1, requires_grad=True)
+    activation = data(r, 12, torch.float32).reshape(1, 3, 1, 4) * weight  # a layer's output
+    with torch.no_grad():
+        block = activation[..., 0:1, 0:4].contiguous()  # the view itself: it requires grad
+        got = torch.zeros(1, 3, 1, 4)
+        reqs = [direct.irecv(got, left, 8), staged.isend(block, right, 8)]
+    assert_all_ranks(direct, block.requires_grad and block._is_view(), "the sent block is a view requiring grad")
+    for q in reqs:
+        q.wait()
+    same(direct, got, data(left, 12, torch.float32).reshape(1, 3, 1, 4), "whole-block halo")
+
+
 def test_staged_calls_refuse_bad_input_before_any_message(pair):
     _, staged = pair
     errors = []

@@ -70,3 +70,24 @@ def test_pieces_run_the_operation_per_piece_and_give_the_mirror_back():
     assert [p.tolist() for p in seen] == [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]]
     assert torch.equal(t, torch.arange(6.0) * 2)
     assert len(s._free[(torch.float32, 6)]) == 1  # lent again, not leaked
+
+
+def test_a_staged_send_that_cannot_be_posted_ends_the_job_naming_it(capfd):
+    """The worker posts a staged send after the caller returned; a send it cannot post would leave the
+    receiver waiting forever (the error reaches this rank only when it waits for the send), so the worker
+    names the send and calls the communicator's abort at once. Here `post` raises and abort records."""
+    from mpitrain.comm._staged_sends import StagedSends
+
+    def post(host: torch.Tensor, dest: int, tag: int):
+        raise RuntimeError("MPI refused the send")
+
+    aborts: list[int] = []
+    sends = StagedSends(Staging(), post, aborts.append, "rank 3")
+    req = sends.isend(torch.ones(2, 5), 1, 7)
+    with pytest.raises(RuntimeError, match="MPI refused the send"):
+        req.wait()
+    sends.close()
+    assert aborts == [1]
+    assert ("[mpitrain] rank 3: the staged send of (2, 5) torch.float32 on cpu to rank 1 (tag 7) failed "
+            "(RuntimeError: MPI refused the send); its receiver would wait forever: aborting the job"
+            in capfd.readouterr().err)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 import warnings
 
@@ -36,3 +37,13 @@ def test_wait_request_warns_naming_who_and_what_then_gives_up_and_later_complete
     comm.send(torch.ones(1), 0, tag=99)
     out = wait_request(req, "recv of 'x'")
     assert out is not None and out.item() == 1.0
+
+
+def test_a_watched_wait_past_abort_after_says_so_and_aborts_once(capfd):
+    calls: list[int] = []
+    with watched("halo exchange", "rank 0 waits for rank 1", warn_after=0.2, abort_after=1.0, abort=calls.append):
+        time.sleep(2.5)  # the monitor wakes once a second: it gives up at its second wake-up at the latest
+    assert calls == [1]
+    err = capfd.readouterr().err
+    assert re.search(r"\[mpitrain\] halo exchange gave up after [12]s; rank 0 waits for rank 1; aborting the job",
+                     err), err

@@ -11,7 +11,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import mpitrain
 import mpitrain.horovod as hvd
 from mpitrain.horovod._basics import state
 from tests.gpu._cuda import needs_cuda
@@ -29,29 +28,23 @@ def _init(comm):
     hvd.init()  # once; again only if another test module shut it down
 
 
-@pytest.fixture(scope="module")
-def dev(comm):
-    """This rank's GPU (mpitrain.init binds it; several ranks may share one)."""
-    return mpitrain.device()
-
-
 def staged() -> bool:
     """Whether the engine stages CUDA tensors through host memory (then results are bitwise the CPU's)."""
     return "cuda" not in state().engine.comms[0]._direct
 
 
-def test_collectives_on_cuda_tensors_equal_the_cpu_ones_on_the_input_device(comm, dev):
+def test_collectives_on_cuda_tensors_equal_the_cpu_ones_on_the_input_device(comm, device):
     want = hc.run_collectives(CPU)
-    got = hc.run_collectives(dev)
+    got = hc.run_collectives(device)
     hc.assert_same_results(comm, got, want, bitwise=staged())
 
 
-def test_allreduce_waits_for_an_input_produced_late_on_a_side_stream(comm, dev):
+def test_allreduce_waits_for_an_input_produced_late_on_a_side_stream(comm, device):
     """The op must run after the caller's current stream has produced the input, even when that
     stream is busy (a long sleep kernel first) and is not the default stream."""
-    side = torch.cuda.Stream(device=dev)
-    x = torch.zeros(1 << 16, device=dev)
-    side.wait_stream(torch.cuda.current_stream(dev))
+    side = torch.cuda.Stream(device=device)
+    x = torch.zeros(1 << 16, device=device)
+    side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
         torch.cuda._sleep(50_000_000)  # ~25 ms of GPU time before the input gets its value
         x.fill_(comm.rank + 1.0)
@@ -61,33 +54,33 @@ def test_allreduce_waits_for_an_input_produced_late_on_a_side_stream(comm, dev):
     assert_all_ranks(comm, ok, "allreduce read its input before the producing stream finished")
 
 
-def test_cpu_tensor_on_one_rank_and_cuda_on_the_others_fails_on_every_rank(comm, dev):
+def test_cpu_tensor_on_one_rank_and_cuda_on_the_others_fails_on_every_rank(comm, device):
     """Horovod's "mismatched CPU/GPU device" check: the device type is part of the signature; the
     engine stays usable afterwards."""
-    t = torch.ones(4, device=CPU if comm.rank == 0 else dev)
+    t = torch.ones(4, device=CPU if comm.rank == 0 else device)
     raises_everywhere(comm, hvd.HorovodInternalError, lambda: hvd.allreduce(t, op=hvd.Sum), "devices")
-    y = hvd.allreduce(torch.ones(4, device=dev), op=hvd.Sum)
+    y = hvd.allreduce(torch.ones(4, device=device), op=hvd.Sum)
     assert_all_ranks(comm, y.is_cuda and bool((y.cpu() == comm.size).all()), "engine unusable after a mismatch")
 
 
-def test_distributed_optimizer_of_a_cuda_model_equals_one_process(comm, dev):
-    got = hc.train_distributed_optimizer(dev)
-    dc.assert_one_process(comm, got, dc.train_one_process(comm.size, dev), f"DistributedOptimizer on {dev}")
+def test_distributed_optimizer_of_a_cuda_model_equals_one_process(comm, device):
+    got = hc.train_distributed_optimizer(device)
+    dc.assert_one_process(comm, got, dc.train_one_process(comm.size, device), f"DistributedOptimizer on {device}")
 
 
-def test_broadcast_parameters_of_a_cuda_model_makes_every_rank_the_roots(comm, dev):
+def test_broadcast_parameters_of_a_cuda_model_makes_every_rank_the_roots(comm, device):
     for root in range(comm.size):
-        model = dc.fresh_model(dev)
+        model = dc.fresh_model(device)
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(comm.rank)
         hvd.broadcast_parameters(model.state_dict(), root_rank=root)
-        want = [p.detach().cpu() + root for p in dc.fresh_model(dev).parameters()]
+        want = [p.detach().cpu() + root for p in dc.fresh_model(device).parameters()]
         got = [p.detach() for p in model.parameters()]
-        ok = all(g.device == torch.device(dev) for g in got)
+        ok = all(g.device == torch.device(device) for g in got)
         ok = ok and all(torch.equal(g.cpu(), w) for g, w in zip(got, want))
-        assert_all_ranks(comm, ok, f"broadcast_parameters from {root}: not root's parameters on {dev}")
+        assert_all_ranks(comm, ok, f"broadcast_parameters from {root}: not root's parameters on {device}")
 
 
-def test_broadcast_optimizer_state_sends_cuda_adam_state_whole(comm, dev):
-    hc.assert_adam_state_broadcast(comm, dev)
+def test_broadcast_optimizer_state_sends_cuda_adam_state_whole(comm, device):
+    hc.assert_adam_state_broadcast(comm, device)

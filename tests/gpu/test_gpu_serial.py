@@ -66,3 +66,26 @@ def test_torch_backend_runs_nccl_for_cuda_and_gloo_for_cpu_in_one_job():
         print("OK", dev)
     """, n=1, timeout=300)
     assert job.returncode == 0 and "OK cuda" in job.stdout, job.stdout + job.stderr
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_a_cuda_transformer_is_exported_on_cuda_from_a_loaders_cpu_rows(name):
+    """torch.export refused a CUDA model's embedding of CPU token ids (issue #30): capture moves the
+    sample to the parameters' device first."""
+    from mpitrain.strategies.pipeline._graph import capture
+    from tests.strategies.pipeline.tiny_transformers import build, lm_batches
+
+    model = build(name).to(CUDA)
+    (inputs, _), = lm_batches(4, 1)
+    traced = capture(model, inputs)
+    assert traced.how == "export" and {p.meta["val"].device for p in traced.placeholders} == {CUDA}
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_model_fit_of_a_cuda_transformer_on_one_rank_equals_one_process(name):
+    """The conformance test of tests/strategies/pipeline at world size 1 (one partition), on CUDA."""
+    from tests.strategies.pipeline.test_transformers_mpi import (
+        test_transformer_parameters_after_2_steps_equal_one_process as conformance,
+    )
+
+    conformance(mpitrain.init(), CUDA, name, "1f1b")

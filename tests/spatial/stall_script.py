@@ -8,6 +8,7 @@ import warnings
 import torch
 
 import mpitrain
+from mpitrain._utils.stall import StallPolicy
 from mpitrain.spatial._exchange import start_exchange, wait_all
 from mpitrain.spatial.halo import plan_halo, window_of
 
@@ -18,6 +19,6 @@ if comm.rank == 1:
 ex = start_exchange(torch.full((1, 1, *plan.owned.shape), float(comm.rank)), plan, comm)
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
-    wait_all(ex.requests, plan, warn_after=1.0)
+    wait_all(ex.requests, plan, StallPolicy(warn_after=1.0))
 print(f"rank {comm.rank} halo {ex.halos[0].flatten().tolist()} warnings {[str(w.message) for w in caught]}",
       flush=True)

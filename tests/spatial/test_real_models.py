@@ -62,21 +62,23 @@ def _flat(model: nn.Module) -> torch.Tensor:
 def _reference_update(comm, model: nn.Module, batches, loss_fn) -> torch.Tensor:
     """The parameter update of `STEPS` SGD steps in one process (computed on rank 0, sent to all)."""
     ref = copy.deepcopy(model)
+    model_device = next(model.parameters()).device
     if comm.rank == 0:
         opt = sgd(ref.parameters())
         for x, y in batches:
             opt.zero_grad()
-            loss_fn(ref(x), y).backward()
+            loss_fn(ref(x.to(model_device)), y.to(model_device)).backward()
             opt.step()
     return comm.broadcast(_flat(ref) - _flat(model), 0)
 
 
 @pytest.mark.parametrize("name", list(MODELS))
-def test_torchvision_model_trains_as_one_process_on_every_grid(comm, name):
+def test_torchvision_model_trains_as_one_process_on_every_grid(comm, device, name):
+    """On `device` (the CPU here; the GPU suite runs this test again on CUDA: tests/gpu)."""
     if comm.size == 3 and name not in ("resnet18", "densenet"):  # the same verdict on every rank
         pytest.skip("3 ranks (3x1, uneven blocks) run the cheap models only; 2 and 4 ranks run all")
     torch.manual_seed(0)
-    model = _no_dropout(MODELS[name]().double())
+    model = _no_dropout(MODELS[name]().double()).to(device)
     loss_fn = nn.CrossEntropyLoss()
     start = _flat(model)
     g = torch.Generator().manual_seed(1)

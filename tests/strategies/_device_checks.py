@@ -144,16 +144,33 @@ def train_pipeline_one_process(size: int, device: torch.device, precision: str =
     return steps_in_one_process(model, global_batches(size), F.cross_entropy, opt, device, precision)
 
 
-def train_spatial(comm, device: torch.device, precision: str = "fp32") -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """fit(strategy="spatial") of a small mesh model on `device` over a (size x 1) grid, and the same
-    steps in one process; both parameter lists on the CPU."""
+def thin_cnn() -> nn.Module:
+    """Two 3x3 convolutions (BatchNorm, in-place ReLU), a global pool and a linear head: on images one
+    row per rank high, each rank's halo of the second convolution is its whole block, a view of an
+    activation that requires grad (what ResNet-18's last stage sends at 64^2 on 2 ranks)."""
+    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(inplace=True),
+                         nn.Conv2d(4, 4, 3, padding=1), nn.ReLU(inplace=True), nn.AdaptiveAvgPool2d(1),
+                         nn.Flatten(), nn.Linear(4, 3))
+
+
+def train_spatial(comm, device: torch.device, precision: str = "fp32",
+                  thin: bool = False) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """fit(strategy="spatial") of a small mesh model (with `thin`: :func:`thin_cnn` on images one row
+    per rank high) on `device` over a (size x 1) grid, and the same steps in one process; both
+    parameter lists on the CPU."""
     from mpitrain.spatial.mesh import mesh_batch, mesh_model
 
-    torch.manual_seed(0)
-    model = mesh_model(in_channels=3, widths=(4, 6), convs_per_block=1).to(device)
-    torch.manual_seed(0)
-    ref = mesh_model(in_channels=3, widths=(4, 6), convs_per_block=1).to(device)
-    data = [mesh_batch(2, 24, in_channels=3, blocks=2, seed=s) for s in range(2)]
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return (thin_cnn() if thin else mesh_model(in_channels=3, widths=(4, 6), convs_per_block=1)).to(device)
+
+    model, ref = build(), build()
+    if thin:
+        g = torch.Generator().manual_seed(3)
+        data = [(torch.randn(2, 3, comm.size, 5, generator=g), torch.randint(0, 3, (2,), generator=g))
+                for _ in range(2)]
+    else:
+        data = [mesh_batch(2, 24, in_channels=3, blocks=2, seed=s) for s in range(2)]
     sgd = lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9)  # noqa: E731
     result = fit(model, data, nn.CrossEntropyLoss(), sgd, strategy="spatial", grid=(comm.size, 1), samples=1,
                  progress=False, comm=comm, precision=precision)

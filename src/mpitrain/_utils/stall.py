@@ -8,7 +8,8 @@ Every wait in mpitrain that could last forever goes through this module, with th
   rank does not spin a core. For the main thread's waits (pipeline stages, kvstore negotiation).
 * :func:`watched` marks a wait that must stay *blocking inside MPI* (communication threads): a Python
   polling loop fights the compute thread for the GIL, while a blocked MPI call releases it. One
-  monitor thread per process warns when such a wait outlives its limit.
+  monitor thread per process warns when such a wait outlives its limit, and ends the job when it
+  outlives ``abort_after`` where the waiter gave a way to (``abort``).
 """
 
 from __future__ import annotations
@@ -129,20 +130,31 @@ def wait_until(done: Callable[[], bool], what: str | Callable[[], str], policy: 
             next_warning = min(next_warning, start + policy.abort_after)
 
 
+@dataclass(frozen=True)
+class _Watch:
+    label: str
+    detail: str | Callable[[], str]
+    since: float
+    warn_after: float
+    abort_after: float | None
+    abort: Callable[[int], None] | None
+
+
 class _Monitor:
     """One daemon thread per process, waking once a second, that warns about blocking waits that
-    registered with :func:`watched` and outlived their limit (once per wait)."""
+    registered with :func:`watched` and outlived their limit (once per wait), and ends the job for
+    those that outlived their `abort_after` and gave an `abort`."""
 
     def __init__(self) -> None:
-        # thread id -> (label, detail, since, warn_after); the message is formatted only if it is late
-        self._waits: dict[int, tuple[str, str | Callable[[], str], float, float]] = {}
+        # thread id -> the wait it is blocked in; the message is formatted only if it is late
+        self._waits: dict[int, _Watch] = {}
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
 
-    def enter(self, label: str, detail: str | Callable[[], str], warn_after: float) -> int:
+    def enter(self, watch: _Watch) -> int:
         key = threading.get_ident()
         with self._lock:
-            self._waits[key] = (label, detail, time.monotonic(), warn_after)
+            self._waits[key] = watch
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="mpitrain-stall-monitor", daemon=True)
                 self._thread.start()
@@ -154,29 +166,44 @@ class _Monitor:
 
     def _run(self) -> None:
         warned: set[tuple[int, float]] = set()
+        gave_up: set[tuple[int, float]] = set()
         while True:
             time.sleep(1.0)
             now = time.monotonic()
             with self._lock:
-                late = [(k, w) for k, w in self._waits.items() if now - w[2] > w[3] and (k, w[2]) not in warned]
-            for key, (label, detail, since, warn_after) in late:
-                warned.add((key, since))
-                text = detail() if callable(detail) else detail
-                warnings.warn(f"{label} stalled for {warn_after:g} s; {text}", RuntimeWarning, stacklevel=1)
+                waits = list(self._waits.items())
+            for key, w in waits:
+                late = now - w.since
+                if w.abort is not None and w.abort_after is not None and late >= w.abort_after:
+                    if (key, w.since) in gave_up:
+                        continue  # abort returned (it should not): once is enough
+                    gave_up.add((key, w.since))
+                    text = w.detail() if callable(w.detail) else w.detail
+                    say(f"[mpitrain] {w.label} gave up after {late:.0f}s; {text}; aborting the job")
+                    w.abort(1)
+                elif late > w.warn_after and (key, w.since) not in warned:
+                    warned.add((key, w.since))
+                    text = w.detail() if callable(w.detail) else w.detail
+                    warnings.warn(f"{w.label} stalled for {w.warn_after:g} s; {text}", RuntimeWarning, stacklevel=1)
 
 
 _monitor = _Monitor()
 
 
 @contextmanager
-def watched(label: str, detail: str | Callable[[], str], warn_after: float) -> Iterator[None]:
+def watched(label: str, detail: str | Callable[[], str], warn_after: float, abort_after: float | None = None,
+            abort: Callable[[int], None] | None = None) -> Iterator[None]:
     """Mark the calling thread as blocked in `label` for the duration of the ``with`` block; if the block
     lasts longer than `warn_after` seconds a shared monitor thread issues one RuntimeWarning
-    "<label> stalled for <warn_after> s; <detail>" (`detail` may be a callable, called only then).
+    "<label> stalled for <warn_after> s; <detail>" (`detail` may be a callable, called only then). With
+    `abort_after` and `abort`, a block still running after `abort_after` seconds makes the monitor say
+    "[mpitrain] <label> gave up after <N>s; <detail>; aborting the job" on stderr and call ``abort(1)``,
+    which ends every rank (a thread blocked inside MPI cannot be interrupted otherwise); the monitor
+    wakes once a second, so that comes within a second of the limit.
 
     For waits that must block inside MPI rather than poll (see the module docstring). Entering and
     leaving costs a lock and a dict update; the monitor wakes once a second."""
-    key = _monitor.enter(label, detail, warn_after)
+    key = _monitor.enter(_Watch(label, detail, time.monotonic(), warn_after, abort_after, abort))
     try:
         yield
     finally:

@@ -30,10 +30,11 @@ from mpitrain.bench.common import (
 from mpitrain.comm.base import Communicator
 from mpitrain.strategies.data_parallel import DataParallel
 
-__all__ = ["run"]
+__all__ = ["run", "resnet50"]
 
 
-def _resnet50() -> nn.Module:
+def resnet50() -> nn.Module:
+    """torchvision's ResNet-50, 1000 classes, random weights (its C++ ops never loaded: tests/README.md)."""
     from mpitrain.spatial.models import torchvision_module
 
     return torchvision_module("models.resnet").resnet50(num_classes=1000)  # type: ignore[no-any-return]
@@ -79,16 +80,16 @@ def run(args: argparse.Namespace) -> list[list[object]]:
     for precision in args.precisions:
         bf16 = precision == "bf16"
         torch.manual_seed(0)
-        plain = _resnet50().to(dev)
+        plain = resnet50().to(dev)
         timers = {"plain torch": device_timer(comm, _Step(plain, x, y, bf16), args.steps, dev)}
         if own_gpu and not args.no_ddp:
             torch.manual_seed(0)
-            ddp = _ddp(_resnet50().to(dev), dev, args.bucket_mb)
+            ddp = _ddp(resnet50().to(dev), dev, args.bucket_mb)
             timers["ddp (nccl)"] = device_timer(comm, _Step(ddp, x, y, bf16), args.steps, dev)
         dps = []
         for kv in args.kvstores.split(","):
             torch.manual_seed(0)
-            dp = DataParallel(_resnet50().to(dev), kvstore=kv, bucket_mb=args.bucket_mb, comm=comm)
+            dp = DataParallel(resnet50().to(dev), kvstore=kv, bucket_mb=args.bucket_mb, comm=comm)
             dps.append(dp)
             timers[f"mpitrain/{kv}"] = device_timer(comm, _Step(dp, x, y, bf16), args.steps, dev)
         t = paired_rounds(timers, args.rounds)

@@ -331,7 +331,7 @@ class MPICommunicator(Communicator):
             host, staging = self._stage(t, "t")
             if _thread_multiple():  # the copy to the host waits for t's producer: off this thread
                 if self._sends is None:
-                    self._sends = StagedSends(staging, host.isend)
+                    self._sends = StagedSends(staging, host.isend, self.abort, f"rank {self._rank}")
                 return self._sends.isend(t, dest, tag)
             return self._staged_request(t, lambda h: host.isend(h, dest, tag), staging, write=False)
         req = self._comm.Isend(_buf(t), dest=dest, tag=tag)

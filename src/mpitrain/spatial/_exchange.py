@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .._utils.stall import DEFAULT_POLICY, watched
+from .._utils.stall import DEFAULT_POLICY, StallPolicy, watched
 from ..comm.base import Communicator, Request
 from ..timeline import span
 from ._memory import dense, empty_as
@@ -115,11 +115,17 @@ def start_exchange(x: torch.Tensor, plan: HaloPlan, comm: Communicator, tag: int
     return Exchange(halos, reqs, sends)
 
 
-def wait_all(requests: Sequence[Request], plan: HaloPlan, warn_after: float = DEFAULT_POLICY.warn_after) -> None:
-    """Complete every request (blocking); if that takes more than `warn_after` seconds a watchdog warns
-    once, naming this rank's plan (the ranks and boxes it waits for). A dead rank ends the job through
-    the launcher; a layer that differs on another rank shows up in the warnings of both."""
-    _wait_watched(requests, "halo exchange", plan.__str__, warn_after)
+Abort = Callable[[int], None]
+
+
+def wait_all(requests: Sequence[Request], plan: HaloPlan, stall: StallPolicy = DEFAULT_POLICY,
+             abort: Abort | None = None) -> None:
+    """Complete every request (blocking); if that takes more than ``stall.warn_after`` seconds a
+    watchdog warns once, naming this rank's plan (the ranks and boxes it waits for), and with `abort`
+    (the communicator's) it ends the job after ``stall.abort_after`` seconds, saying so. A dead rank
+    ends the job through the launcher; a layer that differs on another rank shows up in the warnings
+    of both."""
+    _wait_watched(requests, "halo exchange", plan.__str__, stall, abort)
 
 
 class SendQueue:
@@ -131,9 +137,13 @@ class SendQueue:
     send). Deferred sends are completed after the next exchange's receives and at the end of every
     forward and backward (docs/spatial.md has the measured cost of not deferring)."""
 
-    def __init__(self, warn_after: float = DEFAULT_POLICY.warn_after) -> None:
-        self.warn_after = warn_after
+    def __init__(self, stall: StallPolicy = DEFAULT_POLICY, abort: Abort | None = None) -> None:
+        self.stall, self.abort = stall, abort  # every halo wait of the distribution: see wait_all
         self._pending: list[tuple[Request, torch.Tensor]] = []
+
+    @property
+    def warn_after(self) -> float:
+        return self.stall.warn_after
 
     def __len__(self) -> int:
         return len(self._pending)
@@ -148,15 +158,16 @@ class SendQueue:
             pending = self._pending
             _wait_watched([r for r, _ in pending], "halo sends",
                           lambda: f"{sum(not r.test() for r, _ in pending)} halo sends still in flight",
-                          self.warn_after)
+                          self.stall, self.abort)
             self._pending = []
 
 
-def _wait_watched(requests: Sequence[Request], label: str, detail: Callable[[], str], warn_after: float) -> None:
+def _wait_watched(requests: Sequence[Request], label: str, detail: Callable[[], str], stall: StallPolicy,
+                  abort: Abort | None) -> None:
     """Complete `requests`; only those not done yet register with the stall watchdog."""
     late = [r for r in requests if not r.test()]
     if late:
-        with watched(label, detail, warn_after):
+        with watched(label, detail, stall.warn_after, stall.abort_after, abort):
             for r in late:
                 r.wait()
 
@@ -166,10 +177,11 @@ def settle(ex: Exchange, plan: HaloPlan, queue: SendQueue | None, backward: bool
     `queue` (their buffers stay referenced until they complete; with no queue they are completed now).
     With `backward` (called from an autograd backward) the deferred sends are also completed when that
     backward pass ends."""
+    stall, abort = (queue.stall, queue.abort) if queue is not None else (DEFAULT_POLICY, None)
     with span("halo exchange finish", kind="comm", backward=backward):  # timeline: the receives' waits nest
-        wait_all(ex.requests, plan, queue.warn_after if queue is not None else DEFAULT_POLICY.warn_after)
+        wait_all(ex.requests, plan, stall, abort)
     if queue is None:
-        _wait_watched([r for r, _ in ex.sends], "halo sends", plan.__str__, DEFAULT_POLICY.warn_after)
+        _wait_watched([r for r, _ in ex.sends], "halo sends", plan.__str__, stall, abort)
         return
     queue.complete()
     queue.defer(ex.sends)

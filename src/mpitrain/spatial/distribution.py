@@ -37,7 +37,8 @@ class Distribution:
     allgather over the spatial group, warned once per op and counted in :attr:`redistributions`),
     ``"error"`` raises :class:`SpatialError`. The distribution owns the queue of halo sends left in
     flight by the layers of the models parallelized over it (:attr:`sends`); a halo wait longer than
-    ``stall.warn_after`` seconds warns, naming the ranks and boxes it waits for.
+    ``stall.warn_after`` seconds warns, naming the ranks and boxes it waits for, and one longer than
+    ``stall.abort_after`` seconds ends the job (``comm.abort``), saying so.
     """
 
     def __init__(self, comm: Communicator, grid: tuple[int, ...] = (1, 1), samples: int = 1,
@@ -55,7 +56,7 @@ class Distribution:
             raise SpatialError(f"nonspatial must be one of {NONSPATIAL}, got {nonspatial!r}")
         self.comm, self.grid, self.samples, self.nonspatial = comm, grid, samples, nonspatial
         self.redistributions: dict[str, int] = {}
-        self.sends = SendQueue(stall.warn_after)
+        self.sends = SendQueue(stall, comm.abort)
         self.per_sample = per_sample
         self.group, self.spatial_rank = divmod(comm.rank, self.per_sample)
         self.coords = self.grid_coords(self.spatial_rank)

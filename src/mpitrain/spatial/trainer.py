@@ -252,8 +252,9 @@ FEATURES = frozenset({"shares", "checkpoint", "lr_scheduler", "grad_clip", "bf16
 
 def make_trainer(model: nn.Module, loss_fn: LossFn, optimizer: OptimizerFactory, comm: Communicator,
                  spec: FitSpec) -> SpatialTrainer:
-    """The `fit` factory (options: :class:`SpatialOptions`; ``spec.stall.warn_after`` bounds every halo
-    wait before it warns). Options are validated on every rank before any message is sent."""
+    """The `fit` factory (options: :class:`SpatialOptions`; ``spec.stall`` bounds every halo wait:
+    ``warn_after`` seconds before it warns, ``abort_after`` before it ends the job). Options are
+    validated on every rank before any message is sent."""
     if spec.partitions != 1 or spec.micro_batches != 1:
         raise FitError("strategy 'spatial' splits samples and pixels, not layers: leave partitions and "
                        "micro_batches at 1")

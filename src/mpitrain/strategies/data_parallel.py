@@ -82,7 +82,8 @@ class DataParallel(nn.Module):
       that built its graph (as in DDP).
     * `broadcast_buffers`: in training-mode forwards with grad enabled, rank 0's buffers (e.g. batch
       norm statistics) are broadcast first, so every rank must run those forwards together.
-    * With one worker nothing is pushed: the sum over one worker is the gradient itself.
+    * With one worker nothing is pushed: the sum over one worker is the gradient itself. A store named
+      on a one-rank communicator is then the local one (no store thread runs).
     * Devices: buckets live on the parameters' device. For a model on a CUDA device, the forward's
       tensor arguments are moved there first (as DDP with ``device_ids``; CPU inputs are copied), and
       each bucket is reduced after an event recorded on the backward's stream, on a side stream: the
@@ -330,6 +331,13 @@ def _make_kvstore(kvstore: str | KVStore, comm: Communicator) -> KVStore:
     if not isinstance(kvstore, str):
         return kvstore
     from .. import kvstore as kvmod
+
+    if comm.size == 1:
+        # one worker: DataParallel pushes nothing (the sum over one worker is the gradient), so a named
+        # store is the local one; dist_sync_mpi's coordinator thread, polling about a thousand times a
+        # second, cost 1-2 ms of CPU per step of fit's 10-step epochs and took GIL turns from the thread
+        # launching the step's kernels (docs/gpu.md, "fit's cost per epoch")
+        return kvmod.create("local")
 
     # create() splits private communicators: the store's traffic never mixes with ours on comm.
     # depchain's copy of the input exists so a caller may reuse it at once; our buckets are not

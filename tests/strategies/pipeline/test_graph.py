@@ -264,3 +264,31 @@ def test_a_meta_transformer_is_exported_on_its_own_tensors_and_its_partitions_ru
                   torch.device("cpu"))
     assert not any(_names_meta(p.module) for p in parts) and _names_meta(traced.gm)
     _partitions_give_the_models_logits_and_grads(model, traced, parts, flat, inputs, labels)
+
+
+class _Embedder(nn.Module):
+    """Token ids through an embedding, behind a shape branch fx cannot trace: captured by torch.export."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.l = nn.Embedding(10, 4), nn.Linear(4, 3)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if ids.shape[0] > 1:
+            ids = ids.flip(0)
+        return self.l(self.emb(ids)).sum(1)
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_export_traces_a_loaders_cpu_rows_where_the_parameters_are(device):
+    """torch.export's fake tensors refuse an embedding of CUDA weights by CPU ids, so capture moves the
+    sample to the parameters' device first; the meta device stands in for CUDA here (the GPU suite
+    checks CUDA: tests/gpu). The caller's rows stay where they were."""
+    from mpitrain.strategies.pipeline._graph import capture
+
+    model = _Embedder().to(device)
+    ids = torch.randint(0, 10, (4, 5))
+    traced = capture(model, ids)
+    assert traced.how == "export"
+    assert [p.meta["val"].device.type for p in traced.placeholders] == [device]
+    assert ids.device.type == "cpu"

@@ -31,8 +31,9 @@ def micro_slices(inputs: dict, labels: torch.Tensor, slices: int):
 def backward_in_slices(model, inputs: dict, labels: torch.Tensor, slices: int) -> None:
     """One process: the gradients of the global batch's mean loss, as `slices` equal micro-batches,
     added to the parameters' ``.grad``."""
+    dev = next(model.parameters()).device  # the loader's CPU rows go where the model is
     for x, y in micro_slices(inputs, labels, slices):
-        (lm_loss(model(**x), y) / slices).backward()
+        (lm_loss(model(**{k: v.to(dev) for k, v in x.items()}), y.to(dev)) / slices).backward()
 
 
 def reference_train(model, data, optimizer, slices: int):
@@ -48,7 +49,7 @@ def reference_train(model, data, optimizer, slices: int):
 
 def compare(comm, got, want, what: str) -> None:
     for (name, a), b in zip(got.named_parameters(), want.parameters()):
-        assert_close_all_ranks(comm, a.detach(), b.detach(), atol=1e-10, what=f"{what}: parameter {name}")
+        assert_close_all_ranks(comm, a.detach().cpu(), b.detach().cpu(), atol=1e-10, what=f"{what}: parameter {name}")
 
 
 def layouts(size: int) -> list[tuple[int, int]]:
@@ -64,8 +65,9 @@ CASES = [("gpt2", "gpipe"), ("gpt2", "1f1b"), ("gpt2", "interleaved-1f1b"), ("be
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("name, schedule", CASES)
-def test_transformer_parameters_after_2_steps_equal_one_process(comm, name, schedule):
-    model = build(name)
+def test_transformer_parameters_after_2_steps_equal_one_process(comm, device, name, schedule):
+    """On `device` (the CPU here; the GPU suite runs this test again on CUDA: tests/gpu)."""
+    model = build(name).to(device)
     for P, R in layouts(comm.size):
         M = P  # a multiple of P, as interleaved-1f1b needs
         data = lm_batches(R * M * ROWS, STEPS, seed=P + R)
@@ -73,7 +75,7 @@ def test_transformer_parameters_after_2_steps_equal_one_process(comm, name, sche
         result = fit(model, data, lm_loss, sgd, strategy="model" if R == 1 else "hybrid", partitions=P,
                      micro_batches=M, schedule=schedule, progress=False, balance="params")
         compare(comm, result.model, want, f"{name} {schedule} P={P} R={R}")
-        model = build(name)  # fit trained `model` in place on the ranks that hold its parameters
+        model = build(name).to(device)  # fit trained `model` in place on the ranks that hold its parameters
 
 
 # Built on the meta device, captured by torch.export (no rank runs or holds the whole model): GPT-2

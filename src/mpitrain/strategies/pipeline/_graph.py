@@ -33,6 +33,7 @@ import torch.utils._pytree as pytree
 from torch import fx, nn
 
 from .._batching import call_args
+from .._device import model_device, to_device
 
 __all__ = ["TraceFailure", "ValueMeta", "Traced", "Partition", "capture", "trace", "export", "model_args",
            "profile", "measure", "measure_module", "reference_seconds", "param_counts", "cut_points", "split",
@@ -87,12 +88,17 @@ class Partition:
 
 def capture(model: nn.Module, sample: Any) -> Traced:
     """fx if it traces `model`, else torch.export on `sample` (a batch's inputs, as :func:`call_args`
-    reads them). Raises :class:`TraceFailure` naming both failures."""
+    reads them) moved first to where `model`'s parameters are (CUDA, meta). Raises
+    :class:`TraceFailure` naming both failures."""
     try:
         return trace(model)
     except TraceFailure as fx_error:
         try:
-            return export(model, sample)
+            # torch.export runs the forward on fake tensors that keep each input's device, and refuses an
+            # op mixing two (a CUDA model's embedding of a loader's CPU token ids): trace where the
+            # weights are, as training will run; tensors the forward creates from an input's device
+            # are then baked on that device too (meta ones are retargeted by split)
+            return export(model, to_device(sample, model_device(model)))
         except TraceFailure as e:
             raise TraceFailure(f"{e}\n(torch.fx failed first: {fx_error.__cause__!r})") from e
 
