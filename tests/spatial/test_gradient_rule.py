@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from mpitrain.spatial import Distribution, gather, parallelize
@@ -24,9 +25,25 @@ def layouts(size: int) -> list[tuple[tuple[int, int], int]]:
     return [((size, 1), 1), ((1, size), 1), *hybrid]
 
 
+class _Net(nn.Module):
+    """conv-BN-ReLU; an ASPP-like pooled branch (global pool, 1x1 conv, BatchNorm of the replicated pooled
+    vectors, resized back with ``F.interpolate(size=y.shape[-2:])``: the block's whole extent) concatenated
+    along channels; a strided conv."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(3, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4)
+        self.pool = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Conv2d(4, 2, 1, bias=False), nn.BatchNorm2d(2), nn.ReLU())
+        self.out = nn.Conv2d(6, 3, 3, stride=2, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.bn(self.conv(x)))
+        p = F.interpolate(self.pool(y), size=y.shape[-2:], mode="bilinear", align_corners=False)
+        return self.out(torch.cat([y, p], 1))
+
+
 def _net() -> nn.Module:
-    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4), nn.ReLU(),
-                         nn.Conv2d(4, 3, 3, stride=2, padding=1)).double()
+    return _Net().double()
 
 
 #: name -> (loss on the parallel output ys, the same loss on the one-process output y)

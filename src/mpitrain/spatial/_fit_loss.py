@@ -82,7 +82,7 @@ class StepLoss:
                               f"whole samples per sample group for the loss", RuntimeWarning, stacklevel=2)
             finally:
                 dist.loss_on_blocks = False
-        return self._on_samples(y, b, targets if info is not None and info.blocks else None, device)
+        return self._on_samples(y, b, info, targets if info is not None and info.blocks else None, device)
 
     def _dense(self, y: Any, b: BatchShare, info: TargetInfo | None, device: torch.device
                ) -> SpatialTensor | None:
@@ -109,16 +109,30 @@ class StepLoss:
             block = b.targets[(slice(None), *dist.index(shape)[1:])]
         return tag(block.to(device), Layout(dist, "block", shape))
 
-    def _on_samples(self, y: Any, b: BatchShare, read: torch.Tensor | None, device: torch.device) -> BatchLoss:
+    def _no_samples(self, outputs: Any, info: TargetInfo | None, device: torch.device) -> torch.Tensor:
+        """The loss of a group without samples, to be multiplied by 0: `loss_fn` on the empty outputs and
+        targets, so that its backward reaches the parameters the other groups' losses reach (the fused
+        gradient allreduce needs the same ones on every rank); if `loss_fn` refuses empty tensors, the
+        sum of every output."""
+        if info is not None:
+            try:
+                loss: torch.Tensor = self.loss_fn(outputs, torch.empty((0, *info.shape), dtype=info.dtype,
+                                                                        device=device))
+                return loss
+            except Exception:  # user code may refuse empty tensors; the sum below serves the same end
+                pass
+        return sum((t.float().sum() for t in pytree.tree_leaves(outputs)
+                    if isinstance(t, torch.Tensor) and t.requires_grad), torch.zeros((), device=device))
+
+    def _on_samples(self, y: Any, b: BatchShare, info: TargetInfo | None, read: torch.Tensor | None,
+                    device: torch.device) -> BatchLoss:
         """The loss on this group's whole samples (every group's when `gather_world`: after ``switch_at``
         the outputs are spread over the world by samples), weighted by the group's rows; `read`: the
         target blocks read by region, gathered to the group's whole targets."""
         whole = gather if self.gather_world else gather_group
         outputs = pytree.tree_map(lambda t: whole(t) if layout_of(t) is not None else t, y)
         if not b.share.rows:  # no sample here: take part in the backward's collectives with a zero gradient
-            zero = sum((t.float().sum() for t in pytree.tree_leaves(outputs)
-                        if isinstance(t, torch.Tensor) and t.requires_grad), torch.zeros(()))
-            return BatchLoss(None, 0, False, zero * 0.0)
+            return BatchLoss(None, 0, False, self._no_samples(outputs, info, device) * 0.0)
         targets = b.targets if read is None else gather_group(read)
         assert targets is not None
         loss = self.loss_fn(outputs, targets.to(device))

@@ -104,15 +104,15 @@ class Distribution:
             out.append(c)
         return tuple(reversed(out))
 
-    def check_shape(self, shape: tuple[int, ...], what: str = "tensor", *, channels: bool = True) -> None:
-        """Refuse a global shape that is not N x C x (grid's dimensions) — with ``channels=False`` any
-        N x ... x (grid's dimensions), e.g. an N x H x W dense target — or leaves some rank an empty
-        block (local check, no message)."""
+    def check_shape(self, shape: tuple[int, ...], what: str = "tensor", *, dense: bool = False) -> None:
+        """Refuse a global shape that is not N x C x (grid's dimensions) — with `dense`, also N x (grid's
+        dimensions), a dense target such as an N x H x W label map — or leaves some rank an empty block
+        (local check, no message)."""
         dims = len(self.grid)
-        if len(shape) != dims + 2 if channels else len(shape) < dims + 1:
-            want = ("NCHW" if dims == 2 else "NCDHW") if channels else f"N x ... x {'DHW' if dims == 3 else 'HW'}"
-            raise SpatialError(f"{what} must be {want} ({dims + 2 if channels else f'>= {dims + 1}'}-D) for "
-                               f"grid {self.grid}, got shape {tuple(shape)}")
+        if len(shape) != dims + 2 and not (dense and len(shape) == dims + 1):
+            name = "NCHW" if dims == 2 else "NCDHW"
+            raise SpatialError(f"{what} must be {name} ({dims + 2}-D){' or ' + name.replace('C', '') if dense else ''}"
+                               f" for grid {self.grid}, got shape {tuple(shape)}")
         if shape[0] < self.samples or any(n < g for n, g in zip(shape[len(shape) - dims:], self.grid)):
             raise SpatialError(f"{what} of shape {tuple(shape)} cannot be split into {self.samples} sample "
                                f"groups x grid {self.grid}: every rank needs at least one sample, row and "
@@ -157,11 +157,11 @@ class Distribution:
     def scatter(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's block of the full `x` (a view, no copy: leave `x` unchanged while the block is
         in use), which must be equal on every rank: an NCHW (NCDHW) input, or a dense target laid out like
-        an output (N x H x W class indices, N x C x H x W values; the grid splits the last dims).
+        an output (N x H x W class indices, N x C x H x W values).
 
         Differentiable: the gradient of `x` is the assembled gradient of all blocks, on every rank.
         Returns a :class:`~mpitrain.spatial.tensor.SpatialTensor`."""
-        self.check_shape(tuple(x.shape), "scatter input", channels=False)
+        self.check_shape(tuple(x.shape), "scatter input", dense=True)
         return tag(_Scatter.apply(plain(x), self), Layout(self, "block", tuple(x.shape)))
 
     def infer_layout(self, t: torch.Tensor) -> Layout:

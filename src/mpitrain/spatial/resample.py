@@ -186,7 +186,7 @@ def _replicated_to_block(local: torch.Tensor, dist: Distribution, axes: tuple[Re
     """This rank's block of the interpolation of whole samples (replicated over the group; ASPP's pooled
     branch resized to the feature map): only the block's rows and columns are computed, no message. Its
     gradient is this rank's share of the replicated input's (the shares sum to the whole gradient)."""
-    dist.check_shape(shape, "interpolate output")
+    dist.check_shape((max(shape[0], dist.samples), *shape[1:]), "interpolate output")  # a group may hold none
     (o0, o1), (p0, p1) = dist.box(shape)[1:]
     (a, b), (c, d) = axes[0].needed(o0, o1), axes[1].needed(p0, p1)
     mh, mw = axes[0].matrix(o0, o1, local), axes[1].matrix(p0, p1, local)
