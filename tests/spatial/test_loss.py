@@ -22,9 +22,22 @@ RTOL = 1e-12
 C, IGNORE = 4, 255
 
 
-def layouts(size: int) -> list[tuple[tuple[int, int], int]]:
-    hybrid = {2: ((1, 1), 2), 3: ((1, 1), 3), 4: ((2, 1), 2)}[size]
-    return [((size, 1), 1), ((1, size), 1), hybrid]
+def layouts(size: int, index: int = 0) -> list[tuple[tuple[int, int], int]]:
+    """A spatial-only grid (rows or columns split, alternating by `index`) and a sample x spatial one."""
+    hybrid = {2: ((1, 1), 2), 3: ((1, 1), 3), 4: ((2, 1), 2) if index % 2 else ((1, 2), 2)}[size]
+    return [((size, 1), 1) if index % 2 == 0 else ((1, size), 1), hybrid]
+
+
+_DISTS: dict[tuple, Distribution] = {}
+
+
+def distribution(comm, grid: tuple[int, int], samples: int) -> Distribution:
+    """One Distribution per layout for the module (its communicators are split once), counters reset."""
+    key = (id(comm), grid, samples)
+    if key not in _DISTS:
+        _DISTS[key] = Distribution(comm, grid, samples)
+    _DISTS[key].redistributions.clear()
+    return _DISTS[key]
 
 
 def _data(size: int) -> dict[str, torch.Tensor]:
@@ -44,7 +57,8 @@ def _data(size: int) -> dict[str, torch.Tensor]:
 #: name -> (loss of (output, target), the target's key in the data, how the target is passed)
 CASES: dict[str, tuple[Callable[[torch.Tensor, torch.Tensor], torch.Tensor], str, str]] = {
     "ce ignore_index mean": (lambda y, t: F.cross_entropy(y, t, ignore_index=IGNORE), "labels", "block"),
-    "ce ignore_index sum": (lambda y, t: F.cross_entropy(y, t, ignore_index=IGNORE, reduction="sum"), "labels", "whole"),
+    "ce ignore_index sum": (lambda y, t: F.cross_entropy(y, t, ignore_index=IGNORE, reduction="sum"), "labels",
+                            "whole"),
     "ce class weights": (lambda y, t: nn.CrossEntropyLoss(weight=_d["classes"], ignore_index=IGNORE)(y, t),
                          "labels", "local"),
     "ce label smoothing, weights": (lambda y, t: F.cross_entropy(y, t, weight=_d["classes"], ignore_index=IGNORE,
@@ -75,8 +89,8 @@ def test_dense_loss_on_blocks_equals_the_whole_tensors_value_and_gradient(comm, 
     _d.update(classes=data["classes"], weight_like=data["weight"])
     want = fn(y, data[key])
     (want * torch.linspace(0.5, 1.5, want.numel(), dtype=torch.float64).view_as(want)).sum().backward()
-    for grid, samples in layouts(comm.size):
-        dist = Distribution(comm, grid, samples)
+    for grid, samples in layouts(comm.size, list(CASES).index(name)):
+        dist = distribution(comm, grid, samples)
         ys_whole = data["y"].clone().requires_grad_()
         ys = dist.scatter(ys_whole)
         target = {"block": dist.scatter(data[key]), "whole": data[key],
@@ -98,7 +112,7 @@ def test_a_replicated_heads_mean_loss_averages_over_every_sample_group(comm):
     want = F.cross_entropy(y.mean((2, 3)), labels, weight=data["classes"])
     want.backward()
     for grid, samples in layouts(comm.size):
-        dist = Distribution(comm, grid, samples)
+        dist = distribution(comm, grid, samples)
         ys_whole = data["y"].clone().requires_grad_()
         got = F.cross_entropy(dist.scatter(ys_whole).mean((2, 3)), labels, weight=data["classes"])
         got.backward()
@@ -108,7 +122,7 @@ def test_a_replicated_heads_mean_loss_averages_over_every_sample_group(comm):
 
 
 def test_a_target_laid_out_unlike_the_output_is_refused_on_every_rank(comm):
-    dist = Distribution(comm, (comm.size, 1), 1)
+    dist = distribution(comm, (comm.size, 1), 1)
     data = _data(comm.size)
     try:
         F.cross_entropy(dist.scatter(data["y"]), data["labels"][:, 1:])
