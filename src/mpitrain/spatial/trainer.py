@@ -98,11 +98,14 @@ class SpatialTrainer:
     (:func:`~mpitrain.comm.base.split_sizes`; a group may get none) and each sample over its group's grid.
     Every rank of a group reads the group's rows (:meth:`share`), only its block of each sample when the
     data can be read by region (:meth:`rank_view`, ``RegionBatch`` inputs), otherwise whole samples that it
-    crops. The group's outputs are gathered on each of its ranks (:func:`gather_group`) and the loss is
-    computed there on whole samples, weighted by the group's share of the step's samples; the parameter
-    gradients are summed over all ranks during backward, so after it every rank holds the gradient of
-    the step's mean loss (any loss function whose value is the mean over its rows), as one process would,
-    and steps its own optimizer identically (clipping by that global gradient's norm). BatchNorm
+    crops. Dense targets (laid out like the output: segmentation) are taken as this rank's block and the
+    loss runs on blocks, the whole batch's loss on every rank; for other targets the group's outputs are
+    gathered on each of its ranks (:func:`~mpitrain.spatial.distribution.gather_group`) and the loss is
+    computed there on whole samples, weighted by the group's share of the step's samples
+    (:mod:`mpitrain.spatial._fit_loss`). The parameter gradients are summed over all ranks during
+    backward, so after it every rank holds the gradient of the step's mean loss (any loss function whose
+    value is the mean over its rows; on blocks, any loss of :mod:`mpitrain.spatial.loss`), as one
+    process would, and steps its own optimizer identically (clipping by that global gradient's norm). BatchNorm
     statistics "global" cover the whole global batch (exact). Batches and targets are moved to the
     model's device (blocks read by region are read on the CPU, then moved); :meth:`eval_step` returns
     its outputs on the CPU."""
@@ -216,7 +219,7 @@ class SpatialTrainer:
 
     def eval_step(self, inputs: Batch | RegionBatch, targets: torch.Tensor) -> torch.Tensor:
         """Forward only on a global batch every rank holds in full (any size: a group may get no sample);
-        returns the full outputs on every rank."""
+        returns the full outputs on every rank (a dict of them for a model that returns one)."""
         n = len(targets)
         x, _ = self._share_block(slice_share(inputs, targets, self.share(n)), blocks=False)  # type: ignore[arg-type]
         self.parallel.eval()
