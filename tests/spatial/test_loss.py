@@ -75,6 +75,8 @@ CASES: dict[str, tuple[Callable[[torch.Tensor, torch.Tensor], torch.Tensor], str
         y, t, pos_weight=torch.tensor([1.0, 2.0, 0.5, 1.5], dtype=torch.float64)[:, None, None]), "binary", "block"),
     "bce of sigmoid, weight": (lambda y, t: F.binary_cross_entropy(torch.sigmoid(y), t, weight=_d["weight_like"]),
                                "binary", "block"),
+    "bce with logits, per-class weight": (lambda y, t: F.binary_cross_entropy_with_logits(
+        y, t, weight=torch.tensor([1.0, 2.0, 0.5, 1.5], dtype=torch.float64)[:, None, None]), "binary", "whole"),
     "kl_div batchmean": (lambda y, t: F.kl_div(F.log_softmax(y, 1), t, reduction="batchmean"), "probs", "block"),
     "ce none": (lambda y, t: F.cross_entropy(y, t, ignore_index=IGNORE, reduction="none"), "labels", "block"),
 }

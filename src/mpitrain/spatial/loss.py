@@ -47,10 +47,12 @@ _CLASS_INDEX = ("cross_entropy", "nll_loss")  # mean over non-ignored targets, w
 _WEIGHTED_MEAN = ("mse_loss", "l1_loss", "huber_loss")  # mean = sum(w * l) / sum(w)
 
 
-def local_operand(t: Any, layout: Layout, what: str) -> Any:
+def local_operand(t: Any, layout: Layout, what: str, broadcast: bool = False) -> Any:
     """This rank's part of `t`, an operand laid out like a tensor of `layout` (a dense target): a
-    SpatialTensor of the same distribution and extent, this rank's part as a plain tensor, or the whole
-    global tensor (cropped: a view). Anything else is refused (SpatialError, local: no message)."""
+    SpatialTensor of the same distribution and extent, this rank's part as a plain tensor, the whole
+    global tensor (cropped: a view), or — with `broadcast` (an elementwise weight, not a target) — a
+    plain tensor of fewer dims that broadcasts without extent along the split dims (as is). Anything
+    else is refused (SpatialError, local: no message)."""
     if not isinstance(t, torch.Tensor):
         return t
     dist = layout.dist
@@ -63,6 +65,10 @@ def local_operand(t: Any, layout: Layout, what: str) -> Any:
             raise SpatialError(f"{what}: laid out as {lay.kind} of {lay.shape}, but the input is {layout.kind} "
                                f"of {layout.shape} (same samples and extent needed)")
         return plain(t)
+    nd = len(layout.shape)
+    if broadcast and t.dim() < nd and all(d < nd - t.dim() or t.shape[d - nd + t.dim()] == 1
+                                          for d in (0, *range(nd - k, nd))):
+        return t  # broadcasts with no extent along the split dims (BCE's per-class weight): local data
     mine = dist.local_shape(layout.shape) if layout.kind == "block" else (dist.local_samples(layout.shape[0]),)
     local = (mine[0], *mine[len(mine) - k:]) if k else mine[:1]
     if t.dim() >= 1 + k and (t.shape[0], *t.shape[t.dim() - k:]) == local:
@@ -96,7 +102,7 @@ def _spatial_loss(name: str, fn: Callable[..., torch.Tensor]) -> Callable[..., A
             reduction = torch.nn._reduction.legacy_get_string(a["size_average"], a["reduce"])
             a["size_average"] = a["reduce"] = None
         for key in dense:
-            a[key] = local_operand(a[key], layout, f"{name}'s {key}")
+            a[key] = local_operand(a[key], layout, f"{name}'s {key}", broadcast=key != "target")
         a["input"], a["reduction"] = plain(a["input"]), "none"
         a = {k: plain(v) if isinstance(v, torch.Tensor) else v for k, v in a.items()}
         per = fn(**a)

@@ -393,6 +393,8 @@ def _reduce_whole(func: Any, name: str, args: tuple, kwargs: dict, layout: Layou
     assert lay is not None
     dtype = kwargs.get("dtype", args[1] if len(args) > 1 else None)
     local = _run(torch.nansum if name == "nansum" else torch.sum, (plain(x),), {"dtype": dtype})
+    if name == "mean" and not (local.is_floating_point() or local.is_complex()):
+        raise SpatialError(f"mean of a {local.dtype} tensor: give a floating dtype (as torch.mean requires)")
     total = sum_once(local, lay)
     return total / math.prod(lay.shape) if name == "mean" else total
 
