@@ -11,13 +11,21 @@ over the spatial grid (``"block"``) or holds whole samples replicated over the s
   block); a replicated operand must have 1x1 spatial extent (squeeze-and-excitation scales);
 * a global average pool (``F.adaptive_avg_pool2d``, ``mean`` over H and W) sums each block and moves
   only the pooled vectors (one allreduce over the spatial group): the result is replicated;
-* ``F.interpolate`` runs its spatial form (:mod:`mpitrain.spatial.resample`);
+* ``F.interpolate`` and the dense losses (``F.cross_entropy``, ...) run their spatial forms
+  (:mod:`mpitrain.spatial.resample`, :mod:`mpitrain.spatial.loss`), on blocks and replicated tensors;
+* a whole reduction (``x.sum()``, ``x.mean()``: no dim) reduces the whole global tensor: each rank its
+  cells, one scalar allreduce; the plain result is the same on every rank;
 * any op on a replicated tensor runs as it is (every rank of the group computes the same result);
 * any other op on a block is not spatial (flatten, linear, reductions over H or W, ...): the block is
   redistributed to whole samples first, explicitly — a ``RuntimeWarning`` names the op once and
   ``Distribution.redistributions`` counts it — or, with ``Distribution(nonspatial="error")``, refused
   with :class:`SpatialError`. An unknown *in-place* op on a block is always refused (it would modify a
-  copy). Queries (``shape``, ``size()``, ``dim()``) answer for the local block.
+  copy). Queries (``shape``, ``size()``, ``dim()``) answer for the local block; along the split dims
+  with :class:`BlockExtent` ints that remember the whole extent (``F.interpolate(size=x.shape[-2:])``).
+
+One gradient rule: a value several ranks hold whole counts once (see "one gradient rule" below and
+docs/spatial.md): the adjoint of whatever made it gives each rank its own part of the gradient, so the
+gradient of a replicated tensor is held as shares over its spatial group.
 
 Spatial layers (conv, pools, BN) take these tensors, compute on the plain local block and return a
 ``SpatialTensor`` again. A result is re-typed in place (``__class__``), never copied or aliased.
