@@ -64,8 +64,7 @@ CASES: dict[str, tuple[Callable[[torch.Tensor, torch.Tensor], torch.Tensor], str
     "ce label smoothing, weights": (lambda y, t: F.cross_entropy(y, t, weight=_d["classes"], ignore_index=IGNORE,
                                                                  label_smoothing=0.1), "labels", "block"),
     "ce class probabilities": (lambda y, t: F.cross_entropy(y, t, label_smoothing=0.05), "probs", "block"),
-    "nll of log_softmax, weights": (lambda y, t: F.nll_loss(F.log_softmax(y, 1), t, weight=_d["classes"],
-                                                            ignore_index=IGNORE), "labels", "block"),
+    "nll, weights": (lambda y, t: F.nll_loss(y, t, weight=_d["classes"], ignore_index=IGNORE), "labels", "block"),
     "mse mean": (lambda y, t: F.mse_loss(y, t), "values", "whole"),
     "mse weighted": (lambda y, t: F.mse_loss(y, t, weight=_d["weight_like"]), "values", "block"),
     "l1 sum": (lambda y, t: F.l1_loss(y, t, reduction="sum"), "values", "block"),
@@ -77,7 +76,7 @@ CASES: dict[str, tuple[Callable[[torch.Tensor, torch.Tensor], torch.Tensor], str
                                "binary", "block"),
     "bce with logits, per-class weight": (lambda y, t: F.binary_cross_entropy_with_logits(
         y, t, weight=torch.tensor([1.0, 2.0, 0.5, 1.5], dtype=torch.float64)[:, None, None]), "binary", "whole"),
-    "kl_div batchmean": (lambda y, t: F.kl_div(F.log_softmax(y, 1), t, reduction="batchmean"), "probs", "block"),
+    "kl_div batchmean": (lambda y, t: F.kl_div(y, t, reduction="batchmean"), "probs", "block"),
     "ce none": (lambda y, t: F.cross_entropy(y, t, ignore_index=IGNORE, reduction="none"), "labels", "block"),
 }
 _d: dict[str, torch.Tensor] = {}  # operands the loss lambdas read (set per layout: whole or block)
