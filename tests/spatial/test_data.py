@@ -1,5 +1,6 @@
 """Spatial input read by region: every rank reads only its own block of its own samples from a .npy
-memory map, and fit(strategy="spatial") on such batches trains exactly as on full tensors."""
+memory map, and fit(strategy="spatial") on such batches trains exactly as on full tensors; dense targets
+(label maps of the samples' extent) are read by region too."""
 
 from __future__ import annotations
 
@@ -13,11 +14,10 @@ import torch
 from torch import nn
 
 from mpitrain.fit import fit
-from mpitrain.spatial import Distribution, NpyRegions, region_batches
+from mpitrain.spatial import BlockReader, Distribution, NpyRegions, RegionSamples, SpatialError, region_batches
+from mpitrain.spatial.data import dense_target_shape
 from tests.helpers import assert_all_ranks, assert_close_all_ranks
 from tests.spatial.test_trainer import hybrid_layouts, sgd
-
-pytestmark = pytest.mark.mpi
 
 
 class CountingRegions(NpyRegions):
@@ -37,6 +37,7 @@ def _model() -> nn.Module:
                          nn.Conv2d(4, 2, 3, 1, 1), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(2, 3)).double()
 
 
+@pytest.mark.mpi
 @pytest.mark.parametrize("which", [0, 1], ids=["spatial", "hybrid"])
 def test_region_batches_read_only_this_ranks_block_and_train_as_full_tensors(comm, which):
     grid, samples = hybrid_layouts(comm.size)[which]
@@ -68,3 +69,23 @@ def test_region_batches_read_only_this_ranks_block_and_train_as_full_tensors(com
     total = comm.allreduce(torch.tensor([read], dtype=torch.float64), "sum")
     assert_all_ranks(comm, int(total.item()) == images.numel(), f"{int(total.item())} values read in all, "
                      f"the data set has {images.numel()}: no block is read twice")
+
+
+def test_dense_targets_are_read_by_region_and_class_labels_whole(tmp_path):
+    images = torch.randn(3, 2, 6, 5, dtype=torch.float64)
+    labels = torch.randint(0, 4, (3, 6, 5))
+    np.save(tmp_path / "images.npy", images.numpy())
+    np.save(tmp_path / "labels.npy", labels.numpy())
+    region = (slice(2, 5), slice(1, 3))
+    for targets in (CountingRegions(tmp_path / "labels.npy"), labels):  # a label-map RegionDataset, a tensor
+        data = RegionSamples(NpyRegions(tmp_path / "images.npy"), targets)
+        assert dense_target_shape(data) == (6, 5)
+        block, target = BlockReader(data, region)[1]
+        assert torch.equal(block, images[1][:, 2:5, 1:3]) and torch.equal(torch.as_tensor(target), labels[1][2:5, 1:3])
+        assert torch.equal(torch.as_tensor(data[1][1]), labels[1])  # one process / other strategies: whole
+    assert targets is labels and data.targets is labels
+    classes = RegionSamples(NpyRegions(tmp_path / "images.npy"), torch.tensor([0, 2, 1]))
+    assert dense_target_shape(classes) is None and BlockReader(classes, region)[2][1] == 1
+    np.save(tmp_path / "coarse.npy", labels[:, ::2].numpy())  # label maps of another extent: not readable alike
+    with pytest.raises(SpatialError, match="samples' extent"):
+        RegionSamples(NpyRegions(tmp_path / "images.npy"), NpyRegions(tmp_path / "coarse.npy"))

@@ -1,6 +1,8 @@
 """Real CNNs (torchvision's ResNet-18/50, MobileNetV2, DenseNet, VGG-11-BN) train spatially exactly as in
 one process: parameters after 2 SGD steps in float64 on every grid and sample x spatial hybrid, with no
-activation redistributed (only pooled vectors move)."""
+activation redistributed (only pooled vectors move). So do torchvision's segmentation models (FCN-ResNet50,
+DeepLabV3-MobileNetV3, LR-ASPP-MobileNetV3, their default heads) under fit's criterion with ignored
+pixels, the loss computed on blocks (dense targets laid out like the output)."""
 
 from __future__ import annotations
 
@@ -96,3 +98,53 @@ def test_torchvision_model_trains_as_one_process_on_every_grid(comm, device, nam
         moves = trainer.dist.redistributions
         assert_all_ranks(comm, gap < RTOL and not moves,
                          f"{name} grid {grid} x{samples}: relative update gap {gap:.3g}, redistributed {moves}")
+
+
+def _segmentation(name: str) -> Callable[[], nn.Module]:
+    # torchvision's defaults (aux_loss too), random weights, no download; 3 classes keeps the heads small
+    return lambda: getattr(torchvision_module("models.segmentation"), name)(weights=None, weights_backbone=None,
+                                                                            num_classes=3)
+
+
+SEGMENTATION: dict[str, Callable[[], nn.Module]] = {
+    name: _segmentation(name) for name in ("fcn_resnet50", "deeplabv3_mobilenet_v3_large", "lraspp_mobilenet_v3_large")
+}
+IGNORE = 255
+
+
+def segmentation_layout(size: int, index: int) -> tuple[tuple[int, int], int]:
+    """One (grid, samples) per world size, rotating by model `index`: 2 ranks 2x1 or 1x2, 3 ranks 3x1,
+    4 ranks the sample x spatial hybrid 2 x (2x1) or 2 x (1x2)."""
+    return {2: [((2, 1), 1), ((1, 2), 1)][index % 2], 3: ((3, 1), 1), 4: [((2, 1), 2), ((1, 2), 2)][index % 2]}[size]
+
+
+def criterion(inputs: dict[str, torch.Tensor], target: torch.Tensor) -> torch.Tensor:
+    """torchvision's references/segmentation/train.py criterion, as written there."""
+    losses = {name: nn.functional.cross_entropy(x, target, ignore_index=IGNORE) for name, x in inputs.items()}
+    return losses["out"] if len(losses) == 1 else losses["out"] + 0.5 * losses["aux"]
+
+
+@pytest.mark.parametrize("name", list(SEGMENTATION))
+def test_torchvision_segmentation_model_trains_as_one_process_with_ignored_pixels(comm, name):
+    torch.manual_seed(0)
+    model = _no_dropout(SEGMENTATION[name]().double())
+    start = _flat(model)
+    g = torch.Generator().manual_seed(1)
+    # the deepest feature map (1/8 for FCN, 1/16 for MobileNetV3) must give every grid row a cell
+    shape = (2, 3, 48 if comm.size == 3 else 32, 32)
+    batches = []
+    for _ in range(STEPS):
+        target = torch.randint(0, 3, (shape[0], *shape[2:]), generator=g)
+        target[0, : shape[2] // 3] = IGNORE  # ignored pixels, more in some blocks and samples than others
+        target[1, :, -5:] = IGNORE
+        batches.append((torch.randn(shape, dtype=torch.float64, generator=g), target))
+    expected = _reference_update(comm, model, batches, criterion)
+    grid, samples = segmentation_layout(comm.size, list(SEGMENTATION).index(name))
+    trainer = SpatialTrainer(copy.deepcopy(model), criterion, sgd, Distribution(comm, grid, samples))
+    for x, y in batches:
+        trainer.train_step(x, y)
+    gap = float(((_flat(trainer.model) - start) - expected).norm() / expected.norm())
+    moves, blocks = trainer.dist.redistributions, trainer.step_loss.on_blocks
+    assert_all_ranks(comm, gap < RTOL and not moves and blocks,
+                     f"{name} grid {grid} x{samples}: relative update gap {gap:.3g}, redistributed {moves}, "
+                     f"loss on blocks {blocks}")

@@ -8,6 +8,7 @@ from .conv import SpatialConv2d
 from .data import BlockReader, NpyRegions, RegionBatch, RegionDataset, RegionSamples, read_block, region_batches
 from .distribution import Distribution, gather, gather_group
 from .halo import HaloPlan, Window, halo_exchange, plan_grid, plan_halo, window_of
+from .loss import DENSE_LOSSES
 from .parallelize import SpatialParallel, SpatialSequential, parallelize
 from .pooling import SpatialAdaptiveAvgPool2d, SpatialAvgPool2d, SpatialMaxPool2d
 from .redistribute import Redistribute, redistribute
@@ -22,6 +23,6 @@ __all__ = [
     "SpatialConv3d", "SpatialMaxPool3d", "SpatialAvgPool3d", "SpatialBatchNorm3d",
     "SpatialConvTranspose2d", "SpatialUpsample", "interpolate",
     "parallelize", "SpatialParallel", "SpatialSequential", "Redistribute", "redistribute",
-    "allreduce_sum", "GradBucket",
+    "allreduce_sum", "GradBucket", "DENSE_LOSSES",
     "RegionDataset", "NpyRegions", "RegionBatch", "RegionSamples", "BlockReader", "region_batches", "read_block",
 ]

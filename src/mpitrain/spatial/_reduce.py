@@ -8,7 +8,7 @@ import torch
 
 from ..comm.base import Communicator
 
-__all__ = ["allreduce_sum", "GradBucket"]
+__all__ = ["allreduce_sum", "allreduce_once", "GradBucket"]
 
 
 class _AllreduceSum(torch.autograd.Function):
@@ -28,6 +28,26 @@ def allreduce_sum(t: torch.Tensor, comm: Communicator) -> torch.Tensor:
     Its output is replicated, so its gradient arrives as shares (one per rank) whose sum is the true
     gradient; the backward sums them, giving every rank the true gradient of its own `t`."""
     out: torch.Tensor = _AllreduceSum.apply(t, comm)
+    return out
+
+
+class _AllreduceOnce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor, comm: Communicator, keep: bool) -> torch.Tensor:
+        ctx.keep = keep
+        return comm.allreduce(t.contiguous().clone(), "sum")
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return (g if ctx.keep else torch.zeros_like(g)), None, None
+
+
+def allreduce_once(t: torch.Tensor, comm: Communicator, keep: bool = True) -> torch.Tensor:
+    """Sum of every rank's `t` as a value that *counts once* (docs/spatial.md, "One gradient rule"): every
+    rank of `comm` holds it and computes the same loss from it, so its gradient is the same on every rank
+    and the backward hands each rank that gradient for its own `t` without summing (`keep`), or zero
+    when `t` is a share held by another rank too (a replicated value: its spatial rank 0 keeps it)."""
+    out: torch.Tensor = _AllreduceOnce.apply(t, comm, keep)
     return out
 
 

@@ -139,15 +139,18 @@ class SpatialBatchNorm2d(nn.Module):
         bn.num_batches_tracked.add_(1)
         return 1.0 / float(bn.num_batches_tracked) if self.momentum is None else self.momentum
 
-    def _comm(self, dist: Distribution) -> Communicator | None:
+    def _comm(self, dist: Distribution, kind: str) -> Communicator | None:
+        """Who combines statistics. A replicated tensor (after a global pool: ASPP's pooled branch) holds
+        its group's whole samples on every rank of the group, so the global statistics combine one rank
+        per group (the sample communicator) and the others are the group's own; the backward, linear in
+        the output gradient's shares, then sums them over the same ranks and stays exact."""
+        if kind == "replicated":
+            return dist.sample_comm if self.stats == "global" else None
         return {"global": dist.comm, "spatial": dist.spatial_comm, "local": None}[self.stats]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x, layout = input_layout(self, x)
-        if layout.kind == "replicated":
-            raise SpatialError("SpatialBatchNorm2d on a tensor replicated over the spatial group is not "
-                               "supported; normalise before the global pool")
-        bn, comm = self.bn[0], self._comm(layout.dist)
+        bn, comm = self.bn[0], self._comm(layout.dist, layout.kind)
         if not self.training and self.track:
             y = torch.batch_norm(x, self.weight, self.bias, bn.running_mean, bn.running_var, False, 0.0,
                                  self.eps, False)

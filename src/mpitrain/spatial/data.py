@@ -28,7 +28,7 @@ from .distribution import Distribution, ranges
 from .tensor import Layout, SpatialError, SpatialTensor, tag
 
 __all__ = ["RegionDataset", "NpyRegions", "RegionBatch", "RegionSamples", "BlockReader", "region_batches",
-           "read_block", "region_of", "reads_regions"]
+           "read_block", "region_of", "reads_regions", "dense_target_shape"]
 
 
 @runtime_checkable
@@ -44,13 +44,14 @@ class RegionDataset(Protocol):
 
 
 class NpyRegions:
-    """A ``.npy`` file holding an (N, C, H, W) array, memory-mapped read-only: :meth:`read` copies only
-    the region (the rows of the region's columns), so a rank touches no other block's pixels."""
+    """A ``.npy`` file holding an (N, C, H, W) array — or (N, H, W), e.g. dense label maps — memory-mapped
+    read-only: :meth:`read` copies only the region (the rows of the region's columns), so a rank touches
+    no other block's pixels."""
 
     def __init__(self, path: str | Path) -> None:
         self.array = np.load(path, mmap_mode="r")
-        if self.array.ndim != 4:
-            raise SpatialError(f"{path}: expected an (N, C, H, W) array, got shape {self.array.shape}")
+        if self.array.ndim not in (3, 4):
+            raise SpatialError(f"{path}: expected an (N, C, H, W) or (N, H, W) array, got shape {self.array.shape}")
 
     def __len__(self) -> int:
         return int(self.array.shape[0])
@@ -60,7 +61,7 @@ class NpyRegions:
         return tuple(int(s) for s in self.array.shape[1:])
 
     def read(self, index: int, region: tuple[slice, slice]) -> torch.Tensor:
-        return torch.from_numpy(np.array(self.array[index, :, region[0], region[1]], copy=True, order="C"))
+        return torch.from_numpy(np.array(self.array[(index, ..., *region)], copy=True, order="C"))
 
 
 @dataclass(frozen=True, repr=False)
@@ -95,15 +96,30 @@ def region_batches(dataset: RegionDataset, targets: torch.Tensor, batch_size: in
 class RegionSamples(Dataset[tuple[torch.Tensor, object]]):
     """A map-style Dataset of ``(sample, target)`` over a :class:`RegionDataset` and its targets, that
     can also be read by region (``read``, ``target``): ``fit(strategy="spatial")`` reads only each rank's
-    block of each sample; any other strategy (or one process) reads ``dataset[i]``, the whole sample."""
+    block of each sample; any other strategy (or one process) reads ``dataset[i]``, the whole sample.
 
-    def __init__(self, regions: RegionDataset, targets: torch.Tensor | Sequence[object]) -> None:
+    Dense targets — a :class:`RegionDataset` of the samples' extent (``NpyRegions("labels.npy")`` of
+    N x H x W label maps), or a tensor whose trailing dims are the samples' H x W — are read by region
+    too (:meth:`read_target`): the rank gets only its block of each target, laid out like the output."""
+
+    def __init__(self, regions: RegionDataset, targets: torch.Tensor | Sequence[object] | RegionDataset) -> None:
         if len(targets) != len(regions):  # type: ignore[arg-type]
             raise SpatialError(f"{len(targets)} targets for {len(regions)} samples")  # type: ignore[arg-type]
         self.regions, self.targets = regions, targets
+        k = len(regions.sample_shape) - 1
+        if isinstance(targets, RegionDataset):
+            shape: tuple[int, ...] | None = tuple(targets.sample_shape)
+        else:
+            shape = tuple(targets.shape[1:]) if isinstance(targets, torch.Tensor) else None
+        dense = shape is not None and len(shape) >= k and shape[len(shape) - k:] == tuple(regions.sample_shape[1:])
+        if isinstance(targets, RegionDataset) and not dense:
+            raise SpatialError(f"targets read by region must have the samples' extent "
+                               f"{tuple(regions.sample_shape[1:])}, got sample shape {shape}")
+        #: one target's shape when the targets are dense (read by region), else None
+        self.target_shape = shape if dense else None
 
     def __len__(self) -> int:
-        return len(self.targets)
+        return len(self.targets)  # type: ignore[arg-type]
 
     @property
     def sample_shape(self) -> tuple[int, ...]:
@@ -113,11 +129,29 @@ class RegionSamples(Dataset[tuple[torch.Tensor, object]]):
         return self.regions.read(index, region)  # type: ignore[arg-type]
 
     def target(self, index: int) -> object:
+        """The whole target of sample `index`."""
+        if isinstance(self.targets, RegionDataset):
+            return self.targets.read(index, tuple(slice(0, n) for n in self.sample_shape[1:]))  # type: ignore[arg-type]
         return self.targets[index]
+
+    def read_target(self, index: int, region: tuple[slice, ...]) -> object:
+        """The target of sample `index` at `region` when the targets are dense, else the whole target."""
+        if self.target_shape is None:
+            return self.target(index)
+        if isinstance(self.targets, RegionDataset):
+            return self.targets.read(index, region)  # type: ignore[arg-type]
+        return self.targets[index][(..., *region)]  # type: ignore[index]
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, object]:
         whole = tuple(slice(0, n) for n in self.sample_shape[1:])
         return self.read(index, whole), self.target(index)
+
+
+def dense_target_shape(dataset: object) -> tuple[int, ...] | None:
+    """One target's shape when `dataset` reads its targets by region (:meth:`RegionSamples.read_target`),
+    else None."""
+    shape = getattr(dataset, "target_shape", None)
+    return tuple(shape) if shape is not None and callable(getattr(dataset, "read_target", None)) else None
 
 
 def reads_regions(dataset: object) -> bool:
@@ -144,7 +178,10 @@ class BlockReader(Dataset[tuple[torch.Tensor, object]]):
         return len(self.dataset)  # type: ignore[arg-type]
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, object]:
-        return self.dataset.read(index, self.region), self.dataset.target(index)  # type: ignore[arg-type,attr-defined]
+        block = self.dataset.read(index, self.region)  # type: ignore[arg-type]
+        if dense_target_shape(self.dataset) is not None:  # dense targets: this block's too
+            return block, self.dataset.read_target(index, self.region)  # type: ignore[attr-defined]
+        return block, self.dataset.target(index)  # type: ignore[attr-defined]
 
 
 def read_block(batch: RegionBatch, dist: Distribution, dtype: torch.dtype | None = None) -> SpatialTensor:

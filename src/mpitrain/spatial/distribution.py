@@ -11,7 +11,7 @@ from .._utils.flat import spans
 from .._utils.stall import DEFAULT_POLICY, StallPolicy
 from ..comm.base import Communicator, split_sizes
 from ._exchange import SendQueue
-from .tensor import Layout, SpatialError, layout_of, plain, tag
+from .tensor import Layout, SpatialError, layout_of, own_share, plain, tag
 
 __all__ = ["Distribution", "Layout", "SpatialError", "layout_of", "gather", "gather_group", "ranges"]
 
@@ -56,6 +56,9 @@ class Distribution:
             raise SpatialError(f"nonspatial must be one of {NONSPATIAL}, got {nonspatial!r}")
         self.comm, self.grid, self.samples, self.nonspatial = comm, grid, samples, nonspatial
         self.redistributions: dict[str, int] = {}
+        #: set by fit while its loss runs on blocks: an op that would make a value of one sample group
+        #: (a non-spatial op on a block, a replicated value leaving the layout) raises NonSpatialOpError
+        self.loss_on_blocks = False
         self.sends = SendQueue(stall, comm.abort)
         self.per_sample = per_sample
         self.group, self.spatial_rank = divmod(comm.rank, self.per_sample)
@@ -101,35 +104,39 @@ class Distribution:
             out.append(c)
         return tuple(reversed(out))
 
-    def check_shape(self, shape: tuple[int, ...], what: str = "tensor") -> None:
-        """Refuse a global shape that is not N x C x (grid's dimensions) or leaves some rank an empty
-        block (local check, no message)."""
+    def check_shape(self, shape: tuple[int, ...], what: str = "tensor", *, dense: bool = False) -> None:
+        """Refuse a global shape that is not N x C x (grid's dimensions) — with `dense`, also N x (grid's
+        dimensions), a dense target such as an N x H x W label map — or leaves some rank an empty block
+        (local check, no message)."""
         dims = len(self.grid)
-        if len(shape) != dims + 2:
-            raise SpatialError(f"{what} must be {'NCHW' if dims == 2 else 'NCDHW'} ({dims + 2}-D) for grid "
-                               f"{self.grid}, got shape {tuple(shape)}")
-        if shape[0] < self.samples or any(n < g for n, g in zip(shape[2:], self.grid)):
+        if len(shape) != dims + 2 and not (dense and len(shape) == dims + 1):
+            name = "NCHW" if dims == 2 else "NCDHW"
+            raise SpatialError(f"{what} must be {name} ({dims + 2}-D){' or ' + name.replace('C', '') if dense else ''}"
+                               f" for grid {self.grid}, got shape {tuple(shape)}")
+        if shape[0] < self.samples or any(n < g for n, g in zip(shape[len(shape) - dims:], self.grid)):
             raise SpatialError(f"{what} of shape {tuple(shape)} cannot be split into {self.samples} sample "
                                f"groups x grid {self.grid}: every rank needs at least one sample, row and "
                                f"column")
 
     def box(self, shape: tuple[int, ...], rank: int | None = None) -> tuple[tuple[int, int], ...]:
         """``((n0, n1), (h0, h1), (w0, w1))`` — with a 3-D grid ``((n0, n1), (d0, d1), (h0, h1),
-        (w0, w1))`` — of world rank `rank` (default: this rank) for global `shape`."""
+        (w0, w1))`` — of world rank `rank` (default: this rank) for global `shape`: samples are dim 0,
+        the grid splits the last ``len(grid)`` dims (N x C x H x W activations, N x H x W dense targets)."""
         rank = self.comm.rank if rank is None else rank
         group, s = divmod(rank, self.per_sample)
         coords = self.grid_coords(s)
         return (ranges(shape[0], self.samples)[group],
-                *(ranges(n, g)[c] for n, g, c in zip(shape[2:], self.grid, coords)))
+                *(ranges(n, g)[c] for n, g, c in zip(shape[len(shape) - len(self.grid):], self.grid, coords)))
 
     def index(self, shape: tuple[int, ...], rank: int | None = None) -> tuple[slice, ...]:
         """The slices of world rank `rank`'s block in a global tensor of `shape`."""
         n, *spatial = self.box(shape, rank)
-        return (slice(*n), slice(None), *(slice(*r) for r in spatial))
+        whole = (slice(None),) * (len(shape) - 1 - len(spatial))
+        return (slice(*n), *whole, *(slice(*r) for r in spatial))
 
     def local_shape(self, shape: tuple[int, ...], rank: int | None = None) -> tuple[int, ...]:
         n, *spatial = self.box(shape, rank)
-        return (n[1] - n[0], shape[1], *(b - a for a, b in spatial))
+        return (n[1] - n[0], *shape[1:len(shape) - len(spatial)], *(b - a for a, b in spatial))
 
     def local_samples(self, n: int) -> int:
         """How many of `n` samples this rank's group holds."""
@@ -148,12 +155,13 @@ class Distribution:
         return tag(y, Layout(self, "replicated", layout.shape))
 
     def scatter(self, x: torch.Tensor) -> torch.Tensor:
-        """This rank's block of the full NCHW `x` (a view, no copy: leave `x` unchanged while the block is
-        in use), which must be equal on every rank.
+        """This rank's block of the full `x` (a view, no copy: leave `x` unchanged while the block is
+        in use), which must be equal on every rank: an NCHW (NCDHW) input, or a dense target laid out like
+        an output (N x H x W class indices, N x C x H x W values).
 
         Differentiable: the gradient of `x` is the assembled gradient of all blocks, on every rank.
         Returns a :class:`~mpitrain.spatial.tensor.SpatialTensor`."""
-        self.check_shape(tuple(x.shape), "scatter input")
+        self.check_shape(tuple(x.shape), "scatter input", dense=True)
         return tag(_Scatter.apply(plain(x), self), Layout(self, "block", tuple(x.shape)))
 
     def infer_layout(self, t: torch.Tensor) -> Layout:
@@ -274,12 +282,8 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
         layout = ctx.layout
-        dist = layout.dist
-        if layout.kind == "block":
-            return g[dist.index(layout.shape)].contiguous(), None
-        n0, n1 = ranges(layout.shape[0], dist.samples)[dist.group]
-        share = g[n0:n1].contiguous()
-        return (share if dist.spatial_rank == 0 else torch.zeros_like(share)), None
+        n0, n1 = ranges(layout.shape[0], layout.dist.samples)[layout.dist.group]
+        return own_share(g[n0:n1], layout), None
 
 
 class _GatherGroup(torch.autograd.Function):
@@ -290,11 +294,7 @@ class _GatherGroup(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
-        layout = ctx.layout
-        dist = layout.dist
-        if layout.kind == "block":
-            return g[(slice(None), *dist.index(layout.shape)[1:])].contiguous(), None
-        return (g.contiguous() if dist.spatial_rank == 0 else torch.zeros_like(g)), None
+        return own_share(g, ctx.layout), None
 
 
 class _Replicate(torch.autograd.Function):
@@ -305,7 +305,7 @@ class _Replicate(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
-        layout = ctx.layout
-        dist = layout.dist
-        total = dist.spatial_comm.allreduce(g.contiguous().clone(), "sum")
-        return total[(slice(None), *dist.index(layout.shape)[1:])].contiguous(), None
+        # the result is replicated: its gradient arrives as shares, summed here (the true gradient of the
+        # group's samples), of which this rank's block is its own part
+        total = ctx.layout.dist.spatial_comm.allreduce(g.contiguous().clone(), "sum")
+        return own_share(total, ctx.layout), None

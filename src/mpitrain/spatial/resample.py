@@ -22,7 +22,7 @@ from torch import nn
 from ._window import WindowLayer, input_layout
 from .distribution import Distribution
 from .halo import HaloPlan, halo_exchange, plan_halo
-from .tensor import Layout, SpatialError, register_spatial_function, tag
+from .tensor import BlockExtent, Layout, SpatialError, register_spatial_function, tag, whole_size
 
 __all__ = ["SpatialConvTranspose2d", "SpatialUpsample", "TransposedWindow", "ResampleWindow", "interpolate"]
 
@@ -156,6 +156,8 @@ def interpolate(x: torch.Tensor, size: Any = None, scale_factor: Any = None, mod
                            f"supported: nearest, bilinear")
     local, layout = input_layout(interpolate_layer, x)
     h, w = layout.shape[2], layout.shape[3]
+    to_block = any(isinstance(v, BlockExtent) for v in (size if isinstance(size, (tuple, list)) else (size,)))
+    size = whole_size(size)  # x.shape[-2:] of a block: that block's whole extent
     if size is not None:
         out = (size, size) if isinstance(size, int) else (int(size[0]), int(size[1]))
         scales: tuple[float | None, float | None] = (None, None)
@@ -165,6 +167,8 @@ def interpolate(x: torch.Tensor, size: Any = None, scale_factor: Any = None, mod
         scales = (None, None) if recompute_scale_factor else (float(sf[0]), float(sf[1]))
     axes = _axes((h, w), out, _MODES[mode], scales, bool(align_corners))
     shape = (layout.shape[0], layout.shape[1], *out)
+    if layout.kind == "replicated" and to_block:  # to another tensor's extent: that tensor's block of it
+        return _replicated_to_block(local, layout.dist, axes, shape)
     if layout.kind == "replicated":
         y = F.interpolate(local, size=out, mode=mode, align_corners=align_corners)
         return tag(y, Layout(layout.dist, "replicated", shape))
@@ -174,6 +178,19 @@ def interpolate(x: torch.Tensor, size: Any = None, scale_factor: Any = None, mod
     mh = axes[0].matrix(*plan.out.rows, ext)
     mw = axes[1].matrix(*plan.out.cols, ext)
     y = torch.einsum("nchw,ih,jw->ncij", ext, mh, mw)
+    return tag(y, Layout(dist, "block", shape))
+
+
+def _replicated_to_block(local: torch.Tensor, dist: Distribution, axes: tuple[ResampleWindow, ResampleWindow],
+                         shape: tuple[int, ...]) -> torch.Tensor:
+    """This rank's block of the interpolation of whole samples (replicated over the group; ASPP's pooled
+    branch resized to the feature map): only the block's rows and columns are computed, no message. Its
+    gradient is this rank's share of the replicated input's (the shares sum to the whole gradient)."""
+    dist.check_shape((max(shape[0], dist.samples), *shape[1:]), "interpolate output")  # a group may hold none
+    (o0, o1), (p0, p1) = dist.box(shape)[1:]
+    (a, b), (c, d) = axes[0].needed(o0, o1), axes[1].needed(p0, p1)
+    mh, mw = axes[0].matrix(o0, o1, local), axes[1].matrix(p0, p1, local)
+    y = torch.einsum("nchw,ih,jw->ncij", local[:, :, a:b, c:d], mh, mw)
     return tag(y, Layout(dist, "block", shape))
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 from torch.utils.data import Dataset
 
@@ -32,11 +33,12 @@ from ..strategies.base import (
     StrategyOptions,
     is_int,
 )
+from ._fit_loss import StepLoss, TargetInfo
 from .batchnorm import STATS
-from .data import BlockReader, RegionBatch, reads_regions, region_of
-from .distribution import NONSPATIAL, Distribution, SpatialError, gather, gather_group, ranges
+from .data import BlockReader, RegionBatch, dense_target_shape, reads_regions, region_of
+from .distribution import NONSPATIAL, Distribution, SpatialError, gather, ranges
 from .parallelize import SpatialParallel, parallelize
-from .tensor import Layout, tag
+from .tensor import Layout, layout_of, tag
 
 __all__ = ["SpatialTrainer", "SpatialOptions", "make_trainer", "FEATURES"]
 
@@ -96,11 +98,14 @@ class SpatialTrainer:
     (:func:`~mpitrain.comm.base.split_sizes`; a group may get none) and each sample over its group's grid.
     Every rank of a group reads the group's rows (:meth:`share`), only its block of each sample when the
     data can be read by region (:meth:`rank_view`, ``RegionBatch`` inputs), otherwise whole samples that it
-    crops. The group's outputs are gathered on each of its ranks (:func:`gather_group`) and the loss is
-    computed there on whole samples, weighted by the group's share of the step's samples; the parameter
-    gradients are summed over all ranks during backward, so after it every rank holds the gradient of
-    the step's mean loss (any loss function whose value is the mean over its rows), as one process would,
-    and steps its own optimizer identically (clipping by that global gradient's norm). BatchNorm
+    crops. Dense targets (laid out like the output: segmentation) are taken as this rank's block and the
+    loss runs on blocks, the whole batch's loss on every rank; for other targets the group's outputs are
+    gathered on each of its ranks (:func:`~mpitrain.spatial.distribution.gather_group`) and the loss is
+    computed there on whole samples, weighted by the group's share of the step's samples
+    (:mod:`mpitrain.spatial._fit_loss`). The parameter gradients are summed over all ranks during
+    backward, so after it every rank holds the gradient of the step's mean loss (any loss function whose
+    value is the mean over its rows; on blocks, any loss of :mod:`mpitrain.spatial.loss`), as one
+    process would, and steps its own optimizer identically (clipping by that global gradient's norm). BatchNorm
     statistics "global" cover the whole global batch (exact). Batches and targets are moved to the
     model's device (blocks read by region are read on the CPU, then moved); :meth:`eval_step` returns
     its outputs on the CPU."""
@@ -116,6 +121,8 @@ class SpatialTrainer:
         _broadcast_state(model, dist.comm)
         self.optimizer = optimizer(model.parameters())
         self._sample_shape: tuple[int, ...] | None = None  # set by rank_view: inputs arrive as blocks
+        self._target_shape: tuple[int, ...] | None = None  # set by rank_view: dense targets arrive as blocks
+        self.step_loss = StepLoss(loss_fn, dist, gather_world=switch_at is not None)
 
     # -- reading (ShardedTrainer) ----------------------------------------------------------------------
     def share(self, n: int) -> Share:
@@ -132,13 +139,15 @@ class SpatialTrainer:
             return dataset
         shape = tuple(dataset.sample_shape)  # type: ignore[attr-defined]
         self._sample_shape = shape
+        self._target_shape = dense_target_shape(dataset)
         return BlockReader(dataset, region_of(self.dist, shape))  # type: ignore[arg-type]
 
-    def _share_block(self, b: BatchShare, blocks: bool) -> tuple[torch.Tensor, tuple[int, ...]]:
-        """This rank's block of its group's rows of `b` (possibly no rows) and the batch's global shape;
+    def _share_block(self, b: BatchShare, blocks: bool) -> tuple[torch.Tensor, TargetInfo | None]:
+        """This rank's block of its group's rows of `b` (possibly no rows) and what every rank knows of
+        the targets (one sample's global shape, dtype; None for targets that are not one tensor);
         `blocks`: tensor inputs are blocks read by region already (rank_view), not whole samples.
         Collective only for a batch smaller than the number of groups (rank 0 tells the empty groups the
-        sample shape and dtype)."""
+        sample shape, dtype and the targets')."""
         x, dist = b.inputs, self.dist
         block: torch.Tensor | None = None
         shape: tuple[int, ...] | None = None
@@ -157,41 +166,44 @@ class SpatialTrainer:
             raise SpatialError(f"strategy 'spatial' takes NCHW tensors or RegionBatch inputs, got {type(x).__name__}")
         if block is not None:  # blocks read on the CPU (a RegionBatch's reader, the loader) go to the model
             block = to_device(block, self.device)
-        if b.n < dist.samples:  # some group has no sample: it learns the shape from rank 0 (group 0 has one)
-            shape, dtype = dist.comm.broadcast_object((shape, None if block is None else block.dtype)
-                                                      if dist.comm.rank == 0 else None)
+        info = self._target_info(b.targets, blocks)
+        if b.n < dist.samples:  # some group has no sample: it learns the shapes from rank 0 (group 0 has one)
+            shape, dtype, info = dist.comm.broadcast_object((shape, None if block is None else block.dtype, info)
+                                                            if dist.comm.rank == 0 else None)
             if block is None:
                 block = torch.empty((0, *dist.local_shape(shape)[1:]), dtype=dtype, device=self.device)
         assert block is not None and shape is not None
         dist.check_shape((max(shape[0], dist.samples), *shape[1:]), "input batch")
-        return tag(block, Layout(dist, "block", shape)), shape
+        return tag(block, Layout(dist, "block", shape)), info
 
-    def _group_outputs(self, y: torch.Tensor) -> torch.Tensor:
-        """This group's whole output samples on each of its ranks. After a switch to sample parallelism
-        (``switch_at``, one sample group: make_trainer refuses more) the outputs are spread over the world
-        by samples, and the group is the world: gather them all."""
-        return gather(y) if self.switch_at is not None else gather_group(y)
+    def _target_info(self, targets: torch.Tensor | None, blocks: bool) -> TargetInfo | None:
+        if blocks and self._target_shape is not None:  # dense targets read by region: blocks
+            return TargetInfo(self._target_shape, targets.dtype, blocks=True) if targets is not None else None
+        if isinstance(targets, torch.Tensor):
+            return TargetInfo(tuple(targets.shape[1:]), targets.dtype)
+        return None
 
     def train_shares(self, batches: Sequence[BatchShare], total: int) -> float:
         """One optimizer step on this group's rows of `batches` (:class:`~mpitrain.strategies.base.ShardedTrainer`):
-        one forward and backward per batch (gradients accumulate), then clip and step."""
+        one forward and backward per batch (gradients accumulate), then clip and step. Each batch's loss
+        runs where :class:`~mpitrain.spatial._fit_loss.StepLoss` says: on blocks for dense targets (the
+        batch's loss on every rank), else on each group's whole samples; weighted by its rows."""
         if not self.parallel.training:  # eval_step restores training mode; train() walks every module
             self.parallel.train()
         self.optimizer.zero_grad(set_to_none=True)
-        # this group's summed per-sample loss (spatial rank 0), on the model's device: no host sync per batch
+        # the step's summed per-sample loss (on the ranks that log it), on the model's device: no host sync per batch
         local = torch.zeros(1, dtype=torch.float64, device=self.device)
         for b in batches:
-            x, _ = self._share_block(b, blocks=True)
+            x, info = self._share_block(b, blocks=True)
             with autocast(self.loop.precision, self.device):
-                outputs = self._group_outputs(self.parallel(x))
-                if b.share.rows:
-                    loss = self.loss_fn(outputs, to_device(b.targets, self.device))
-            if b.share.rows:
-                (loss * (b.share.rows / total)).backward()
-                if self.dist.spatial_rank == 0:
-                    local += loss.detach().double() * b.share.rows
-            else:  # no sample here: take part in the backward's collectives with a zero gradient
-                (outputs.float().sum() * 0.0).backward()
+                out = self.step_loss(self.parallel(x), b, info, self.device)
+            if out.loss is None:
+                assert out.zero is not None
+                out.zero.backward()
+                continue
+            (out.loss * (out.rows / total)).backward()
+            if out.logs:
+                local += out.loss.detach().double() * out.rows
         if self.loop.grad_clip is not None:  # the gradients are already the global ones on every rank
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.loop.grad_clip)
         self.optimizer.step()
@@ -207,14 +219,16 @@ class SpatialTrainer:
 
     def eval_step(self, inputs: Batch | RegionBatch, targets: torch.Tensor) -> torch.Tensor:
         """Forward only on a global batch every rank holds in full (any size: a group may get no sample);
-        returns the full outputs on every rank."""
+        returns the full outputs on every rank (a dict of them for a model that returns one)."""
         n = len(targets)
         x, _ = self._share_block(slice_share(inputs, targets, self.share(n)), blocks=False)  # type: ignore[arg-type]
         self.parallel.eval()
         try:
             with torch.no_grad(), autocast(self.loop.precision, self.device):
-                out = gather(self.parallel(x))
-            return (out.float() if out.dtype == torch.bfloat16 else out).cpu()
+                out = pytree.tree_map(lambda t: gather(t) if layout_of(t) is not None else t, self.parallel(x))
+            return pytree.tree_map(  # type: ignore[no-any-return]
+                lambda t: (t.float() if t.dtype == torch.bfloat16 else t).cpu() if isinstance(t, torch.Tensor) else t,
+                out)
         finally:
             self.parallel.train()
 
