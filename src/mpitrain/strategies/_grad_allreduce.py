@@ -7,7 +7,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from .._utils.flat import copy_from_flat, flatten
+from .._utils.flat import copy_from_flat, flatten, joined
 from ..comm.base import Communicator, Request
 from ._buckets import MB, plan_buckets
 
@@ -21,17 +21,19 @@ class GradientAllreduce:
     """
 
     def __init__(self, grads: list[torch.Tensor], flats: list[torch.Tensor], groups: list[list[int]],
-                 requests: list[Request]) -> None:
+                 requests: list[Request], in_place: list[bool]) -> None:
         self._grads, self._flats, self._groups, self._requests = grads, flats, groups, requests
+        self._in_place = in_place
         self._done = False
 
     def wait(self) -> None:
         """Block until every bucket is reduced and copied back; idempotent."""
         if self._done:
             return
-        for flat, group, req in zip(self._flats, self._groups, self._requests):
+        for flat, group, req, in_place in zip(self._flats, self._groups, self._requests, self._in_place):
             req.wait()
-            copy_from_flat(flat, [self._grads[i] for i in group])
+            if not in_place:
+                copy_from_flat(flat, [self._grads[i] for i in group])
         self._done = True
 
 
@@ -41,7 +43,9 @@ def start_allreduce_gradients(params: Iterable[nn.Parameter], comm: Communicator
 
     Every rank of `comm` must call it with the same parameters in the same order (same shapes and
     dtypes). Gradients are fused per dtype into flat buckets of about `bucket_mb` MiB (one copy in,
-    one copy out) and reduced with nonblocking allreduces, so several buckets are in flight at once.
+    one copy out) and reduced with nonblocking allreduces, so several buckets are in flight at once. A
+    bucket whose gradients already lie back to back in one buffer (views of a gradient bucket, or one
+    tensor alone) is reduced in place: no copy, no memory beyond the gradients themselves.
     Parameters with ``requires_grad=False`` are skipped; a parameter whose ``.grad`` is None gets a
     zero gradient first, so every rank sends the same layout (after the call it holds the average).
     """
@@ -58,9 +62,10 @@ def start_allreduce_gradients(params: Iterable[nn.Parameter], comm: Communicator
         grads.append(p.grad)
     kinds = [(g.numel() * g.element_size(), f"{g.dtype}/{g.device}") for g in grads]
     groups = plan_buckets(kinds, int(bucket_mb * MB))
-    flats = [flatten([grads[i] for i in group]) for group in groups]
+    spans = [joined([grads[i] for i in group]) for group in groups]
+    flats = [flatten([grads[i] for i in group]) if span is None else span for group, span in zip(groups, spans)]
     requests = [comm.iallreduce(flat, op) for flat in flats]
-    return GradientAllreduce(grads, flats, groups, requests)
+    return GradientAllreduce(grads, flats, groups, requests, [span is not None for span in spans])
 
 
 def allreduce_gradients(params: Iterable[nn.Parameter], comm: Communicator, op: str = "avg",

@@ -44,12 +44,12 @@ def test_meta_model_trains_like_one_process_at_every_P_holding_only_its_partitio
     """balance="params" and "time" (each rank times only its own partition: timing the whole graph
     would fail here), model and hybrid: weights equal one process's, each rank holds a part, and the
     peak memory stays within the issue's target."""
-    import mpitrain.strategies.pipeline._pipe as pipe_module
+    import mpitrain.strategies.pipeline._graph as graph_module
 
     def whole_graph(*args, **kwargs):
         raise AssertionError("a rank timed the whole meta model")
 
-    monkeypatch.setattr(pipe_module, "measure", whole_graph)
+    monkeypatch.setattr(graph_module, "measure", whole_graph)
     reference = on_meta()
     materialize(reference)  # one process, the same seeded initialisation
     full = 2 * sum(q.numel() * q.element_size() for q in reference.parameters())  # params + grads
