@@ -16,7 +16,7 @@ import ctypes
 import ctypes.util
 import os
 
-__all__ = ["GLIBC_LARGEST", "mmap_threshold", "lower_mmap_threshold"]
+__all__ = ["GLIBC_LARGEST", "mmap_threshold", "lower_mmap_threshold", "release_free_memory"]
 
 #: glibc's largest mmap threshold (its dynamic threshold's ceiling on 64-bit), the launcher's default
 GLIBC_LARGEST = 32 << 20
@@ -24,13 +24,13 @@ _M_MMAP_THRESHOLD = -3  # malloc.h
 _set: int | None = None
 
 
-def _mallopt() -> object | None:
-    """glibc's ``mallopt``, or None on another C library."""
+def _glibc(name: str) -> object | None:
+    """The glibc function `name`, or None on another C library."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return getattr(libc, "mallopt", None) if hasattr(libc, "gnu_get_libc_version") else None
     except OSError:
         return None
+    return getattr(libc, name, None) if hasattr(libc, "gnu_get_libc_version") else None
 
 
 def mmap_threshold() -> int:
@@ -50,8 +50,19 @@ def lower_mmap_threshold(nbytes: int) -> int:
     now = mmap_threshold()
     if nbytes >= now:
         return now
-    mallopt = _mallopt()
+    mallopt = _glibc("mallopt")
     if mallopt is None or not mallopt(_M_MMAP_THRESHOLD, int(nbytes)):  # type: ignore[operator]
         return now
     _set = int(nbytes)
     return _set
+
+
+def release_free_memory() -> bool:
+    """Return the free memory glibc keeps in its heaps to the kernel (``malloc_trim(0)``), so that a
+    measurement of the resident set that starts now counts memory a run reuses. False where the C
+    library is not glibc."""
+    trim = _glibc("malloc_trim")
+    if trim is None:
+        return False
+    trim(0)  # type: ignore[operator]
+    return True
