@@ -24,6 +24,7 @@ BENCHMARKS = {
     "planner": "the planner's predictions vs measured steps: error, regret, chosen plan per workload",
     "fit": "fit vs a hand-written loop on short epochs: ms/step, ratio, extra ms per epoch (--device cuda)",
     "horovod": "Horovod-style synthetic img/s: mpitrain.horovod DistributedOptimizer vs DataParallel vs DDP",
+    "memory": "per-rank peak memory of fit (data, model, hybrid) over one process's params + grads",
 }
 
 

@@ -322,14 +322,20 @@ def test_broadcast_parameters_and_optimizer_state_from_every_root(comm):
 
 @pytest.mark.parametrize("op", ["avg", "sum"])
 def test_allreduce_gradients_matches_closed_form(comm, op):
+    from mpitrain._utils.flat import views
     from mpitrain.strategies.data_parallel import allreduce_gradients, start_allreduce_gradients
 
     shapes = [(3, 5), (7,), (2, 2, 2), (1,)]
-    for start in (False, True):
-        params = [nn.Parameter(torch.zeros(s, dtype=torch.float64 if i == 2 else torch.float32))
+    for start, joined in [(False, False), (True, False), (False, True), (True, True)]:
+        params = [nn.Parameter(torch.zeros(s, dtype=torch.float32 if joined or i != 2 else torch.float64))
                   for i, s in enumerate(shapes)]
         for i, p in enumerate(params[:-1]):  # the last one has no gradient: it counts as zeros
             p.grad = torch.full_like(p, float(comm.rank + 1 + i))
+        if joined:  # gradients already back to back in one buffer: reduced in place, still its views
+            buffer = torch.zeros(sum(p.numel() for p in params[:-1]))
+            for p, view in zip(params[:-1], views(buffer, [p.shape for p in params[:-1]])):
+                p.grad = view.copy_(p.grad)
+            where = [p.grad.data_ptr() for p in params[:-1]]
         if start:
             start_allreduce_gradients(params, comm, op, bucket_mb=0.00005).wait()
         else:
@@ -339,7 +345,9 @@ def test_allreduce_gradients_matches_closed_form(comm, op):
             expected = 0.0 if i == len(params) - 1 else total + comm.size * i
             expected = expected / comm.size if op == "avg" else expected
             assert_close_all_ranks(comm, p.grad, torch.full_like(p, expected), atol=1e-6,
-                                   what=f"{op} start={start} param {i}")
+                                   what=f"{op} start={start} joined={joined} param {i}")
+        if joined:
+            assert_all_ranks(comm, [p.grad.data_ptr() for p in params[:-1]] == where, "gradients moved")
 
 
 class _Tokens(torch.utils.data.Dataset):

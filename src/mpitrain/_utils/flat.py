@@ -10,7 +10,7 @@ from typing import TypeVar
 
 import torch
 
-__all__ = ["offsets", "spans", "flatten", "views", "copy_from_flat", "group_by"]
+__all__ = ["offsets", "spans", "flatten", "joined", "views", "copy_from_flat", "group_by"]
 
 K = TypeVar("K", bound=Hashable)
 T = TypeVar("T")
@@ -41,6 +41,22 @@ def flatten(tensors: Sequence[torch.Tensor], out: torch.Tensor | None = None) ->
         return torch.cat(parts) if parts else torch.empty(0)
     used = out[:sum(p.numel() for p in parts)]
     return torch.cat(parts, out=used) if parts else used
+
+
+def joined(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """The 1-D view of the memory `tensors` cover when they already lie back to back, in order, in one
+    storage (each contiguous, one dtype and device: consecutive :func:`views` of one buffer), else None.
+    Reducing that view in place reduces every tensor with no :func:`flatten` copy."""
+    if not tensors:
+        return None
+    first = tensors[0]
+    storage, at = first.untyped_storage().data_ptr(), first.data_ptr()
+    for t in tensors:
+        if (not t.is_contiguous() or t.dtype != first.dtype or t.device != first.device
+                or t.untyped_storage().data_ptr() != storage or t.data_ptr() != at):
+            return None
+        at += t.numel() * t.element_size()
+    return first.as_strided((sum(t.numel() for t in tensors),), (1,))
 
 
 def views(flat: torch.Tensor, shapes: Sequence[torch.Size | tuple[int, ...]]) -> list[torch.Tensor]:

@@ -9,7 +9,7 @@ from torch import nn
 
 from .._utils.flat import views
 
-__all__ = ["plan_buckets", "Bucket", "MB"]
+__all__ = ["plan_buckets", "Bucket", "MB", "gradient_buckets", "adopt"]
 
 #: Bucket capacities are given in MiB, as DDP's ``bucket_cap_mb``.
 MB = 1 << 20
@@ -67,3 +67,34 @@ class Bucket:
 
     def __repr__(self) -> str:
         return f"Bucket({self.index}, key={self.key!r}, params={len(self.params)}, {self.nbytes} bytes)"
+
+
+def gradient_buckets(params: Sequence[nn.Parameter], name: str, bucket_mb: float = 25.0,
+                     first_bucket_mb: float | None = None) -> list[Bucket]:
+    """`params` in :class:`Bucket` s planned by :func:`plan_buckets` in DDP's order (the reverse of
+    `params`: autograd produces the last layers' gradients first), keys ``f"{name}.b{i}"``."""
+    order = list(params)[::-1]
+    plan = plan_buckets([(p.numel() * p.element_size(), f"{p.dtype}/{p.device}") for p in order],
+                        int(bucket_mb * MB), None if first_bucket_mb is None else int(first_bucket_mb * MB))
+    return [Bucket(i, f"{name}.b{i}", [order[j] for j in idx]) for i, idx in enumerate(plan)]
+
+
+def adopt(p: nn.Parameter, view: torch.Tensor, scale: float | None) -> bool:
+    """Make ``p.grad`` its bucket view, multiplied by `scale` if given; False if `p` has no gradient.
+
+    Called from a post-accumulate-grad hook. After ``zero_grad(set_to_none=True)`` autograd hands the
+    parameter a fresh tensor; one pass writes it, scaled, into the bucket (cheaper than zeroing the
+    bucket ahead and accumulating into it, and the pre-scaling rides along), and from then on
+    accumulation (more micro-batches, ``no_sync``, several backward passes) writes in place."""
+    g = p.grad
+    if g is None:
+        return False
+    if g.data_ptr() != view.data_ptr():
+        if scale is None:
+            view.copy_(g)
+        else:
+            torch.mul(g, scale, out=view)
+        p.grad = view
+    elif scale is not None:
+        view.mul_(scale)
+    return True

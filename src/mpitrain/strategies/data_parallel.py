@@ -21,7 +21,7 @@ from ._broadcast import (
     check_same_everywhere,
     module_tensors,
 )
-from ._buckets import MB, Bucket, plan_buckets
+from ._buckets import MB, Bucket, adopt, plan_buckets
 from ._device import CPU, autocast, model_device, to_device
 from ._grad_allreduce import allreduce_gradients, start_allreduce_gradients
 from .base import (
@@ -166,26 +166,7 @@ class DataParallel(nn.Module):
         self._absent: list[tuple[Bucket, int]] = []      # no local gradient when their bucket left
         self._queued = False
 
-    @staticmethod
-    def _adopt(p: nn.Parameter, view: torch.Tensor, scale: float | None) -> bool:
-        """Make ``p.grad`` its bucket view, multiplied by `scale` if given; False if `p` has no gradient.
-
-        After ``zero_grad(set_to_none=True)`` autograd hands the parameter a fresh tensor; one pass
-        writes it, scaled, into the bucket (cheaper than zeroing the bucket ahead and accumulating
-        into it, and the pre-scaling rides along), and from then on accumulation (``no_sync``, several
-        backward passes) writes in place."""
-        g = p.grad
-        if g is None:
-            return False
-        if g.data_ptr() != view.data_ptr():
-            if scale is None:
-                view.copy_(g)
-            else:
-                torch.mul(g, scale, out=view)
-            p.grad = view
-        elif scale is not None:
-            view.mul_(scale)
-        return True
+    _adopt = staticmethod(adopt)  # the buckets' one rule (_buckets.adopt)
 
     @torch.no_grad()
     def _on_grad(self, p: nn.Parameter) -> None:

@@ -44,12 +44,12 @@ def test_meta_model_trains_like_one_process_at_every_P_holding_only_its_partitio
     """balance="params" and "time" (each rank times only its own partition: timing the whole graph
     would fail here), model and hybrid: weights equal one process's, each rank holds a part, and the
     peak memory stays within the issue's target."""
-    import mpitrain.strategies.pipeline._pipe as pipe_module
+    import mpitrain.strategies.pipeline._graph as graph_module
 
     def whole_graph(*args, **kwargs):
         raise AssertionError("a rank timed the whole meta model")
 
-    monkeypatch.setattr(pipe_module, "measure", whole_graph)
+    monkeypatch.setattr(graph_module, "measure", whole_graph)
     reference = on_meta()
     materialize(reference)  # one process, the same seeded initialisation
     full = 2 * sum(q.numel() * q.element_size() for q in reference.parameters())  # params + grads
@@ -74,12 +74,15 @@ def test_meta_model_trains_like_one_process_at_every_P_holding_only_its_partitio
                   for (name, a), b in zip(got.named_parameters(), want.parameters()) if name in real}
         assert_all_ranks(comm, max(errors.values()) <= 1e-12, f"{what}: rank {comm.rank} errors {errors}")
         ratio = grown / full
-        # with replicas the gradient average fuses one more copy of the partition's gradients
-        target = TARGET[P] + (0.5 / P if R > 1 else 0.0)
+        # with replicas too: their average is reduced in place on the gradient buckets (no fused copy)
+        target = TARGET[P]
         if balance == "time":
             # a timed split follows this machine's noise (a rank may get one layer more than 1/P): the
             # target's headroom over an even share, on top of the share this rank actually holds
             held = 2 * sum(q.numel() * q.element_size() for name, q in got.named_parameters() if name in real)
             target += held / full - 1 / P
+            # and the timing passes' scratch gradient, one weight's size (_graph._scratch_grads): 0.06 of
+            # this 2 MB model, 0.03 of bench memory's 537 MB
+            target += max(q.numel() * q.element_size() for q in reference.parameters()) / full
         assert_all_ranks(comm, ratio <= target, f"{what}: rank {comm.rank} grew {grown} B = {ratio:.2f}x "
                                                    f"one process's params+grads ({full} B)")

@@ -32,6 +32,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import fx, nn
 
+from ..._utils.flat import group_by
 from .._batching import call_args
 from .._device import model_device, to_device
 
@@ -322,6 +323,8 @@ def _timed_passes(gm: fx.GraphModule, inputs: Sequence[Any], passes: int,
     fwd: dict[str, float] = {}
     bwd: dict[str, float] = {}
     with _undisturbed(gm, train=train), torch.set_grad_enabled(train):
+        if train:
+            _scratch_grads(gm)
         for _ in range(max(passes, 1)):
             rec = _Recorder(gm, stamp=train)
             out = rec.run(*inputs)
@@ -335,6 +338,21 @@ def _timed_passes(gm: fx.GraphModule, inputs: Sequence[Any], passes: int,
                     spent[name] = spent.get(name, 0.0) + t_next - t
                 bwd = {k: min(v, bwd.get(k, v)) for k, v in spent.items()}
     return fwd, bwd
+
+
+def _scratch_grads(gm: nn.Module) -> None:
+    """Give every trainable parameter of `gm` a ``.grad`` that is a view of one zeroed scratch buffer
+    per dtype and device, as long as its largest parameter, shared by all of them: the timing passes
+    run the training's kernels (autograd adds each weight gradient into ``.grad`` in place) while the
+    sums they leave are meaningless and dropped (:func:`_undisturbed` puts the old gradients back).
+    Why: real gradients would be a partition's worth of memory, freed after the timing; in the heap
+    (glibc keeps freed memory there, the launcher's MALLOC_* settings) they leave holes that the
+    small allocations made meanwhile split, which the training's own gradients then cannot reuse."""
+    params = list({id(p): p for p in gm.parameters() if p.requires_grad}.values())
+    for (dtype, device), group in group_by(params, lambda p: (p.dtype, p.device)).items():
+        scratch = torch.zeros(max(p.numel() for p in group), dtype=dtype, device=device)
+        for p in group:
+            p.grad = scratch[:p.numel()].view(p.shape)
 
 
 @contextmanager

@@ -30,11 +30,13 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from ..._utils.flat import spans
+from ..._utils.malloc import lower_mmap_threshold
 from ..._utils.stall import DEFAULT_POLICY, StallPolicy, watched
 from ...comm.base import Communicator, split_sizes
 from .._batching import check_divisible
+from .._buckets import Bucket, adopt, gradient_buckets
 from .._device import model_device, to_device
-from .._grad_allreduce import allreduce_gradients, start_allreduce_gradients
+from .._grad_allreduce import allreduce_gradients
 from ..base import FitError
 from ._graph import (
     Partition,
@@ -43,7 +45,6 @@ from ._graph import (
     ValueMeta,
     capture,
     cut_points,
-    measure,
     measure_module,
     model_args,
     param_counts,
@@ -184,7 +185,9 @@ class Pipeline:
         if not self.stages:
             self._setup(inputs, flat, n)
         off = self.replica * n * self.M
-        before = [q.grad for q in self._params]
+        # what .grad held; a copy where it is a bucket view (the user did not clear it), which this step reuses
+        before = [None if q.grad is None else q.grad.clone() if self._in_bucket(q, q.grad) else q.grad
+                  for q in self._params]
         for q in self._params:
             q.grad = None  # reductions below must see this step's contribution only
         mine = self.train_pass(_rows(flat, off, off + n * self.M), _slice(targets, off, off + n * self.M),
@@ -240,7 +243,13 @@ class Pipeline:
         # shapes from the set-up sample when ranks differ in what they hold: the same on every rank
         shared = inputs is None or self.inputs_on_first
         metas = [self._meta(None if shared else micro_args[m], s) for m, s in enumerate(sizes)]
-        run(self.stages, self._actions(len(sizes)), micro_args, metas, last_fn, train=True)
+        # each gradient lands in its bucket view; only for this pass: the user's parameters keep no hook
+        hooks = [q.register_post_accumulate_grad_hook(self._land) for q in self._params]
+        try:
+            run(self.stages, self._actions(len(sizes)), micro_args, metas, last_fn, train=True)
+        finally:
+            for h in hooks:
+                h.remove()
         total = 0.0
         for loss, n in losses:  # the order and float64 arithmetic of a running sum per micro-batch
             total += float(loss) * n
@@ -249,11 +258,17 @@ class Pipeline:
     def reduce_gradients(self) -> None:
         """Collective over every rank: finish the sends of the passes, average ``.grad`` over the
         replicas and sum the copies of tied parameters (None gradients count as zeros)."""
-        # this rank's backward is done: its replicas' average overlaps the other ranks' compute
-        handle = start_allreduce_gradients(self._params, self.group, op="avg") if self.R > 1 else None
         self._finish_sends()
-        if handle is not None:
-            handle.wait()
+        if self.R > 1:
+            # in place on the buckets (a gradient None here is averaged as zeros, in its view), one
+            # bucket after the other: a nonblocking reduction of every bucket at once would hold MPI's
+            # temporary copy of all of this rank's gradients (+0.15-0.25 of one process's params +
+            # grads at P = 2 x R = 2 on the bench memory model)
+            for b in self._buckets:
+                for q, view in zip(b.params, b.views):
+                    if q.grad is None:
+                        q.grad = view.zero_()
+            allreduce_gradients([q for b in self._buckets for q in b.params], self.group, op="avg")
         for sub, params in self._tied:
             allreduce_gradients(params, sub, op="sum")
 
@@ -376,17 +391,9 @@ class Pipeline:
         if isinstance(self.balance, str) and len(cuts) + 1 < parts_n:
             raise FitError(f"the graph can only be cut at {len(cuts)} places (where every crossing value "
                            f"is a tensor); use partitions x virtual stages <= {len(cuts) + 1}")
-        if self.on_meta:
-            bounds = self._meta_bounds(sample, meta, cuts)
-        else:
-            timed = self.balance == "time"
-            with autocast(self.autocast, self.device):
-                timing = measure(traced, sample, self.profile_passes) if timed else None
-            costs = self._agree(timing, sample)
-            bounds = _bounds(self.balance, parts_n, costs or param_counts(traced), cuts)
-        self.bounds = bounds
+        self.bounds = bounds = self._choose_bounds(sample, meta, cuts)
         parts = split(traced, bounds, meta, self._place)
-        mine = [parts[c * self.P + self.p] for c in range(self.V)]
+        mine = self._mine(parts)
         if self.checkpoint != "never":
             _refuse_recompute_with_batchnorm(mine)
         edges = make_edges(parts, meta, [n.name for n in traced.placeholders] if self.inputs_on_first else None)
@@ -400,6 +407,10 @@ class Pipeline:
         self._holds_last = self.stages[-1].last
         unique = {id(q): q for s in self.stages for q in s.part.module.parameters() if q.requires_grad}
         self._params = list(unique.values())  # a dict keeps the first-seen order, the same on replicas
+        # this rank's gradients live in buckets allocated once, as DataParallel's: steps reuse them
+        # instead of leaving gradient-sized holes in the heap (docs/pipeline.md, "Memory per rank")
+        self._buckets: list[Bucket] = gradient_buckets(self._params, "pipe")
+        self._views = {id(q): v for b in self._buckets for q, v in zip(b.params, b.views)}
         self._tied = self._tied_comms(parts)
         if self.R > 1:  # replicas start from replica 0's weights (Horovod's broadcast_parameters)
             with torch.no_grad():
@@ -407,35 +418,35 @@ class Pipeline:
                     for t in s.part.module.state_dict().values():
                         self.group.broadcast(t, root=0)
 
-    def _meta_bounds(self, sample: list[Any], meta: dict[str, ValueMeta | None], cuts: list[int]) -> list[int]:
-        """The split of a meta model, with this rank's partitions materialised (and nothing else).
+    def _choose_bounds(self, sample: list[Any], meta: dict[str, ValueMeta | None], cuts: list[int]) -> list[int]:
+        """The split; a meta model ends with this rank's partitions materialised (and nothing else).
 
-        `balance` "params" or a list: that split. "time": no rank can time the whole model, so the
-        graph is first split by parameters; each rank materialises and times only its own partitions
-        (stand-in activations of the shapes the meta profile gave), one allgather shares the per-node
-        times, every rank splits by them, materialises its final partitions and frees what it no longer
-        holds. Errors (an init that fails) travel in those allgathers: every rank raises together."""
+        `balance` "params" or a list: that split. "time": no rank times the whole model (a meta model
+        cannot run whole, and the whole model's gradients would be one more model's worth of memory on
+        every rank): the graph is first split by parameters; each rank times only its own partitions
+        (stand-in activations of the shapes the profile gave; a meta model's partitions materialised
+        first), one allgather shares the per-node times, every rank splits by them (a meta model
+        materialises its final partitions and frees what it no longer holds). Errors (an init that
+        fails) travel in those allgathers: every rank raises together."""
         traced = self._traced()
         parts_n = self.P * self.V
         timed = self.balance == "time"
         bounds = _bounds("params" if timed else self.balance, parts_n, param_counts(traced), cuts)
-        error = self._hold(bounds, meta)
+        error = self._hold(bounds, meta) if self.on_meta else None
         mine = self._measure_mine(bounds, meta, sample) if timed and error is None else None
         costs = self._agree(mine, sample, error)
         if costs is None:
             return bounds
         bounds = _bounds("time", parts_n, costs, cuts)
-        error = self._hold(bounds, meta)
-        errors = self.comm.allgather_object(error)
-        _raise_first(errors)
+        if self.on_meta:
+            _raise_first(self.comm.allgather_object(self._hold(bounds, meta)))
         return bounds
 
     def _hold(self, bounds: list[int], meta: dict[str, ValueMeta | None]) -> str | None:
         """Make this rank hold exactly its partitions' tensors of the split at `bounds`: the others go
         back to meta (first, so the peak is the larger of the two holdings, not their union), the
         missing ones are materialised. Returns the error message of a failed initialisation."""
-        parts = split(self._traced(), bounds, meta)
-        keep = {id(t) for c in range(self.V) for part in [parts[c * self.P + self.p]]
+        keep = {id(t) for part in self._mine(split(self._traced(), bounds, meta))
                 for t in [*part.module.parameters(), *part.module.buffers()]}
         release(self.model, keep)
         try:
@@ -443,6 +454,13 @@ class Pipeline:
         except ValueError as e:
             return str(e)
         return None
+
+    def _mine(self, parts: list[Partition]) -> list[Partition]:
+        """This rank's partitions of `parts`. Blocks as large as their largest weight get their own
+        mapping from now on (:func:`_map_weight_sized_blocks`)."""
+        mine = [parts[c * self.P + self.p] for c in range(self.V)]
+        _map_weight_sized_blocks(mine)
+        return mine
 
     def _measure_mine(self, bounds: list[int], meta: dict[str, ValueMeta | None],
                       sample: list[Any]) -> list[float | None]:
@@ -457,11 +475,12 @@ class Pipeline:
         out: list[float | None] = [None] * len(traced.nodes)
         unit = reference_seconds(self.profile_passes)
         times: dict[int, float] = {}
-        for c in range(self.V):
-            k = c * self.P + self.p
-            part = parts[k]
-            args = [sample[i] for i in part.data_inputs] + [_stand_in(meta[v]) for v in part.recv_inputs]
-            for name, seconds in measure_module(part.module, args, self.profile_passes).items():
+        for part in self._mine(parts):
+            k = part.index
+            args = [sample[i] for i in part.data_inputs] + [_stand_in(meta[v], self.device) for v in part.recv_inputs]
+            with autocast(self.autocast, self.device):
+                timed = measure_module(part.module, args, self.profile_passes)
+            for name, seconds in timed.items():
                 i = index.get(name)
                 if i is not None and bounds[k] <= i < bounds[k + 1]:
                     times[i] = seconds
@@ -552,6 +571,15 @@ class Pipeline:
             if self._traced().how == "export":
                 set_training(s.part.module, train)
 
+    @torch.no_grad()
+    def _land(self, q: torch.Tensor) -> None:
+        """Post-accumulate hook of a training pass: `q`'s gradient into its bucket view (a copy of the
+        first one, then autograd accumulates in place)."""
+        adopt(q, self._views[id(q)], None)  # type: ignore[arg-type]
+
+    def _in_bucket(self, q: torch.Tensor, g: torch.Tensor) -> bool:
+        return g.data_ptr() == self._views[id(q)].data_ptr()
+
     def _finish_sends(self) -> None:
         for s in self.stages:
             s.finish_sends()
@@ -571,6 +599,25 @@ class Pipeline:
                         self.group.broadcast(b, root=0)
 
 
+#: The weight size from which a rank's weight-sized blocks get their own mapping: below it, the few
+#: blocks the heap cannot reuse (see :mod:`..._utils.malloc`) waste little, and activations that
+#: size stay in the heap, reused without page faults
+OWN_MAPPING_FROM = 4 << 20
+
+
+def _map_weight_sized_blocks(parts: list[Partition]) -> None:
+    """Lower glibc's mmap threshold to the largest weight of `parts` (at least :data:`OWN_MAPPING_FROM`).
+
+    Every step allocates one temporary per weight and micro-batch as large as the weight (autograd's
+    weight gradient, added into ``.grad``); in the heap, each can leave a hole that the next one cannot
+    reuse (:mod:`..._utils.malloc`), measured at 1 to 13 extra 16 MiB blocks per rank at P = 4 on
+    the ``bench memory`` model. Mapped on their own they are returned when freed, at the price of
+    page faults per temporary (docs/pipeline.md, "Memory per rank")."""
+    largest = max((q.numel() * q.element_size() for part in parts for q in part.module.parameters()), default=0)
+    if largest >= OWN_MAPPING_FROM:
+        lower_mmap_threshold(largest)
+
+
 def _bounds(balance: Any, parts: int, costs: list[float], cuts: list[int]) -> list[int]:
     try:
         return bounds_from_balance(balance, parts, costs, cuts)
@@ -585,14 +632,14 @@ def _raise_first(errors: list[str | None]) -> None:
             raise FitError(f"rank {r}: {e}")
 
 
-def _stand_in(meta: ValueMeta | None) -> torch.Tensor:
+def _stand_in(meta: ValueMeta | None, device: torch.device) -> torch.Tensor:
     """A tensor shaped like a received activation, to time a partition alone: random floats (a
     non-leaf when differentiable, so in-place ops on it are allowed, as on a received copy), zeros
     otherwise."""
     assert meta is not None  # a boundary only ever carries tensors (cut_points)
     if not meta.dtype.is_floating_point:
-        return torch.zeros(meta.shape, dtype=meta.dtype)
-    x = torch.randn(meta.shape, dtype=meta.dtype, requires_grad=meta.requires_grad)
+        return torch.zeros(meta.shape, dtype=meta.dtype, device=device)
+    x = torch.randn(meta.shape, dtype=meta.dtype, device=device, requires_grad=meta.requires_grad)
     return x.clone() if meta.requires_grad else x
 
 
