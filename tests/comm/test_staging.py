@@ -129,7 +129,7 @@ def test_staged_paths_move_every_dtype_as_the_direct_ones(pair):
     right, left = (r + 1) % p, (r - 1) % p
     bad = []
     for k, d in enumerate(DTYPES):
-        def x() -> torch.Tensor:  # a fresh copy each time (torch has no clone kernel for int1 ... uint7)
+        def x(d: torch.dtype = d) -> torch.Tensor:  # a fresh copy each time (no clone kernel for int1 ... uint7)
             return data(r, 6 * d.itemsize, torch.float64).to(torch.int64).to(torch.uint8).view(d)
 
         got = torch.empty(6, dtype=d)

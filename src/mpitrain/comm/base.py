@@ -45,12 +45,15 @@ _REDUCE_OPS: dict[torch.dtype, tuple[str, ...]] = {
 
 def reduce_ops(dtype: torch.dtype) -> tuple[str, ...]:
     """The reduction ops (allreduce, iallreduce, reduce_scatter) `dtype` takes, the same on every backend:
-    floating: all of :data:`OPS` (bfloat16, and float16 where MPI lacks it, add in a float32 copy: fp32
-    accumulate, one rounding); integers (signed and unsigned): sum, max, min, prod (wrapping as torch's
-    integer arithmetic does; avg refused rather than floor-divided); complex: sum and avg (complex32: sum
-    only, added in a complex64 copy, since torch cannot divide it); bool: max (logical or) and min (logical and). Every other dtype (float8, float4, the
-    bit containers) moves but reduces with no op: convert it to a wider type first, so the rounding is
-    the caller's choice."""
+
+    * floating: all of :data:`OPS` (bfloat16, and float16 where MPI lacks it, add in a float32 copy: fp32
+      accumulate, one rounding);
+    * integers, signed and unsigned: sum, max, min, prod (wrapping as torch's integer arithmetic does;
+      avg refused rather than floor-divided);
+    * complex: sum and avg (complex32: sum only, added in a complex64 copy: torch cannot divide it);
+    * bool: max (logical or) and min (logical and);
+    * every other dtype (float8, float4, the bit containers) moves but has no op: convert it to a wider
+      type first, so that the rounding is the caller's choice."""
     return _REDUCE_OPS.get(dtype, ())
 
 
