@@ -21,8 +21,7 @@ from ._utils.deprecation import renamed_options
 from ._utils.stall import StallPolicy
 from .comm.base import Communicator
 from .runtime import world
-from .strategies._batching import batch_size as _rows_of
-from .strategies._batching import slice_share
+from .strategies._batching import samples, slice_share
 from .strategies._registry import STRATEGIES, features, make_trainer
 from .strategies.base import (
     Balance,
@@ -132,7 +131,7 @@ def _evaluate(trainer: Trainer, data: Iterable[tuple[Batch, torch.Tensor]], loss
     count = 0
     for inputs, targets in data:
         outputs = trainer.eval_step(inputs, targets)
-        n = len(targets)
+        n = samples(inputs, targets)
         with torch.no_grad():
             totals["eval_loss"] = totals.get("eval_loss", 0.0) + float(loss_fn(outputs, targets)) * n
         for name, fn in metrics.items():
@@ -303,7 +302,7 @@ class _Loop:
             if i == 0:
                 check_same_first_batch(self.comm, (inputs, targets), epoch)
             if self.sharded:
-                yield slice_share(inputs, targets, trainer.share(_rows_of(targets)))  # type: ignore[attr-defined]
+                yield slice_share(inputs, targets, trainer.share(samples(inputs, targets)))  # type: ignore[attr-defined]
             else:
                 yield inputs, targets
 
@@ -312,7 +311,7 @@ class _Loop:
             total = sum(b.n for b in group)
             return self.trainer.train_shares(group, total), total  # type: ignore[attr-defined]
         inputs, targets = group[0]
-        return self.trainer.train_step(inputs, targets), _rows_of(targets)
+        return self.trainer.train_step(inputs, targets), samples(inputs, targets)
 
     # -- the loop -----------------------------------------------------------------------------------------
     def run(self, eval_data: Any, loss_fn: LossFn, metrics: dict[str, Metric]) -> None:

@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from ..comm.base import Communicator
-from ..strategies._batching import slice_share
+from ..strategies._batching import samples, slice_share
 from ..strategies._broadcast import broadcast_tensors
 from ..strategies._device import autocast, model_device, to_device
 from ..strategies.base import (
@@ -200,7 +200,7 @@ class SpatialTrainer:
     # -- whole global batches ---------------------------------------------------------------------------
     def train_step(self, inputs: Batch | RegionBatch, targets: torch.Tensor) -> float:
         """One step on a global batch every rank holds in full (tensors or a RegionBatch)."""
-        n = len(targets)
+        n = samples(inputs, targets)
         share = self.share(n)
         mine = slice_share(inputs, targets, share)  # type: ignore[arg-type]  # a RegionBatch passes whole
         return self.train_shares([mine], n)
@@ -208,7 +208,7 @@ class SpatialTrainer:
     def eval_step(self, inputs: Batch | RegionBatch, targets: torch.Tensor) -> torch.Tensor:
         """Forward only on a global batch every rank holds in full (any size: a group may get no sample);
         returns the full outputs on every rank."""
-        n = len(targets)
+        n = samples(inputs, targets)
         x, _ = self._share_block(slice_share(inputs, targets, self.share(n)), blocks=False)  # type: ignore[arg-type]
         self.parallel.eval()
         try:

@@ -32,7 +32,7 @@ from torch import nn
 from ..._utils.flat import spans
 from ..._utils.stall import DEFAULT_POLICY, StallPolicy, watched
 from ...comm.base import Communicator, split_sizes
-from .._batching import check_divisible
+from .._batching import check_divisible, per_sample, target_rows
 from .._device import model_device, to_device
 from .._grad_allreduce import allreduce_gradients, start_allreduce_gradients
 from ..base import FitError
@@ -180,6 +180,7 @@ class Pipeline:
         flat = self._flat(inputs)
         B = _batch(flat)
         check_divisible(B, self.R * self.M, f"replicas x micro-batches (R={self.R}, M={self.M})")
+        per_sample(B, targets, inputs)  # targets follow the inputs' samples (k rows each): checked before set-up
         n = B // (self.R * self.M)
         if not self.stages:
             self._setup(inputs, flat, n)
@@ -187,7 +188,7 @@ class Pipeline:
         before = [q.grad for q in self._params]
         for q in self._params:
             q.grad = None  # reductions below must see this step's contribution only
-        mine = self.train_pass(_rows(flat, off, off + n * self.M), _slice(targets, off, off + n * self.M),
+        mine = self.train_pass(_rows(flat, off, off + n * self.M), target_rows(targets, B, off, off + n * self.M),
                                [n] * self.M, [1.0 / self.M] * self.M, loss_fn, flat=True)
         self.reduce_gradients()
         for q, g in zip(self._params, before):  # accumulate onto what .grad held, as autograd does
@@ -227,7 +228,7 @@ class Pipeline:
         else:  # inputs reach later partitions as messages; non-tensor inputs are the sample's constants
             constants = [None if isinstance(a, torch.Tensor) else a for a in self._sample]
             micro_args = [constants] * len(sizes)
-        micro_tgt = [_slice(targets, a, b) for a, b in blocks] if targets is not None else []
+        micro_tgt = [target_rows(targets, sum(sizes), a, b) for a, b in blocks] if targets is not None else []
         losses: list[tuple[torch.Tensor, int]] = []  # read once the step is queued: no GPU sync per micro-batch
 
         def last_fn(m: int, out: list[Any]) -> torch.Tensor:
