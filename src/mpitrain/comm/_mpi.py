@@ -315,7 +315,7 @@ class MPICommunicator(Communicator):
             staging.give(h)
             raise
         finish = (lambda: staging.back(t, h)) if write else (lambda: staging.give(h))
-        return _CallbackRequest(req.wait, req.test, t if write else None, finish, keep=h)
+        return _CallbackRequest(req.wait, req.test, t if write else None, finish, keep=h, cancel=req.cancel)
 
     def iallreduce(self, t: torch.Tensor, op: str = "sum") -> Request:
         self._check(t, "t", op)
@@ -375,7 +375,7 @@ class MPICommunicator(Communicator):
             host, staging = self._stage(t, "t")
             return self._staged_request(t, lambda h: host.irecv(h, source, tag), staging, read=False)
         req = self._comm.Irecv(_buf(t), source=source, tag=tag)
-        return _CallbackRequest(req.Wait, req.Test, t)
+        return _CallbackRequest(req.Wait, req.Test, t, cancel=req.Cancel)
 
     # -- groups and objects --------------------------------------------------------------------
     def split(self, color: int | None, key: int = 0) -> MPICommunicator | None:

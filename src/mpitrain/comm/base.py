@@ -85,6 +85,14 @@ class Request(abc.ABC):
     def test(self) -> bool:
         """True once complete (then ``wait()`` returns at once). Never blocks."""
 
+    def cancel(self) -> bool:
+        """Cancel a receive no message has matched yet, and complete it (both local); True once the request
+        is complete, cancelled or not (a receive whose message had matched holds it). False for what cannot
+        be cancelled: sends (MPI deprecates cancelling them), collectives, a backend's receives it cannot
+        cancel; they complete only when their peers take part. A cancelled receive's buffer is undefined.
+        Used on requests that nobody will wait for (:func:`mpitrain.comm._inflight.abandon`)."""
+        return False
+
     @staticmethod
     def wait_all(requests: Sequence[Request]) -> list[torch.Tensor | None]:
         return [r.wait() for r in requests]
@@ -270,9 +278,11 @@ class _CallbackRequest(Request):
     """Wraps a backend request; runs `finish` exactly once on completion (copy-back, avg division)."""
 
     def __init__(self, wait: Callable[[], Any], test: Callable[[], bool], out: torch.Tensor | None,
-                 finish: Callable[[], object] | None = None, keep: Any = None) -> None:
+                 finish: Callable[[], object] | None = None, keep: Any = None,
+                 cancel: Callable[[], object] | None = None) -> None:
         self._wait, self._test, self._out, self._finish = wait, test, out, finish
         self._keep = keep  # buffers the backend still reads/writes; alive until completion
+        self._cancel = cancel  # marks a receive for cancellation (its wait is then local)
         self._done = False
 
     def _complete(self) -> None:
@@ -292,3 +302,11 @@ class _CallbackRequest(Request):
         if not self._done and self._test():
             self._complete()
         return self._done
+
+    def cancel(self) -> bool:
+        if self._done:
+            return True
+        if self._cancel is None or self._cancel() is False:  # a wrapped request that cannot be cancelled
+            return False
+        self.wait()  # local after a cancel (MPI standard, MPI_Cancel)
+        return True

@@ -31,7 +31,8 @@ from torch import nn
 
 from ..._utils.flat import spans
 from ..._utils.stall import DEFAULT_POLICY, StallPolicy, watched
-from ...comm.base import Communicator, split_sizes
+from ...comm._inflight import settle_on_error
+from ...comm.base import Communicator, Request, split_sizes
 from .._batching import check_divisible, per_sample, target_rows
 from .._device import model_device, to_device
 from .._grad_allreduce import allreduce_gradients, start_allreduce_gradients
@@ -241,7 +242,8 @@ class Pipeline:
         # shapes from the set-up sample when ranks differ in what they hold: the same on every rank
         shared = inputs is None or self.inputs_on_first
         metas = [self._meta(None if shared else micro_args[m], s) for m, s in enumerate(sizes)]
-        run(self.stages, self._actions(len(sizes)), micro_args, metas, last_fn, train=True)
+        with settle_on_error(self._abandon):  # a failed step leaves no receive that a late message could fill
+            run(self.stages, self._actions(len(sizes)), micro_args, metas, last_fn, train=True)
         total = 0.0
         for loss, n in losses:  # the order and float64 arithmetic of a running sum per micro-batch
             total += float(loss) * n
@@ -304,8 +306,9 @@ class Pipeline:
             micro_args = [_rows(flat, a, a + s) for a, s in zip(starts, sizes)]
             # (micro, partition) order is a topological order of the forwards: no rank waits forever
             forwards = [Action("F", m, c) for m in range(len(sizes)) for c in range(self.V)]
-            run(self.stages, forwards, micro_args, metas, last_fn, train=False)
-            self._finish_sends()
+            with settle_on_error(self._abandon):
+                run(self.stages, forwards, micro_args, metas, last_fn, train=False)
+                self._finish_sends()
         finally:
             self._mode(train=True)
         with self._watched("the broadcast of the evaluation outputs"):
@@ -552,6 +555,9 @@ class Pipeline:
             s.part.module.train(train)
             if self._traced().how == "export":
                 set_training(s.part.module, train)
+
+    def _abandon(self) -> list[Request]:
+        return [r for s in self.stages for r in s.abandon()]
 
     def _finish_sends(self) -> None:
         for s in self.stages:
