@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
+from ..comm._inflight import settle_on_error
 from ..comm.base import Communicator
 from ..strategies._batching import samples, slice_share
 from ..strategies._broadcast import broadcast_tensors
@@ -180,18 +181,19 @@ class SpatialTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         # this group's summed per-sample loss (spatial rank 0), on the model's device: no host sync per batch
         local = torch.zeros(1, dtype=torch.float64, device=self.device)
-        for b in batches:
-            x, _ = self._share_block(b, blocks=True)
-            with autocast(self.loop.precision, self.device):
-                outputs = self._group_outputs(self.parallel(x))
+        with settle_on_error(self.dist.sends.abandon):  # a failed step's deferred halo sends are kept alive
+            for b in batches:
+                x, _ = self._share_block(b, blocks=True)
+                with autocast(self.loop.precision, self.device):
+                    outputs = self._group_outputs(self.parallel(x))
+                    if b.share.rows:
+                        loss = self.loss_fn(outputs, to_device(b.targets, self.device))
                 if b.share.rows:
-                    loss = self.loss_fn(outputs, to_device(b.targets, self.device))
-            if b.share.rows:
-                (loss * (b.share.rows / total)).backward()
-                if self.dist.spatial_rank == 0:
-                    local += loss.detach().double() * b.share.rows
-            else:  # no sample here: take part in the backward's collectives with a zero gradient
-                (outputs.float().sum() * 0.0).backward()
+                    (loss * (b.share.rows / total)).backward()
+                    if self.dist.spatial_rank == 0:
+                        local += loss.detach().double() * b.share.rows
+                else:  # no sample here: take part in the backward's collectives with a zero gradient
+                    (outputs.float().sum() * 0.0).backward()
         if self.loop.grad_clip is not None:  # the gradients are already the global ones on every rank
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.loop.grad_clip)
         self.optimizer.step()
