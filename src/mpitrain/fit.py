@@ -218,6 +218,14 @@ def _require(strategy: str, s: _Settings, data: object) -> bool:
     return "shares" in have
 
 
+def _check_first_batch(data: object) -> None:
+    """The sharding rule (:func:`~mpitrain.strategies._batching.samples`) on the first global batch of a
+    list or tuple of batches, before the trainer is built (no message yet). Other iterables cannot be
+    peeked without reading them: their batches are checked as they are cut, on every rank alike."""
+    if isinstance(data, (list, tuple)) and data and isinstance(data[0], (list, tuple)) and len(data[0]) == 2:
+        samples(*data[0])
+
+
 def _settings(data: object, epochs: int, steps: int | None, batch_size: int | None, shuffle: bool, seed: int,
               drop_last: bool, num_workers: int, pin_memory: bool, checkpoint_dir: str | os.PathLike[str] | None,
               checkpoint_every: int | None, resume: bool, lr_scheduler: SchedulerFactory | None,
@@ -507,6 +515,7 @@ def fit(model: nn.Module, data: Any, loss_fn: LossFn,
         raise FitError(str(e)) from None
     stall = stall_policy(warn_after, abort_after, rest)
     sharded = _require(strategy, s, data)
+    _check_first_batch(data)
     if eval_data is not None and is_map_dataset(eval_data):
         eval_data = DataLoader(eval_data, batch_size=batch_size or 1)  # type: ignore[arg-type]
     resume_from = _find_resume(comm, s)
