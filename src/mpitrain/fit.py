@@ -21,8 +21,7 @@ from ._utils.deprecation import renamed_options
 from ._utils.stall import StallPolicy
 from .comm.base import Communicator
 from .runtime import world
-from .strategies._batching import batch_size as _rows_of
-from .strategies._batching import slice_share
+from .strategies._batching import samples, slice_share
 from .strategies._registry import STRATEGIES, features, make_trainer
 from .strategies.base import (
     Balance,
@@ -132,7 +131,7 @@ def _evaluate(trainer: Trainer, data: Iterable[tuple[Batch, torch.Tensor]], loss
     count = 0
     for inputs, targets in data:
         outputs = trainer.eval_step(inputs, targets)
-        n = len(targets)
+        n = samples(inputs, targets)
         with torch.no_grad():
             totals["eval_loss"] = totals.get("eval_loss", 0.0) + float(loss_fn(outputs, targets)) * n
         for name, fn in metrics.items():
@@ -219,6 +218,14 @@ def _require(strategy: str, s: _Settings, data: object) -> bool:
     return "shares" in have
 
 
+def _check_first_batch(data: object) -> None:
+    """The sharding rule (:func:`~mpitrain.strategies._batching.samples`) on the first global batch of a
+    list or tuple of batches, before the trainer is built (no message yet). Other iterables cannot be
+    peeked without reading them: their batches are checked as they are cut, on every rank alike."""
+    if isinstance(data, (list, tuple)) and data and isinstance(data[0], (list, tuple)) and len(data[0]) == 2:
+        samples(*data[0])
+
+
 def _settings(data: object, epochs: int, steps: int | None, batch_size: int | None, shuffle: bool, seed: int,
               drop_last: bool, num_workers: int, pin_memory: bool, checkpoint_dir: str | os.PathLike[str] | None,
               checkpoint_every: int | None, resume: bool, lr_scheduler: SchedulerFactory | None,
@@ -303,7 +310,7 @@ class _Loop:
             if i == 0:
                 check_same_first_batch(self.comm, (inputs, targets), epoch)
             if self.sharded:
-                yield slice_share(inputs, targets, trainer.share(_rows_of(targets)))  # type: ignore[attr-defined]
+                yield slice_share(inputs, targets, trainer.share(samples(inputs, targets)))  # type: ignore[attr-defined]
             else:
                 yield inputs, targets
 
@@ -312,7 +319,7 @@ class _Loop:
             total = sum(b.n for b in group)
             return self.trainer.train_shares(group, total), total  # type: ignore[attr-defined]
         inputs, targets = group[0]
-        return self.trainer.train_step(inputs, targets), _rows_of(targets)
+        return self.trainer.train_step(inputs, targets), samples(inputs, targets)
 
     # -- the loop -----------------------------------------------------------------------------------------
     def run(self, eval_data: Any, loss_fn: LossFn, metrics: dict[str, Metric]) -> None:
@@ -508,6 +515,7 @@ def fit(model: nn.Module, data: Any, loss_fn: LossFn,
         raise FitError(str(e)) from None
     stall = stall_policy(warn_after, abort_after, rest)
     sharded = _require(strategy, s, data)
+    _check_first_batch(data)
     if eval_data is not None and is_map_dataset(eval_data):
         eval_data = DataLoader(eval_data, batch_size=batch_size or 1)  # type: ignore[arg-type]
     resume_from = _find_resume(comm, s)

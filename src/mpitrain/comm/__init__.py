@@ -1,5 +1,5 @@
-"""Communication layer: the Communicator interface and its MPI and torch.distributed backends."""
+"""The Communicator interface and its backends (MPI by default)."""
 
-from .base import DTYPES, OPS, CommError, Communicator, Request, split_sizes
+from .base import DTYPES, OPS, CommError, Communicator, Request, reduce_ops, split_sizes
 
-__all__ = ["Communicator", "Request", "CommError", "OPS", "DTYPES", "split_sizes"]
+__all__ = ["Communicator", "Request", "CommError", "OPS", "DTYPES", "reduce_ops", "split_sizes"]

@@ -24,7 +24,11 @@ from .base import CommError, Communicator, Request, _CallbackRequest, _DoneReque
 __all__ = ["MPICommunicator"]
 
 _MPI_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD}
-# MPI datatypes by torch dtype. bfloat16 has none: it moves as 16-bit words and reduces in float32.
+#: bool's ops (base.reduce_ops: max and min only) as MPI's logical ones: MPI defines no MAX on C_BOOL.
+_BOOL_OPS = {"max": MPI.LOR, "min": MPI.LAND}
+# MPI datatypes by torch dtype. A dtype not here (bfloat16, complex32, float8, ...) moves as the bytes of
+# its own storage (MPI.BYTE); bfloat16 as 16-bit words. Reductions of bfloat16 and complex32 (and float16 if
+# MPI lacks it) run in a wider copy (_WIDE).
 _MPI_TYPES = {
     torch.float16: MPI.FLOAT16_T if MPI.FLOAT16_T != MPI.DATATYPE_NULL else MPI.SHORT,
     torch.bfloat16: MPI.INT16_T,
@@ -32,8 +36,20 @@ _MPI_TYPES = {
     torch.float64: MPI.DOUBLE,
     torch.int32: MPI.INT32_T,
     torch.int64: MPI.INT64_T,
+    torch.bool: MPI.C_BOOL,
+    torch.int8: MPI.INT8_T,
+    torch.int16: MPI.INT16_T,
+    torch.uint8: MPI.UINT8_T,
+    torch.uint16: MPI.UINT16_T,
+    torch.uint32: MPI.UINT32_T,
+    torch.uint64: MPI.UINT64_T,
+    torch.complex64: MPI.C_FLOAT_COMPLEX,
+    torch.complex128: MPI.C_DOUBLE_COMPLEX,
 }
 _HALF_NATIVE = MPI.FLOAT16_T != MPI.DATATYPE_NULL
+#: The dtype a reduction of these runs in (MPI cannot add their words): one copy each way.
+_WIDE = {torch.bfloat16: torch.float32, torch.complex32: torch.complex64,
+         **({} if _HALF_NATIVE else {torch.float16: torch.float32})}
 #: Device types a tensor may live on: CUDA ones go direct or staged (see the module doc).
 DEVICES = ("cpu", "cuda")
 
@@ -48,12 +64,26 @@ SPLIT_ABOVE = 8 << 20
 def _buf(t: torch.Tensor) -> list[Any]:
     """Zero-copy [memory, datatype] of a contiguous tensor: a numpy view of a CPU tensor's storage; a
     CUDA tensor itself (``__cuda_array_interface__``, for CUDA-aware MPI) once the current stream has
-    produced it (MPI knows no streams)."""
+    produced it (MPI knows no streams). A dtype MPI has no type for goes as its storage's bytes."""
+    mpi_type = _MPI_TYPES.get(t.dtype)
+    if mpi_type is None:
+        t, mpi_type = t.reshape(-1).view(torch.uint8), MPI.BYTE
+    elif t.dtype == torch.bfloat16:
+        t = t.view(torch.int16)
     if t.is_cpu:
-        arr = t.view(torch.int16).numpy() if t.dtype == torch.bfloat16 else t.numpy()
-        return [arr, _MPI_TYPES[t.dtype]]
+        return [t.numpy(), mpi_type]
     host_wait(t)
-    return [t.view(torch.int16) if t.dtype == torch.bfloat16 else t, _MPI_TYPES[t.dtype]]
+    return [t, mpi_type]
+
+
+def _items(dtype: torch.dtype) -> int:
+    """MPI items per element of `dtype` in :func:`_buf` (its bytes where MPI has no type)."""
+    return 1 if dtype in _MPI_TYPES else dtype.itemsize
+
+
+def _op(op: str, dtype: torch.dtype) -> Any:
+    """MPI's op for reduction `op` of `dtype` (checked against base.reduce_ops already)."""
+    return _BOOL_OPS[op] if dtype == torch.bool else _MPI_OPS[op]
 
 
 def _pieces(t: torch.Tensor) -> list[torch.Tensor]:
@@ -64,8 +94,8 @@ def _pieces(t: torch.Tensor) -> list[torch.Tensor]:
 
 
 def _staged(t: torch.Tensor) -> bool:
-    """Whether a reduction of `t` must go through a float32 copy (MPI cannot add these words)."""
-    return t.dtype == torch.bfloat16 or (t.dtype == torch.float16 and not _HALF_NATIVE)
+    """Whether a reduction of `t` must go through a wider copy (MPI cannot add these words: :data:`_WIDE`)."""
+    return t.dtype in _WIDE
 
 
 class MPICommunicator(Communicator):
@@ -159,10 +189,10 @@ class MPICommunicator(Communicator):
         """The direct allreduce of a checked `t` (see :meth:`allreduce`)."""
         hier = self._hierarchical(t) if t.numel() and self._size > 1 else None
         if hier is not None:
-            hier.allreduce(_buf(t), t, _MPI_OPS[op], op in ("sum", "avg"))
+            hier.allreduce(_buf(t), t, _op(op, t.dtype), op in ("sum", "avg"))
         elif t.numel() and self._size > 1:
             for piece in _pieces(t):
-                self._comm.Allreduce(MPI.IN_PLACE, _buf(piece), op=_MPI_OPS[op])
+                self._comm.Allreduce(MPI.IN_PLACE, _buf(piece), op=_op(op, t.dtype))
         if op == "avg":
             t.div_(self._size)
         return t
@@ -198,10 +228,10 @@ class MPICommunicator(Communicator):
         rows = split_sizes(t.shape[0], self._size)
         row = t[0].numel() if t.shape[0] else 0
         staged = _staged(t)
-        src = t.float() if staged else t
+        src = t.to(_WIDE[t.dtype]) if staged else t
         out = torch.empty((rows[self._rank], *t.shape[1:]), dtype=src.dtype, device=t.device)
         if t.numel():
-            self._comm.Reduce_scatter(_buf(src), _buf(out), [r * row for r in rows], op=_MPI_OPS[op])
+            self._comm.Reduce_scatter(_buf(src), _buf(out), [r * row for r in rows], op=_op(op, t.dtype))
         if op == "avg":
             out.div_(self._size)
         return out.to(t.dtype) if staged else out
@@ -215,7 +245,7 @@ class MPICommunicator(Communicator):
             raise CommError("argument 'send' of alltoallv must have at least one dimension")
         sc = self._check_counts(send_counts, "send_counts", rows=send.shape[0])
         rc = self._check_counts(recv_counts, "recv_counts")
-        row = send[0].numel() if send.shape[0] else int(torch.Size(send.shape[1:]).numel())
+        row = int(torch.Size(send.shape[1:]).numel()) * _items(send.dtype)  # MPI items per row
         out = torch.empty((sum(rc), *send.shape[1:]), dtype=send.dtype, device=send.device)
         s_el, r_el = [c * row for c in sc], [c * row for c in rc]
         s_disp, r_disp = offsets(s_el)[:-1], offsets(r_el)[:-1]
@@ -285,7 +315,7 @@ class MPICommunicator(Communicator):
             staging.give(h)
             raise
         finish = (lambda: staging.back(t, h)) if write else (lambda: staging.give(h))
-        return _CallbackRequest(req.wait, req.test, t if write else None, finish, keep=h)
+        return _CallbackRequest(req.wait, req.test, t if write else None, finish, keep=h, cancel=req.cancel)
 
     def iallreduce(self, t: torch.Tensor, op: str = "sum") -> Request:
         self._check(t, "t", op)
@@ -295,11 +325,12 @@ class MPICommunicator(Communicator):
         if not t.numel() or self._size == 1:
             return _DoneRequest(t.div_(self._size) if op == "avg" else t)
         staged = _staged(t)
-        work = t.float() if staged else t
+        work = t.to(_WIDE[t.dtype]) if staged else t
         hier = self._hierarchical(work)
-        job = hier.submit(_buf(work), work, _MPI_OPS[op], op in ("sum", "avg")) if hier is not None else None
+        mpi_op = _op(op, t.dtype)
+        job = hier.submit(_buf(work), work, mpi_op, op in ("sum", "avg")) if hier is not None else None
         reqs = [] if job is not None else [
-            self._comm.Iallreduce(MPI.IN_PLACE, _buf(p), op=_MPI_OPS[op]) for p in _pieces(work)]
+            self._comm.Iallreduce(MPI.IN_PLACE, _buf(p), op=mpi_op) for p in _pieces(work)]
 
         def finish() -> None:
             if op == "avg":
@@ -344,7 +375,7 @@ class MPICommunicator(Communicator):
             host, staging = self._stage(t, "t")
             return self._staged_request(t, lambda h: host.irecv(h, source, tag), staging, read=False)
         req = self._comm.Irecv(_buf(t), source=source, tag=tag)
-        return _CallbackRequest(req.Wait, req.Test, t)
+        return _CallbackRequest(req.Wait, req.Test, t, cancel=req.Cancel)
 
     # -- groups and objects --------------------------------------------------------------------
     def split(self, color: int | None, key: int = 0) -> MPICommunicator | None:

@@ -31,7 +31,7 @@ import torch
 
 from .._utils.stall import say
 from ._cuda import after, ready_event
-from ._staging import Staging
+from ._staging import Staging, copy_bits
 from .base import Request
 
 __all__ = ["StagedSends"]
@@ -122,7 +122,7 @@ class StagedSends:
                 with torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext():
                     host = job.host = self._staging.take(t)
                     with after(t, job.ready):  # on the side stream, after the producer; complete on exit
-                        host.copy_(t, non_blocking=True)
+                        copy_bits(host, t, non_blocking=True)
                 job.tensor = None  # copied: the caller's memory may be reused
                 job.request = self._post(host, job.dest, job.tag)
                 job._release = lambda h=host: self._staging.give(h)

@@ -11,6 +11,9 @@ allocates none; a mirror whose copy back may still be running is lent again only
 The same path runs for CPU tensors when a communicator is told to stage everything (a test of this
 code against the direct path, over real MPI, on machines without a GPU): the mirror is then ordinary
 memory and the copies are plain ``copy_``.
+
+Every copy here is of the tensors' bytes (:func:`copy_bits`), so the mirrors work for every dtype, even those
+torch has no copy kernel for (the sub-byte containers ``int1`` ... ``uint7``).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import torch
 
 from ._cuda import side_stream
 
-__all__ = ["Staging"]
+__all__ = ["Staging", "copy_bits"]
 
 
 class Staging:
@@ -64,12 +67,12 @@ class Staging:
         """Copy a mirror into `t`, ordered on the caller's current stream of `t`'s device (the host does
         not wait for it), and return the mirror for reuse once that copy is done."""
         if not t.is_cuda:
-            t.copy_(host)
+            copy_bits(t, host)
             self.give(host)
             return
         stream = torch.cuda.current_stream(t.device)
         with torch.cuda.stream(stream):
-            t.copy_(host, non_blocking=True)
+            copy_bits(t, host, non_blocking=True)
         done = torch.cuda.Event()
         done.record(stream)
         self.give(host, done)
@@ -98,9 +101,9 @@ class Staging:
         if not t.is_cuda:  # forced staging of a CPU tensor: the same pieces, one after another
             try:
                 for d, h in zip(cut(t), cut(host)):
-                    h.copy_(d)
+                    copy_bits(h, d)
                     op(h)
-                    d.copy_(h)
+                    copy_bits(d, h)
             finally:
                 self.give(host)
             return t
@@ -110,14 +113,14 @@ class Staging:
             pairs, ready = list(zip(cut(t), cut(host))), []
             with torch.cuda.stream(s):
                 for d, h in pairs:
-                    h.copy_(d, non_blocking=True)
+                    copy_bits(h, d, non_blocking=True)
                     ready.append(torch.cuda.Event())
                     ready[-1].record(s)
             for (d, h), ev in zip(pairs, ready):
                 ev.synchronize()  # this piece is on the host; the later ones are still being copied
                 op(h)
                 with torch.cuda.stream(s):
-                    d.copy_(h, non_blocking=True)
+                    copy_bits(d, h, non_blocking=True)
         except BaseException:
             s.synchronize()  # no copy may still read or write the mirror when it is lent again
             self.give(host)
@@ -139,17 +142,22 @@ class Staging:
         return _to_device(result, t.device)
 
 
+def copy_bits(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> None:
+    """``dst.copy_(src)`` for contiguous tensors of one dtype and size, as their bytes (every dtype)."""
+    dst.reshape(-1).view(torch.uint8).copy_(src.reshape(-1).view(torch.uint8), non_blocking=non_blocking)
+
+
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
     """``dst.copy_(src)``, complete on return. Between a device and the host the copy runs on the
     device's side stream, after the caller's current stream (which is not waited for itself)."""
     if not (src.is_cuda or dst.is_cuda):
-        dst.copy_(src)
+        copy_bits(dst, src)
         return
     dev = src.device if src.is_cuda else dst.device
     s = side_stream(dev)
     s.wait_stream(torch.cuda.current_stream(dev))  # what the caller's stream produced so far
     with torch.cuda.stream(s):
-        dst.copy_(src, non_blocking=True)
+        copy_bits(dst, src, non_blocking=True)
     s.synchronize()
 
 
@@ -159,4 +167,6 @@ def _to_device(host: torch.Tensor, dev: torch.device) -> torch.Tensor:
     wait for the stream."""
     if dev.type == "cpu":
         return host
-    return host.to(dev, non_blocking=True)
+    out = torch.empty(host.shape, dtype=host.dtype, device=dev)
+    copy_bits(out, host, non_blocking=True)
+    return out

@@ -28,6 +28,29 @@ _BOTH = "cpu:gloo,cuda:nccl"
 _OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
         "min": dist.ReduceOp.MIN, "prod": dist.ReduceOp.PRODUCT}
 
+#: Dtypes gloo's collectives take themselves. Every other dtype moves as the bytes of its own storage (a
+#: uint8 view: no copy), and the integers among them reduce in a wider copy (_WIDE) or, uint64, as int64 words.
+_NATIVE = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.uint8,
+                     torch.int32, torch.int64, torch.bool, torch.complex32, torch.complex64, torch.complex128})
+#: The dtype a reduction of these runs in: exact for max/min, and sum/prod wrap alike once cast back.
+_WIDE = {torch.int16: torch.int32, torch.uint16: torch.int32, torch.uint32: torch.int64}
+_SIGN = -(1 << 63)
+
+
+def _wire(t: torch.Tensor) -> torch.Tensor:
+    """`t` as gloo moves it: itself for a native dtype, else a uint8 view of its storage that keeps dim 0
+    (rows stay rows for allgather and alltoallv's counts)."""
+    if t.dtype in _NATIVE:
+        return t
+    rows = t.shape[0] if t.dim() else 1
+    return t.reshape(rows, t.numel() // rows if rows else int(torch.Size(t.shape[1:]).numel())).view(torch.uint8)
+
+
+def _flip(t: torch.Tensor) -> torch.Tensor:
+    """A uint64 tensor's int64 view with the sign bit flipped in place (an involution): signed order of the
+    flipped words is the unsigned order of the values, so int64 max/min reduce uint64 exactly."""
+    return t.view(torch.int64).bitwise_xor_(_SIGN)
+
 
 def init_torch_world(rank: int, size: int, bootstrap: Communicator | None) -> TorchCommunicator:
     """Start the default process group. Under torchrun (MASTER_ADDR set) use env://; under mpiexec
@@ -134,13 +157,19 @@ class TorchCommunicator(Communicator):
         src = t.reshape(1) if t.dim() == 0 else t
         out = torch.empty((self.size * src.shape[0], *src.shape[1:]), dtype=t.dtype, device=t.device)
         if out.numel():
-            dist.all_gather_single(out, src, group=self._group)
+            dist.all_gather_single(_wire(out), _wire(src), group=self._group)
         return out
 
     def reduce_scatter(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
         self._c(t, "t", op)
         if t.dim() == 0:
             raise CommError("argument 't' of reduce_scatter must have at least one dimension")
+        if t.dtype in _WIDE or t.dtype == torch.uint64:  # through a copy gloo reduces (see iallreduce)
+            full = t.clone()
+            self.allreduce(full, op)
+            rows = split_sizes(t.shape[0], self.size)
+            start = sum(rows[: self._rank])
+            return full[start:start + rows[self._rank]].clone()
         rows = split_sizes(t.shape[0], self.size)
         start = sum(rows[: self._rank])
         if t.numel() and t.shape[0] % self.size == 0:
@@ -160,7 +189,7 @@ class TorchCommunicator(Communicator):
         sc = self._check_counts(send_counts, "send_counts", rows=send.shape[0])
         rc = self._check_counts(recv_counts, "recv_counts")
         out = torch.empty((sum(rc), *send.shape[1:]), dtype=send.dtype, device=send.device)
-        dist.all_to_all_single(out, send, rc, sc, group=self._group)
+        dist.all_to_all_single(_wire(out), _wire(send), rc, sc, group=self._group)
         return out
 
     def barrier(self) -> None:
@@ -190,6 +219,15 @@ class TorchCommunicator(Communicator):
         self._c(t, "t", op)
         if not t.numel() or self.size == 1:
             return _DoneRequest(t)
+        if t.dtype in _WIDE:  # gloo has no such integer words: reduce a wider copy, cast back (wraps alike)
+            wide = t.to(_WIDE[t.dtype])
+            work = dist.all_reduce(wide, op=_OPS[op], group=self._group, async_op=True)
+            return _CallbackRequest(work.wait, work.is_completed, t, lambda: t.copy_(wide), keep=wide)
+        if t.dtype == torch.uint64:  # as int64 words: sum and prod wrap alike; max/min on flipped sign bits
+            order = op in ("max", "min")
+            words = _flip(t) if order else t.view(torch.int64)
+            work = dist.all_reduce(words, op=_OPS[op], group=self._group, async_op=True)
+            return _CallbackRequest(work.wait, work.is_completed, t, (lambda: _flip(t)) if order else None)
         work = dist.all_reduce(t, op=_OPS[op], group=self._group, async_op=True)
         finish = (lambda: t.div_(self.size)) if op == "avg" else None
         return _CallbackRequest(work.wait, work.is_completed, t, finish)
@@ -199,19 +237,19 @@ class TorchCommunicator(Communicator):
         self._check_rank(root, "root")
         if not t.numel() or self.size == 1:
             return _DoneRequest(t)
-        work = dist.broadcast(t, src=self._g(root), group=self._group, async_op=True)
+        work = dist.broadcast(_wire(t), src=self._g(root), group=self._group, async_op=True)
         return _CallbackRequest(work.wait, work.is_completed, t)
 
     def isend(self, t: torch.Tensor, dest: int, tag: int = 0) -> Request:
         self._c(t, "t")
         self._check_rank(dest, "dest")
-        work = dist.isend(t, dst=self._g(dest), group=self._group, tag=tag)
+        work = dist.isend(_wire(t), dst=self._g(dest), group=self._group, tag=tag)
         return _p2p_request(work, None, t)
 
     def irecv(self, t: torch.Tensor, source: int, tag: int = 0) -> Request:
         self._c(t, "t")
         self._check_rank(source, "source")
-        work = dist.irecv(t, src=self._g(source), group=self._group, tag=tag)
+        work = dist.irecv(_wire(t), src=self._g(source), group=self._group, tag=tag)
         return _p2p_request(work, t, t)
 
     # -- groups and objects --------------------------------------------------------------------

@@ -8,14 +8,53 @@ from typing import Any
 
 import torch
 
-__all__ = ["Communicator", "Request", "CommError", "OPS", "DTYPES", "split_sizes"]
+__all__ = ["Communicator", "Request", "CommError", "OPS", "DTYPES", "reduce_ops", "split_sizes"]
 
-#: Reduction ops every backend implements. "avg" is sum divided by the size (floating dtypes only).
+#: Reduction ops every backend implements. Which dtype takes which op: :func:`reduce_ops`.
 OPS = ("sum", "avg", "max", "min", "prod")
 
-#: Dtypes every backend moves and reduces. MPI has no bfloat16: the MPI backend reduces it in a
-#: float32 staging buffer (one copy each way), so the result is fp32-accumulate then round.
-DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64)
+_F = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_INTS = tuple(getattr(torch, n) for n in ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
+              if isinstance(getattr(torch, n, None), torch.dtype))
+_COMPLEX = tuple(getattr(torch, n) for n in ("complex32", "complex64", "complex128")
+                 if isinstance(getattr(torch, n, None), torch.dtype))
+#: torch's quantized dtypes: refused, since a quantized tensor's scale and zero point would not travel with
+#: its bytes (send ``t.int_repr()`` and the quantization parameters instead).
+_QUANTIZED = frozenset(getattr(torch, n) for n in ("qint8", "quint8", "qint32", "quint4x2", "quint2x4")
+                       if isinstance(getattr(torch, n, None), torch.dtype))
+
+#: Every dtype the communicators move (point-to-point, broadcast, allgather, alltoallv, reduce_scatter's and
+#: allreduce's inputs): each dtype of the installed torch but the quantized ones — bool, 8- to 64-bit signed
+#: and unsigned integers, float16/bfloat16/float32/float64, complex32/64/128, the float8 and float4 types, the
+#: bit and sub-byte containers. The common six come first (the kvstore protocol encodes a dtype by index).
+#: Where MPI has no datatype (bfloat16, complex32, float8, ...) the tensor's own storage goes as bytes: no
+#: copy, no pickling. Reductions: :func:`reduce_ops`.
+DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32,
+                                   torch.int64) + tuple(sorted(
+    {d for d in vars(torch).values() if isinstance(d, torch.dtype)} - set(_F) - {torch.int32, torch.int64}
+    - _QUANTIZED, key=str))
+
+_REDUCE_OPS: dict[torch.dtype, tuple[str, ...]] = {
+    **{d: OPS for d in _F},
+    **{d: ("sum", "max", "min", "prod") for d in _INTS},  # integer arithmetic wraps as torch's does; no avg
+    **{d: ("sum", "avg") for d in _COMPLEX},  # no order (max/min); prod is not elementwise on (re, im)
+    **({torch.complex32: ("sum",)} if torch.complex32 in _COMPLEX else {}),  # torch cannot divide ComplexHalf
+    torch.bool: ("max", "min"),  # logical or / logical and
+}
+
+
+def reduce_ops(dtype: torch.dtype) -> tuple[str, ...]:
+    """The reduction ops (allreduce, iallreduce, reduce_scatter) `dtype` takes, the same on every backend:
+
+    * floating: all of :data:`OPS` (bfloat16, and float16 where MPI lacks it, add in a float32 copy: fp32
+      accumulate, one rounding);
+    * integers, signed and unsigned: sum, max, min, prod (wrapping as torch's integer arithmetic does;
+      avg refused rather than floor-divided);
+    * complex: sum and avg (complex32: sum only, added in a complex64 copy: torch cannot divide it);
+    * bool: max (logical or) and min (logical and);
+    * every other dtype (float8, float4, the bit containers) moves but has no op: convert it to a wider
+      type first, so that the rounding is the caller's choice."""
+    return _REDUCE_OPS.get(dtype, ())
 
 
 #: What to do when a backend cannot take a device, by backend (appended to the error).
@@ -45,6 +84,14 @@ class Request(abc.ABC):
     @abc.abstractmethod
     def test(self) -> bool:
         """True once complete (then ``wait()`` returns at once). Never blocks."""
+
+    def cancel(self) -> bool:
+        """Cancel a receive no message has matched yet, and complete it (both local); True once the request
+        is complete, cancelled or not (a receive whose message had matched holds it). False for what cannot
+        be cancelled: sends (MPI deprecates cancelling them), collectives, a backend's receives it cannot
+        cancel; they complete only when their peers take part. A cancelled receive's buffer is undefined.
+        Used on requests that nobody will wait for (:func:`mpitrain.comm._inflight.abandon`)."""
+        return False
 
     @staticmethod
     def wait_all(requests: Sequence[Request]) -> list[torch.Tensor | None]:
@@ -173,7 +220,8 @@ class Communicator(abc.ABC):
         if not isinstance(t, torch.Tensor):
             raise CommError(f"argument '{name}' must be a torch.Tensor, got {type(t).__name__}")
         if t.dtype not in DTYPES:
-            raise CommError(f"argument '{name}' has dtype {t.dtype}; supported: {[str(d) for d in DTYPES]}")
+            raise CommError(f"argument '{name}' has the quantized dtype {t.dtype}, whose scale and zero point "
+                            f"would not travel with its bytes: send t.int_repr() and its quantization parameters")
         devices = devices or self._devices
         if not t.is_cpu and t.device.type not in devices:  # is_cpu first: cheaper than device.type
             hint = _DEVICE_HINTS.get(self.backend, "")
@@ -181,11 +229,8 @@ class Communicator(abc.ABC):
                             f"tensors on {devices}: move it there first (t.to(...)){hint}")
         if not t.is_contiguous():
             raise CommError(f"argument '{name}' is not contiguous; pass t.contiguous() (a copy) explicitly")
-        if op is not None:
-            if op not in OPS:
-                raise CommError(f"argument 'op' is {op!r}; supported ops: {OPS}")
-            if op == "avg" and not t.is_floating_point():
-                raise CommError(f"op 'avg' needs a floating dtype, argument '{name}' is {t.dtype}")
+        if op is not None and op not in reduce_ops(t.dtype):
+            raise CommError(_refusal(op, name, t.dtype))
 
     def _check_rank(self, r: int, name: str) -> None:
         if not isinstance(r, int) or not 0 <= r < self.size:
@@ -201,6 +246,19 @@ class Communicator(abc.ABC):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} backend={self.backend} rank={self.rank} size={self.size}>"
+
+
+def _refusal(op: str, name: str, dtype: torch.dtype) -> str:
+    """Why reduction `op` is refused on argument `name` of `dtype` (see :func:`reduce_ops`)."""
+    if op not in OPS:
+        return f"argument 'op' is {op!r}; supported ops: {OPS}"
+    ops = reduce_ops(dtype)
+    if op == "avg" and dtype in _INTS:
+        return f"op 'avg' needs a floating dtype, argument '{name}' is {dtype}"
+    if not ops:
+        return (f"argument '{name}' has dtype {dtype}, which moves but does not reduce (op {op!r}): convert it "
+                f"to a wider type first (e.g. t.float()), so the rounding is your choice")
+    return f"op {op!r} is not defined for argument '{name}' of dtype {dtype}; it takes {ops}"
 
 
 class _DoneRequest(Request):
@@ -220,9 +278,11 @@ class _CallbackRequest(Request):
     """Wraps a backend request; runs `finish` exactly once on completion (copy-back, avg division)."""
 
     def __init__(self, wait: Callable[[], Any], test: Callable[[], bool], out: torch.Tensor | None,
-                 finish: Callable[[], object] | None = None, keep: Any = None) -> None:
+                 finish: Callable[[], object] | None = None, keep: Any = None,
+                 cancel: Callable[[], object] | None = None) -> None:
         self._wait, self._test, self._out, self._finish = wait, test, out, finish
         self._keep = keep  # buffers the backend still reads/writes; alive until completion
+        self._cancel = cancel  # marks a receive for cancellation (its wait is then local)
         self._done = False
 
     def _complete(self) -> None:
@@ -242,3 +302,11 @@ class _CallbackRequest(Request):
         if not self._done and self._test():
             self._complete()
         return self._done
+
+    def cancel(self) -> bool:
+        if self._done:
+            return True
+        if self._cancel is None or self._cancel() is False:  # a wrapped request that cannot be cancelled
+            return False
+        self.wait()  # local after a cancel (MPI standard, MPI_Cancel)
+        return True

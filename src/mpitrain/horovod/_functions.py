@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from ..comm.base import DTYPES, Communicator
+from ..comm.base import Communicator
 from ..strategies._broadcast import broadcast_optimizer_state as _broadcast_optimizer_state
 from ..strategies._broadcast import broadcast_tensors
 from ._basics import state
@@ -44,11 +44,7 @@ def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[Any], roo
                                                ("devices", devices), ("root_rank", root_rank)))
 
     def execute(comm: Communicator, infos: list[Any]) -> None:
-        wire = [t if t.dtype in DTYPES else t.to(torch.int32) for t in tensors]  # 8/16-bit ints travel as int32
-        broadcast_tensors(wire, comm, root)
-        for t, w in zip(tensors, wire):
-            if w is not t:
-                t.copy_(w)
+        broadcast_tensors(tensors, comm, root)  # every dtype moves as it is (8/16-bit ints too)
 
     synchronize(_submit(Op("broadcast_parameters", None, 0, key, None, _on_device(tensors, devices, execute))))
 

@@ -7,9 +7,9 @@ Every call checks its arguments on the calling rank (ValueError before any messa
 calling thread what failed on the engine thread. Inputs of the out-of-place calls are never modified;
 the ``_``-suffixed calls work in place.
 
-Dtypes: uint8/int8/int16/int32/int64/float16/bfloat16/float32/float64. The Communicator moves and
-reduces fewer (no 8/16-bit integers): those travel in an int32 staging copy, and are cast back (a
-sum that overflows wraps around as in the original dtype).
+Dtypes: uint8/int8/int16/int32/int64/float16/bfloat16/float32/float64. 8/16-bit integers are reduced in
+an int32 staging copy and cast back (a sum that overflows wraps around as in the original dtype; an
+Average divides the int32 sum), although the Communicator could reduce them in their own width.
 
 Scaling follows Horovod on CPU: floating tensors scale in their dtype (float16/bfloat16 in float32
 math), integers in float64 truncated toward zero, the prescaled integer before the sum. Average is
@@ -39,7 +39,7 @@ from torch.utils._pytree import tree_leaves
 from .._utils.flat import copy_from_flat, flatten, group_by
 from .._utils.stall import StallPolicy, wait_until
 from ..comm._cuda import after, ready_event
-from ..comm.base import DTYPES, Communicator
+from ..comm.base import Communicator
 from ._basics import OP_NAMES, Adasum, Average, HorovodInternalError, Max, Min, Product, Sum, state
 from ._engine import JOIN_HANDLERS, Key, Op
 from ._process_sets import ProcessSet, _resolve, global_process_set
@@ -134,9 +134,13 @@ def _check_op(op: int) -> int:
     return op
 
 
+#: The dtypes a reduction travels in as they are; 8/16-bit integers go as int32 (see the module doc).
+_WIRE = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64)
+
+
 def _wire(dtype: torch.dtype) -> torch.dtype:
-    """The dtype a tensor travels in: its own if the Communicator takes it, else int32 (8/16-bit ints)."""
-    return dtype if dtype in DTYPES else torch.int32
+    """The dtype a tensor travels in: its own for :data:`_WIRE`, else int32 (8/16-bit ints)."""
+    return dtype if dtype in _WIRE else torch.int32
 
 
 def _specs(ts: Sequence[torch.Tensor], skip_first: bool = False) -> tuple[tuple[str, ...], tuple[tuple[int, ...], ...]]:

@@ -23,6 +23,7 @@ from torch import nn
 from ..comm.base import Communicator
 from ..perf.calibrate import best_time
 from ..perf.spatial import ConvShape, conv_shapes
+from ..strategies._batching import rows, samples, target_rows
 from ..strategies.base import Batch, LossFn
 
 __all__ = ["ModelProfile", "measure_model", "model_signature", "agree", "cache_path", "load_cached", "store",
@@ -182,14 +183,14 @@ def measure_model(model: nn.Module, loss_fn: LossFn, sample_batch: tuple[Batch, 
     the largest are kept), the per-node split on the largest, activation bytes, conv shapes. Local
     (no message); runs on a copy, so `model`, its gradients and buffers are untouched."""
     inputs, targets = _inputs_targets(sample_batch)
-    batch = len(targets)
+    batch = samples(inputs, targets)  # the inputs' dim 0; targets may hold k rows per sample
     work = copy.deepcopy(model)
     work.train()
     sizes = sorted({max(1, min(int(s), batch)) for s in shares})
     sizes = [sizes[0], sizes[-1]]
     step_at, fwd_share = [], 0.0
     for n in dict.fromkeys(sizes):
-        x, y = _slice(inputs, n), targets[:n]
+        x, y = rows(inputs, 0, n), target_rows(targets, batch, 0, n)
         with torch.random.fork_rng(devices=[]):
             full, fwd = _timed_step(work, loss_fn, x, y, repeats)
         step_at.append((float(n), full))
@@ -198,7 +199,7 @@ def measure_model(model: nn.Module, loss_fn: LossFn, sample_batch: tuple[Batch, 
         step_at.append(step_at[0])
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     n = sizes[-1]
-    x = _slice(inputs, n)
+    x = rows(inputs, 0, n)
     out_bytes, act = _activation_bytes(work, x)
     input_shape = tuple(inputs.shape) if isinstance(inputs, torch.Tensor) else None
     prof = ModelProfile(batch=batch, step_at=step_at, forward_share=fwd_share, param_bytes=param_bytes,
@@ -214,15 +215,6 @@ def measure_model(model: nn.Module, loss_fn: LossFn, sample_batch: tuple[Batch, 
     else:
         prof.spatial_error = "its input is not one NCHW tensor"
     return prof
-
-
-def _slice(inputs: Batch, n: int) -> Batch:
-    """The first `n` samples of every tensor of `inputs` (views)."""
-    if isinstance(inputs, dict):
-        return {k: v[:n] if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
-    if isinstance(inputs, (tuple, list)):
-        return type(inputs)(v[:n] if isinstance(v, torch.Tensor) else v for v in inputs)
-    return inputs[:n]
 
 
 def _activation_bytes(model: nn.Module, inputs: Batch) -> tuple[float, float]:

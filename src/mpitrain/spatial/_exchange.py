@@ -17,7 +17,7 @@ from ._memory import dense, empty_as
 if TYPE_CHECKING:
     from .halo import Box, HaloPlan
 
-__all__ = ["Exchange", "SendQueue", "assemble", "assemble_box", "place_halos", "start_exchange",
+__all__ = ["Exchange", "SendQueue", "outstanding", "assemble", "assemble_box", "place_halos", "start_exchange",
            "finish_exchange", "start_adjoint", "finish_adjoint", "adjoint_exchange", "wait_all", "settle",
            "isend_all", "FORWARD_TAG", "BACKWARD_TAG"]
 
@@ -94,6 +94,15 @@ class Exchange:
     requests: list[Request]
     sends: list[tuple[Request, torch.Tensor]] = field(default_factory=list)
 
+    def outstanding(self) -> list[Request]:
+        """Every request of this exchange (for :func:`~mpitrain.comm._inflight.settle_on_error`)."""
+        return [*self.requests, *(r for r, _ in self.sends)]
+
+
+def outstanding(ex: Exchange | None) -> list[Request]:
+    """The requests of `ex`, if any: what a failed layer abandons (``settle_on_error(lambda: outstanding(ex))``)."""
+    return ex.outstanding() if ex is not None else []
+
 
 def isend_all(comm: Communicator, parts: Sequence[tuple[torch.Tensor, int]], tag: int
               ) -> list[tuple[Request, torch.Tensor]]:
@@ -147,6 +156,12 @@ class SendQueue:
 
     def __len__(self) -> int:
         return len(self._pending)
+
+    def abandon(self) -> list[Request]:
+        """After a failed step: the deferred sends, which the queue forgets (for
+        :func:`~mpitrain.comm._inflight.abandon`, which keeps them alive until they complete)."""
+        pending, self._pending = self._pending, []
+        return [r for r, _ in pending]
 
     def defer(self, sends: Sequence[tuple[Request, torch.Tensor]]) -> None:
         """Keep `sends` (request, the buffer it reads) until :meth:`complete`."""

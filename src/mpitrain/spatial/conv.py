@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..comm._inflight import settle_on_error
 from ..comm.base import Communicator
 from ._exchange import (
     BACKWARD_TAG,
@@ -28,6 +29,7 @@ from ._exchange import (
     finish_adjoint,
     finish_exchange,
     isend_all,
+    outstanding,
     place_halos,
     settle,
     start_adjoint,
@@ -112,13 +114,14 @@ class _Conv(torch.autograd.Function):
         if ctx.mode == "extended":
             x = dense(x)  # the other paths read the block in place (e.g. a view from scatter)
         ex = start_exchange(x, plan, comm) if plan.exchanges else None
-        if ctx.mode == "extended":
-            y, halos = _forward_extended(x, weight, bias, layer, plan, ex, queue)
-        else:
-            y = layer.conv(x, weight, bias, layer.pads if ctx.mode == "implicit" else [0, 0])
-            halos = _wait(ex, plan, layer.stats, queue)
-            for (r0, r1, c0, c1), box in strips:
-                y[:, :, r0:r1, c0:c1] = layer.conv(assemble_box(x, plan, halos, box, 0.0), weight, bias)
+        with settle_on_error(lambda: outstanding(ex)):  # an exception leaves no receive posted
+            if ctx.mode == "extended":
+                y, halos = _forward_extended(x, weight, bias, layer, plan, ex, queue)
+            else:
+                y = layer.conv(x, weight, bias, layer.pads if ctx.mode == "implicit" else [0, 0])
+                halos = _wait(ex, plan, layer.stats, queue)
+                for (r0, r1, c0, c1), box in strips:
+                    y[:, :, r0:r1, c0:c1] = layer.conv(assemble_box(x, plan, halos, box, 0.0), weight, bias)
         ctx.save_for_backward(x, weight)
         ctx.halos = halos
         return y
@@ -135,16 +138,17 @@ class _Conv(torch.autograd.Function):
         pads = layer.pads if ctx.mode == "implicit" else [0, 0]
         strips = layer.geometry(plan)[1]
         ex, dw_halo = _strip_backward(x, weight, dy, layer, plan, ctx.halos, strips, ctx.comm, need_x, need_w)
-        bias_sizes = [weight.shape[0]] if ctx.has_bias else None
-        dx, dw, db = torch.ops.aten.convolution_backward(
-            dy, x, weight, bias_sizes, layer.stride, pads, layer.dilation, False, [0, 0], layer.groups,
-            [need_x, need_w, need_b])
-        for part in dw_halo:  # by linearity: what the halo cells (zero in the padded bare block) add
-            dw += part
-        if ex is not None:
-            t0 = time.perf_counter()
-            _add_received(dx, plan, ex, ctx.queue)
-            layer.stats.wait_s += time.perf_counter() - t0
+        with settle_on_error(lambda: outstanding(ex)):
+            bias_sizes = [weight.shape[0]] if ctx.has_bias else None
+            dx, dw, db = torch.ops.aten.convolution_backward(
+                dy, x, weight, bias_sizes, layer.stride, pads, layer.dilation, False, [0, 0], layer.groups,
+                [need_x, need_w, need_b])
+            for part in dw_halo:  # by linearity: what the halo cells (zero in the padded bare block) add
+                dw += part
+            if ex is not None:
+                t0 = time.perf_counter()
+                _add_received(dx, plan, ex, ctx.queue)
+                layer.stats.wait_s += time.perf_counter() - t0
         return dx, dw, db, None, None, None, None
 
 
@@ -217,14 +221,15 @@ def _backward_extended(ctx: Any, x: torch.Tensor, weight: torch.Tensor, dy: torc
     if ctx.needs_input_grad[0]:
         dext = torch.ops.aten.convolution_backward(dy, ext, weight, None, *args, [True, False, False])[0]
         ex = start_adjoint(dext, plan, ctx.comm) if plan.exchanges else None
-    if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
-        bias_sizes = [weight.shape[0]] if ctx.has_bias else None
-        mask = [False, ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2]]
-        _, dw, db = torch.ops.aten.convolution_backward(dy, ext, weight, bias_sizes, *args, mask)
-    if ctx.needs_input_grad[0]:
-        t0 = time.perf_counter()
-        dx = finish_adjoint(dext, plan, ex, ctx.queue) if ex is not None else _crop(dext, plan)
-        layer.stats.wait_s += time.perf_counter() - t0
+    with settle_on_error(lambda: outstanding(ex)):
+        if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
+            bias_sizes = [weight.shape[0]] if ctx.has_bias else None
+            mask = [False, ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2]]
+            _, dw, db = torch.ops.aten.convolution_backward(dy, ext, weight, bias_sizes, *args, mask)
+        if ctx.needs_input_grad[0]:
+            t0 = time.perf_counter()
+            dx = finish_adjoint(dext, plan, ex, ctx.queue) if ex is not None else _crop(dext, plan)
+            layer.stats.wait_s += time.perf_counter() - t0
     return dx, dw, db
 
 

@@ -16,8 +16,9 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.utils.data import Dataset
 
+from ..comm._inflight import settle_on_error
 from ..comm.base import Communicator
-from ..strategies._batching import slice_share
+from ..strategies._batching import samples, slice_share
 from ..strategies._broadcast import broadcast_tensors
 from ..strategies._device import autocast, model_device, to_device
 from ..strategies.base import (
@@ -193,17 +194,18 @@ class SpatialTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         # the step's summed per-sample loss (on the ranks that log it), on the model's device: no host sync per batch
         local = torch.zeros(1, dtype=torch.float64, device=self.device)
-        for b in batches:
-            x, info = self._share_block(b, blocks=True)
-            with autocast(self.loop.precision, self.device):
-                out = self.step_loss(self.parallel(x), b, info, self.device)
-            if out.loss is None:
-                assert out.zero is not None
-                out.zero.backward()
-                continue
-            (out.loss * (out.rows / total)).backward()
-            if out.logs:
-                local += out.loss.detach().double() * out.rows
+        with settle_on_error(self.dist.sends.abandon):  # a failed step's deferred halo sends are kept alive
+            for b in batches:
+                x, info = self._share_block(b, blocks=True)
+                with autocast(self.loop.precision, self.device):
+                    out = self.step_loss(self.parallel(x), b, info, self.device)
+                if out.loss is None:
+                    assert out.zero is not None
+                    out.zero.backward()
+                    continue
+                (out.loss * (out.rows / total)).backward()
+                if out.logs:
+                    local += out.loss.detach().double() * out.rows
         if self.loop.grad_clip is not None:  # the gradients are already the global ones on every rank
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.loop.grad_clip)
         self.optimizer.step()
@@ -212,7 +214,7 @@ class SpatialTrainer:
     # -- whole global batches ---------------------------------------------------------------------------
     def train_step(self, inputs: Batch | RegionBatch, targets: torch.Tensor) -> float:
         """One step on a global batch every rank holds in full (tensors or a RegionBatch)."""
-        n = len(targets)
+        n = samples(inputs, targets)
         share = self.share(n)
         mine = slice_share(inputs, targets, share)  # type: ignore[arg-type]  # a RegionBatch passes whole
         return self.train_shares([mine], n)
@@ -220,7 +222,7 @@ class SpatialTrainer:
     def eval_step(self, inputs: Batch | RegionBatch, targets: torch.Tensor) -> torch.Tensor:
         """Forward only on a global batch every rank holds in full (any size: a group may get no sample);
         returns the full outputs on every rank (a dict of them for a model that returns one)."""
-        n = len(targets)
+        n = samples(inputs, targets)
         x, _ = self._share_block(slice_share(inputs, targets, self.share(n)), blocks=False)  # type: ignore[arg-type]
         self.parallel.eval()
         try:

@@ -3,6 +3,11 @@
 (:func:`~mpitrain.comm.base.split_sizes`); and how a batch's inputs call the model (`call_args`,
 `call_model`).
 
+The sharding rule (:func:`samples`): a batch's size is its inputs' dim 0 (n samples). Targets whose dim 0 is
+n, or a multiple k·n (a language model's ``(B*T,)`` token targets against ``(B, T)`` ids), are cut k rows per
+sample (:func:`target_rows`, :func:`split_pairs`); any other targets are refused with FitError naming both
+shapes, on every rank (each holds the same global batch) before any message.
+
 A batch's inputs are a tensor, a tuple/list (positional arguments) or a dict (keyword arguments, e.g.
 ``{"input_ids": ..., "attention_mask": ...}``), nested as ``torch.utils._pytree`` flattens them. Every
 tensor leaf with a dimension is sliced along dim 0; other leaves (0-dim tensors, numbers, strings) pass
@@ -21,8 +26,9 @@ from ..comm.base import Communicator, split_sizes
 from ._device import CPU, to_device
 from .base import Batch, BatchShare, FitError, Share
 
-__all__ = ["call_args", "call_model", "call_rows", "batch_size", "shard", "chunks", "check_divisible", "rows",
-           "split_rows", "even_share", "slice_share", "gather_rows", "gather_outputs"]
+__all__ = ["call_args", "call_model", "call_rows", "batch_size", "samples", "per_sample", "target_rows", "split_pairs",
+           "shard", "chunks", "check_divisible", "rows", "even_share", "slice_share", "gather_rows",
+           "gather_outputs"]
 
 
 def call_args(inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -64,6 +70,53 @@ def batch_size(x: Any) -> int:
     raise FitError(f"the batch holds no tensor with a batch dimension (got {type(x).__name__})")
 
 
+def _shapes(x: Any) -> str:
+    """The shapes of `x`'s tensors in its structure, for messages (``{'input_ids': (4, 12)}``)."""
+    return str(pytree.tree_map(lambda t: tuple(t.shape) if isinstance(t, torch.Tensor) else t, x))
+
+
+def _has_rows(x: Any) -> bool:
+    return any(_sliced(t) for t in pytree.tree_leaves(x))
+
+
+def samples(inputs: Any, targets: Any) -> int:
+    """The number of samples of the batch ``(inputs, targets)``: the inputs' dim 0 (of their first tensor
+    with a dimension), once :func:`per_sample` accepts the targets. Inputs without such a tensor (a
+    spatial RegionBatch, read lazily) count the targets' rows: their targets are per sample."""
+    if not _has_rows(inputs):
+        return batch_size(targets)
+    n = batch_size(inputs)
+    per_sample(n, targets, inputs)
+    return n
+
+
+def per_sample(n: int, targets: Any, inputs: Any = None) -> int:
+    """k, the rows of `targets` per sample of a batch of `n` samples: their dim 0 must be n or k·n (k >= 1);
+    anything else raises FitError naming both shapes (`inputs`, if given, for the message)."""
+    m = batch_size(targets)
+    if m == n or (n > 0 and m % n == 0):
+        return m // n if n else 1
+    held = f"inputs {_shapes(inputs)}" if inputs is not None else "inputs"
+    raise FitError(f"targets of shape {_shapes(targets)} do not follow the batch of {n} samples ({held}): the "
+                   f"batch size is the inputs' dim 0, and the targets' dim 0 must be {n} or a multiple of it (k "
+                   f"rows per sample, e.g. a language model's (batch*tokens,) targets); got {m}")
+
+
+def target_rows(targets: Any, n: int, start: int, stop: int) -> Any:
+    """The rows of samples ``[start, stop)`` of `targets` that belong to a batch of `n` samples (k rows per
+    sample, :func:`per_sample`), as views."""
+    k = per_sample(n, targets)
+    return rows(targets, start * k, stop * k)
+
+
+def split_pairs(inputs: Any, targets: Any, parts: int) -> list[tuple[Any, Any]]:
+    """``(inputs, targets)`` cut into `parts` blocks of samples as even as possible (:func:`split_sizes`;
+    empty ones dropped), the targets k rows per sample."""
+    n = batch_size(inputs)
+    k = per_sample(n, targets, inputs)
+    return [(rows(inputs, a, b), rows(targets, a * k, b * k)) for a, b in spans(split_sizes(n, parts)) if b > a]
+
+
 def check_divisible(n: int, parts: int, what: str) -> None:
     """Refuse (FitError naming what to change) a batch of `n` that `parts` don't divide equally.
 
@@ -92,11 +145,6 @@ def rows(x: Any, start: int, stop: int) -> Any:
     return pytree.tree_map(lambda t: t[start:stop] if _sliced(t) else t, x)
 
 
-def split_rows(x: Any, parts: int) -> list[Any]:
-    """`x` cut along dim 0 into `parts` blocks as even as possible (:func:`split_sizes`), empty ones dropped."""
-    return [rows(x, a, b) for a, b in spans(split_sizes(batch_size(x), parts)) if b > a]
-
-
 def even_share(n: int, parts: int, index: int) -> Share:
     """Block `index` of `parts` blocks of `n` rows as even as possible (the first ``n % parts`` one longer)."""
     a, b = spans(split_sizes(n, parts))[index]
@@ -104,12 +152,13 @@ def even_share(n: int, parts: int, index: int) -> Share:
 
 
 def slice_share(inputs: Batch, targets: torch.Tensor, share: Share) -> BatchShare:
-    """The :class:`BatchShare` of a global batch held in full (an iterable of global batches)."""
-    n = batch_size(targets)
+    """The :class:`BatchShare` of a global batch held in full (an iterable of global batches): the share's
+    samples of the inputs, and their rows of the targets (:func:`samples`' rule)."""
+    n = samples(inputs, targets)
     if share.rows == 0:
         return BatchShare(None, None, n, share)
     return BatchShare(rows(inputs, share.start, share.stop) if share.inputs else None,
-                      targets[share.start:share.stop] if share.targets else None, n, share)
+                      target_rows(targets, n, share.start, share.stop) if share.targets else None, n, share)
 
 
 def gather_rows(comm: Communicator, out: torch.Tensor, sizes: list[int]) -> torch.Tensor:

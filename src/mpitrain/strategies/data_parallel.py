@@ -13,7 +13,7 @@ from torch.utils._pytree import tree_leaves
 
 from ..comm.base import Communicator
 from ..runtime import world
-from ._batching import batch_size, call_model, call_rows, even_share, gather_outputs, slice_share, split_rows
+from ._batching import batch_size, call_model, call_rows, even_share, gather_outputs, samples, slice_share, split_pairs
 from ._broadcast import (
     broadcast_optimizer_state,
     broadcast_parameters,
@@ -383,7 +383,7 @@ class DataTrainer:
 
     def train_step(self, inputs: Batch, targets: torch.Tensor) -> float:
         """One step on a global batch every rank holds in full (any size)."""
-        n = batch_size(targets)
+        n = samples(inputs, targets)
         return self.train_shares([slice_share(inputs, targets, self.share(n))], n)
 
     def train_shares(self, batches: Sequence[BatchShare], total: int) -> float:
@@ -393,8 +393,8 @@ class DataTrainer:
         self.optimizer.zero_grad()
         if self._buffers and self.dp.training:
             broadcast_tensors(self._buffers, self.comm, 0)
-        pieces = [(x, y) for b in batches if b.share.rows
-                  for x, y in zip(split_rows(b.inputs, self.micro_batches), split_rows(b.targets, self.micro_batches))]
+        m = self.micro_batches
+        pieces = [pair for b in batches if b.share.rows for pair in split_pairs(b.inputs, b.targets, m)]
         if self.device != CPU:
             pieces = to_device(pieces, self.device)
         local = torch.zeros((), dtype=torch.float64, device=self.device)  # sum of this rank's per-sample losses
@@ -403,8 +403,8 @@ class DataTrainer:
             with self.dp.no_sync() if j < len(pieces) - 1 else contextlib.nullcontext():
                 with autocast(self.loop.precision, self.device):
                     loss = self.loss_fn(call_model(self.dp, x), y)
-                (loss * (batch_size(y) * weight)).backward()
-            local += loss.detach().double() * batch_size(y)
+                (loss * (batch_size(x) * weight)).backward()  # weighted by samples (k target rows each)
+            local += loss.detach().double() * batch_size(x)
         if not pieces:
             self.dp.sync_without_backward()
         if self.loop.grad_clip is not None:  # gradients are averaged: every rank clips the same global norm
@@ -416,7 +416,7 @@ class DataTrainer:
     def eval_step(self, inputs: Batch, targets: torch.Tensor) -> Any:
         """The model's outputs for the whole batch on every rank, in the model's own structure (a
         tensor, tuple, ModelOutput: every tensor leaf gathered along dim 0)."""
-        n = batch_size(targets)
+        n = samples(inputs, targets)
         s = self.share(n)
         with autocast(self.loop.precision, self.device):
             out = call_rows(self.dp.module, inputs, s.start, s.stop, self.device)

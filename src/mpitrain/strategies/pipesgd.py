@@ -35,7 +35,7 @@ from ..comm.base import CommError, Communicator
 from ..comm.codecs import Codec, get_codec
 from ..comm.ring import DEFAULT_CHUNK_BYTES, ring_allreduce
 from ..timeline import span
-from ._batching import batch_size, call_model, call_rows, even_share, gather_outputs, slice_share
+from ._batching import call_model, call_rows, even_share, gather_outputs, samples, slice_share
 from ._broadcast import broadcast_parameters, check_same_everywhere
 from ._device import autocast, model_device, to_device
 from .base import (
@@ -282,7 +282,7 @@ class PipeSGDTrainer:
         for b in batches:
             if b.share.rows == 0 or b.targets is None:
                 continue
-            m = batch_size(b.targets)
+            m = b.share.rows  # samples (the targets may hold k rows each)
             with autocast(self.loop.precision, self.device):
                 loss = self.loss_fn(call_model(self.model, b.inputs, self.device), to_device(b.targets, self.device))
             (loss * (m * self.comm.size / total)).backward()
@@ -295,7 +295,7 @@ class PipeSGDTrainer:
 
     def train_step(self, inputs: Batch, targets: torch.Tensor) -> float:
         """One iteration on a global batch every rank holds in full (any size)."""
-        n = batch_size(targets)
+        n = samples(inputs, targets)
         return self.train_shares([slice_share(inputs, targets, self.share(n))], n)
 
     def train_shares(self, batches: Sequence[BatchShare], total: int) -> float:
@@ -317,7 +317,7 @@ class PipeSGDTrainer:
 
     @torch.no_grad()
     def eval_step(self, inputs: Batch, targets: torch.Tensor) -> Any:
-        n = batch_size(targets)
+        n = samples(inputs, targets)
         s = self.share(n)
         out = call_rows(self.model, inputs, s.start, s.stop, self.device)
         return gather_outputs(self.comm, out, [even_share(n, self.comm.size, r).rows for r in range(self.comm.size)])

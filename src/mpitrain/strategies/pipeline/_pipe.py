@@ -32,8 +32,9 @@ from torch import nn
 from ..._utils.flat import spans
 from ..._utils.malloc import lower_mmap_threshold
 from ..._utils.stall import DEFAULT_POLICY, StallPolicy, watched
-from ...comm.base import Communicator, split_sizes
-from .._batching import check_divisible
+from ...comm._inflight import settle_on_error
+from ...comm.base import Communicator, Request, split_sizes
+from .._batching import check_divisible, per_sample, target_rows
 from .._buckets import Bucket, adopt, gradient_buckets
 from .._device import model_device, to_device
 from .._grad_allreduce import allreduce_gradients
@@ -181,6 +182,7 @@ class Pipeline:
         flat = self._flat(inputs)
         B = _batch(flat)
         check_divisible(B, self.R * self.M, f"replicas x micro-batches (R={self.R}, M={self.M})")
+        per_sample(B, targets, inputs)  # targets follow the inputs' samples (k rows each): checked before set-up
         n = B // (self.R * self.M)
         if not self.stages:
             self._setup(inputs, flat, n)
@@ -190,7 +192,7 @@ class Pipeline:
                   for q in self._params]
         for q in self._params:
             q.grad = None  # reductions below must see this step's contribution only
-        mine = self.train_pass(_rows(flat, off, off + n * self.M), _slice(targets, off, off + n * self.M),
+        mine = self.train_pass(_rows(flat, off, off + n * self.M), target_rows(targets, B, off, off + n * self.M),
                                [n] * self.M, [1.0 / self.M] * self.M, loss_fn, flat=True)
         self.reduce_gradients()
         for q, g in zip(self._params, before):  # accumulate onto what .grad held, as autograd does
@@ -230,7 +232,7 @@ class Pipeline:
         else:  # inputs reach later partitions as messages; non-tensor inputs are the sample's constants
             constants = [None if isinstance(a, torch.Tensor) else a for a in self._sample]
             micro_args = [constants] * len(sizes)
-        micro_tgt = [_slice(targets, a, b) for a, b in blocks] if targets is not None else []
+        micro_tgt = [target_rows(targets, sum(sizes), a, b) for a, b in blocks] if targets is not None else []
         losses: list[tuple[torch.Tensor, int]] = []  # read once the step is queued: no GPU sync per micro-batch
 
         def last_fn(m: int, out: list[Any]) -> torch.Tensor:
@@ -246,7 +248,8 @@ class Pipeline:
         # each gradient lands in its bucket view; only for this pass: the user's parameters keep no hook
         hooks = [q.register_post_accumulate_grad_hook(self._land) for q in self._params]
         try:
-            run(self.stages, self._actions(len(sizes)), micro_args, metas, last_fn, train=True)
+            with settle_on_error(self._abandon):  # a failed step leaves no receive that a late message could fill
+                run(self.stages, self._actions(len(sizes)), micro_args, metas, last_fn, train=True)
         finally:
             for h in hooks:
                 h.remove()
@@ -318,8 +321,9 @@ class Pipeline:
             micro_args = [_rows(flat, a, a + s) for a, s in zip(starts, sizes)]
             # (micro, partition) order is a topological order of the forwards: no rank waits forever
             forwards = [Action("F", m, c) for m in range(len(sizes)) for c in range(self.V)]
-            run(self.stages, forwards, micro_args, metas, last_fn, train=False)
-            self._finish_sends()
+            with settle_on_error(self._abandon):
+                run(self.stages, forwards, micro_args, metas, last_fn, train=False)
+                self._finish_sends()
         finally:
             self._mode(train=True)
         with self._watched("the broadcast of the evaluation outputs"):
@@ -579,6 +583,9 @@ class Pipeline:
 
     def _in_bucket(self, q: torch.Tensor, g: torch.Tensor) -> bool:
         return g.data_ptr() == self._views[id(q)].data_ptr()
+
+    def _abandon(self) -> list[Request]:
+        return [r for s in self.stages for r in s.abandon()]
 
     def _finish_sends(self) -> None:
         for s in self.stages:

@@ -191,6 +191,16 @@ class Stage:
                 g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
                 self._send(g, e, micro, backward=True)
 
+    def abandon(self) -> list[Request]:
+        """After a failed step: this stage's requests still in flight (posted receives, sends), which it
+        forgets with the step's saved activations, so the next step starts clean (for
+        :func:`~mpitrain.comm._inflight.abandon`, which settles them before their buffers can go)."""
+        reqs = [r for posted in self._posted.values() for r, _ in posted] + [r for r, _ in self._sends]
+        self._posted.clear()
+        self._sends.clear()
+        self._saved.clear()
+        return reqs
+
     def finish_sends(self) -> None:
         """Complete every send of the step (their buffers may be freed or reused afterwards)."""
         for req, what in self._sends:

@@ -27,7 +27,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from ...comm.base import Communicator, split_sizes
-from .._batching import batch_size, even_share, slice_share
+from .._batching import even_share, samples, slice_share
 from ..base import (
     DEFAULT_LOOP,
     BatchShare,
@@ -119,7 +119,7 @@ class PipelineTrainer:
 
     def train_step(self, inputs: Any, targets: Any) -> float:
         """One step on a global batch every rank holds in full (any size)."""
-        n = batch_size(targets)
+        n = samples(inputs, targets)
         return self.train_shares([slice_share(inputs, targets, self.share(n))], n)
 
     def train_shares(self, batches: Sequence[BatchShare], total: int) -> float:
