@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import tempfile
+import threading
 
 import pytest
 import torch
@@ -149,6 +150,9 @@ def test_ranks_yielding_different_first_batches_raise_fit_error_naming_them(comm
     with pytest.raises(FitError, match=re.escape(f"ranks {odd} disagree with rank 0")):
         fit(mlp(), [(x[order], torch.zeros(4096, dtype=torch.long))], F.cross_entropy, sgd, strategy="data",
             progress=False)
+    # the refused fits closed their kvstores: no comm thread keeps cycling (and recording into later timelines)
+    left = [t.name for t in threading.enumerate() if t.name == "kvstore-coordinator"]
+    assert_all_ranks(comm, not left, f"comm threads left running: {left}")
 
 
 @pytest.mark.parametrize("strategy", ["data", "pipe-sgd"])

@@ -528,8 +528,14 @@ def fit(model: nn.Module, data: Any, loss_fn: LossFn,
     with _timeline.recording(timeline, comm):  # fit(timeline="trace.json"): written when the loop ends
         loop = _Loop(trainer, comm, data, s, sharded, strategy, model_keys, progress and comm.rank == 0,
                      "lr_scheduler" in features(strategy))
-        if resume_from is not None:
-            loop.restore(*resume_from)
-        loop.run(eval_data, loss_fn, named)
+        try:
+            if resume_from is not None:
+                loop.restore(*resume_from)
+            loop.run(eval_data, loss_fn, named)
+        except FitError:
+            # Refused input is refused on every rank, before the step's messages: end the trainer's comm
+            # threads collectively, or a caller that catches the error keeps them cycling (and recording).
+            trainer.trained_model()
+            raise
         result = FitResult(model=trainer.trained_model(), history=loop.history)
     return result

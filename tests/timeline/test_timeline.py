@@ -56,6 +56,28 @@ def test_spans_nest_on_their_thread_row_and_other_threads_get_their_own_rows():
     assert outer["tid"] == inner["tid"] and outer["ts"] <= inner["ts"] and inner["dur"] <= outer["dur"]
 
 
+def test_two_live_threads_of_one_name_get_separate_rows_so_their_waits_never_overlap():
+    # two kvstores alive at once each run a thread named "kvstore-coordinator"
+    both_waiting = threading.Barrier(2)
+
+    def wait_then_record():
+        t0 = _recorder.now()
+        both_waiting.wait()
+        timeline.record("wait", t0, _recorder.now() + 1, kind="wait")
+
+    def work():
+        threads = [threading.Thread(target=wait_then_record, name="kvstore-coordinator") for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    doc = recorded(work)
+    assert problems(doc) == []
+    labels = {row_names(doc)[(e["pid"], e["tid"])] for e in x_events(doc) if e["name"] == "wait"}
+    assert labels == {"kvstore-coordinator waits", "kvstore-coordinator #2 waits"}
+
+
 def test_request_waits_polled_in_turn_are_clipped_so_they_never_overlap():
     rec = Recorder(10)
     rec.add_wait("a", 100, 300)

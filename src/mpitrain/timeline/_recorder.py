@@ -48,8 +48,16 @@ class Recorder:
         if ident == self.main:
             return kind
         if ident not in self.thread_names:
-            self.thread_names[ident] = threading.current_thread().name
+            self.thread_names[ident] = self._unique(threading.current_thread().name)
         return (ident, "wait" if kind == "wait" else "run")
+
+    def _unique(self, name: str) -> str:
+        # Rows are labelled by thread name: two live threads of one name (two kvstores' coordinators)
+        # would otherwise share a row, and their independent waits would overlap on it.
+        taken, label, k = set(self.thread_names.values()), name, 2
+        while label in taken:
+            label, k = f"{name} #{k}", k + 1
+        return label
 
     def add(self, kind: str, name: str, t0: int, t1: int, args: dict[str, Any] | None = None) -> None:
         self.offered += 1
