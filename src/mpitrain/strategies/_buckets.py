@@ -53,13 +53,14 @@ class Bucket:
     which lets parameters unused everywhere keep ``grad=None`` as in one process, at no extra message.
     """
 
-    def __init__(self, index: int, key: str, params: Sequence[nn.Parameter]) -> None:
+    def __init__(self, index: int, key: str, params: Sequence[nn.Parameter], allocate: bool = True) -> None:
         self.index, self.key, self.params = index, key, list(params)
-        total = sum(p.numel() for p in self.params)
+        total = sum(p.numel() for p in self.params) if allocate else 0
         p0 = self.params[0]
-        self.buffer = torch.zeros(total + len(self.params), dtype=p0.dtype, device=p0.device)
+        # allocate=False: the plan only (ZeRO >= 2 reduces the gradients through its own transient buffers)
+        self.buffer = torch.zeros(total + len(self.params) if allocate else 0, dtype=p0.dtype, device=p0.device)
         self.used = self.buffer[total:]
-        self.views = views(self.buffer, [p.shape for p in self.params])
+        self.views = views(self.buffer, [p.shape for p in self.params]) if allocate else []
 
     @property
     def nbytes(self) -> int:

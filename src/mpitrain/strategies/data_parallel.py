@@ -24,6 +24,7 @@ from ._broadcast import (
 from ._buckets import MB, Bucket, adopt, plan_buckets
 from ._device import CPU, autocast, model_device, to_device
 from ._grad_allreduce import allreduce_gradients, start_allreduce_gradients
+from ._zero import ModuleGathers, Zero, check_stage
 from .base import (
     DEFAULT_LOOP,
     Batch,
@@ -97,14 +98,27 @@ class DataParallel(nn.Module):
     ``zero_grad(set_to_none=True)`` (the default) is the cheap way to clear: autograd's fresh gradient
     is copied into its view once, in the hook; with ``set_to_none=False`` the views are zeroed in
     place and autograd accumulates into them.
+
+    `zero` shards state across the ranks (ZeRO, docs/data-parallel.md; :mod:`._zero`): 1 the optimizer
+    state, 2 also the gradients, 3 also the parameters. Build the optimizer on :meth:`parameters` as
+    usual and pass it once through :meth:`shard_optimizer` (it then steps this rank's pieces of the
+    parameters and, below stage 3, allgathers them after each step); clip with :meth:`clip_grad_norm_`.
+    At stage 1 ``.grad`` is as above; at stages 2 and 3 the parameters keep ``grad=None`` (each
+    backward is reduce-scattered as its buckets complete: only the pieces hold gradients, accumulated
+    over backward passes until the optimizer clears them, so :meth:`no_sync` is refused) and the
+    `kvstore` is not used. At stage 3 a bucket's parameters are whole only from the forward of the
+    first module holding them to that of the last, and again in backward (gathered, the next bucket
+    prefetched, released when its gradients are reduced): every rank must run the same modules in the
+    same order, and a rank without samples must still run forward and backward.
     """
 
     def __init__(self, module: nn.Module, kvstore: str | KVStore = "dist_sync_mpi", bucket_mb: float = 25.0,
                  comm: Communicator | None = None, *, first_bucket_mb: float = 1.0,
-                 broadcast_buffers: bool = True, overlap: bool = True, name: str = "dp") -> None:
+                 broadcast_buffers: bool = True, overlap: bool = True, name: str = "dp", zero: int = 0) -> None:
         super().__init__()
         comm = comm or world()
         _check_args(module, kvstore, bucket_mb, first_bucket_mb, comm)
+        check_stage(zero)
         self.module, self.comm, self.broadcast_buffers = module, comm, broadcast_buffers
         self.device = model_device(module)  # batches go here; buckets live on the parameters' devices
         self._moves_inputs = self.device != CPU
@@ -113,23 +127,30 @@ class DataParallel(nn.Module):
         named = module_tensors(module)
         check_same_everywhere(comm, "DataParallel: settings and parameters", [
             ("settings", kv_name, float(bucket_mb), float(first_bucket_mb), bool(broadcast_buffers), overlap,
-             name),
+             name, zero),
             *((n, tuple(t.shape), str(t.dtype)) for n, t in named)])
         broadcast_tensors([t for _, t in named], comm, 0)
         self.overlap = bool(overlap)  # push buckets during backward (True) or all when it ends
-        self._owns_kv = isinstance(kvstore, str)
-        self.kv = _make_kvstore(kvstore, comm)
+        self.stage = zero
+        # ZeRO >= 2 reduce-scatters its own buffers: no store, no whole gradient buckets
+        self._owns_kv = isinstance(kvstore, str) and zero < 2
+        self.kv = _make_kvstore(kvstore, comm) if zero < 2 else None
+        workers = self.kv.num_workers if self.kv is not None else comm.size
         order = params[::-1]  # autograd produces the last layers' gradients first
         plan = plan_buckets([(p.numel() * p.element_size(), f"{p.dtype}/{p.device}") for p in order],
                             int(bucket_mb * MB), int(first_bucket_mb * MB))
-        self.buckets = [Bucket(i, f"{name}.b{i}", [order[j] for j in idx]) for i, idx in enumerate(plan)]
+        self.buckets = [Bucket(i, f"{name}.b{i}", [order[j] for j in idx], allocate=zero < 2)
+                        for i, idx in enumerate(plan)]
         self._slot = {p: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         self._keys = [b.key for b in self.buckets]
-        self._scale = 1.0 / self.kv.num_workers if self.kv.num_workers > 1 else None
+        self._scale = 1.0 / workers if workers > 1 else None
         # one worker: the sum over workers is the gradient itself, so buckets are not pushed at all
-        self._solo = self.kv.num_workers == 1
-        for b in self.buckets:
-            self.kv.init(b.key, b.buffer)
+        self._solo = workers == 1
+        if self.kv is not None:
+            for b in self.buckets:
+                self.kv.init(b.key, b.buffer)
+        self.zero = Zero([b.params for b in self.buckets], comm, zero, name=f"{name}.zero") if zero else None
+        self._gathers = ModuleGathers(self.zero, module) if self.zero is not None and zero == 3 else None
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
         self._sync_enabled = True   # False inside no_sync()
         self._sync_graph = True     # decided by the forward that built the graph being differentiated
@@ -147,12 +168,40 @@ class DataParallel(nn.Module):
                 broadcast_tensors(buffers, self.comm, 0)
         if self._moves_inputs:
             args, kwargs = to_device((args, kwargs), self.device)
-        out = self.module(*args, **kwargs)
+        try:
+            out = self.module(*args, **kwargs)
+        finally:
+            if self._gathers is not None:
+                self._gathers.end_forward()
         return _watch_outputs(out, self) if grad and self._sync_graph and self.buckets else out
+
+    def shard_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """With ``zero`` >= 1: make `optimizer`, built on :meth:`parameters` and not stepped yet, step this
+        rank's pieces (1-D views of its block of each bucket; each param group keeps its
+        hyperparameters and holds the pieces of its parameters, possibly none) and, below stage 3,
+        allgather the parameters after every step. Returns the same object. Element-wise optimizers only
+        (SGD, Adam, AdamW, ...: :data:`._zero.ELEMENTWISE`): ValueError naming any other (LBFGS,
+        Adafactor, ...). Without ``zero`` it returns `optimizer` untouched."""
+        return optimizer if self.zero is None else self.zero.shard_optimizer(optimizer)
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Collective: scale the averaged gradient as ``torch.nn.utils.clip_grad_norm_`` over the whole
+        model does in one process (with ``zero``: the norm summed over the ranks' pieces, the pieces
+        scaled); returns the norm. Call it after backward, before the step."""
+        if self.zero is not None:
+            return self.zero.clip_grad_norm_(max_norm)
+        return float(torch.nn.utils.clip_grad_norm_([p for b in self.buckets for p in b.params], max_norm))
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Forwards run inside this context build graphs whose backward only accumulates locally."""
+        """Forwards run inside this context build graphs whose backward only accumulates locally.
+        Refused with ``zero`` >= 2 (RuntimeError): no rank holds a whole gradient to accumulate into;
+        backward passes accumulate into the pieces' gradients, each reduced."""
+        if self.stage >= 2:
+            raise RuntimeError(f"DataParallel(zero={self.stage}) keeps only this rank's piece of the gradient: "
+                               f"no_sync() cannot accumulate whole gradients locally. Call backward several "
+                               f"times without it (each is reduced, the pieces' gradients add up until "
+                               f"zero_grad), or use zero=1")
         previous, self._sync_enabled = self._sync_enabled, False
         try:
             yield
@@ -183,7 +232,11 @@ class DataParallel(nn.Module):
                                f"shared parameter?); use torch.utils.checkpoint(..., use_reentrant=False) "
                                f"or no_sync()")
         # pre-scale by 1/size as the gradient lands, so the sum the store returns is the mean
-        self._adopt(p, b.views[i], self._scale)
+        if self.stage >= 2:
+            assert self.zero is not None
+            self.zero.take(p, self._scale)
+        else:
+            self._adopt(p, b.views[i], self._scale)
         fired.add(i)
         if self.overlap and len(fired) == len(b.params):
             self._push_ready()
@@ -207,6 +260,14 @@ class DataParallel(nn.Module):
 
     def _push(self, b: Bucket) -> None:
         fired = self._fired[b.index]
+        if self.zero is not None and self.stage >= 2:  # unused: zeros and "used" 0 in its reduce buffer
+            for i, p in enumerate(b.params):
+                if i not in fired:
+                    self.zero.take(p, self._scale)
+            shard = self.zero.shards[b.index]
+            self.zero.reduce(shard)
+            self.zero.release(shard)  # stage 3: its gradients are all in, autograd reads it no more
+            return
         mark = 1.0 if self._scale is None else self._scale
         if len(fired) == len(b.params):
             b.used.fill_(mark)
@@ -218,6 +279,7 @@ class DataParallel(nn.Module):
                     self._absent.append((b, i))
                 b.used[i] = mark if used else 0.0
         if not self._solo:
+            assert self.kv is not None
             self.kv.pushpull(b.key, b.buffer, priority=-b.index)
 
     @torch.no_grad()
@@ -230,11 +292,18 @@ class DataParallel(nn.Module):
             for b in self.buckets[self._next:]:
                 self._push(b)
             self._next = len(self.buckets)
+            if self.zero is not None and self.stage >= 2:
+                self.zero.finish_reduce()
+                self.zero.release_all()
+                return
             if not self._solo:
+                assert self.kv is not None
                 self.kv.wait(self._keys)
             for b, i in self._absent:
                 if b.used[i].item() > 0:
                     b.params[i].grad = b.views[i]  # the average of the other ranks' gradients
+            if self.zero is not None:
+                self.zero.attach_full_grads()
         finally:
             self._reset()
 
@@ -242,7 +311,12 @@ class DataParallel(nn.Module):
         """Collective: take part in a synchronised backward for which this rank has no samples. Every
         bucket is pushed with zeros (as parameters without a gradient are), so afterwards each ``.grad``
         holds the other ranks' contributions averaged over all ranks, ``grad=None`` where no rank had one.
-        Call it after ``zero_grad()`` where the other ranks run their synchronised backward."""
+        Call it after ``zero_grad()`` where the other ranks run their synchronised backward. Refused
+        at ``zero=3`` (RuntimeError): the other ranks' forward and backward gather parameters, so every
+        rank must run them."""
+        if self.stage == 3:
+            raise RuntimeError("DataParallel(zero=3): every rank must run forward and backward (they gather the "
+                               "parameters bucket by bucket); a rank without samples cannot sit out")
         self._sync_graph = True
         self._finalize()
 
@@ -253,7 +327,11 @@ class DataParallel(nn.Module):
             h.remove()
         self._hooks = []
         self._closed = True
-        if self._owns_kv:
+        if self._gathers is not None:
+            self._gathers.remove()
+        if self.zero is not None:
+            self.zero.close()  # stage 3: the parameters gathered for good
+        if self._owns_kv and self.kv is not None:
             self._owns_kv = False
             self.kv.close()
 
