@@ -24,7 +24,8 @@ from ._broadcast import (
 from ._buckets import MB, Bucket, adopt, plan_buckets
 from ._device import CPU, autocast, model_device, to_device
 from ._grad_allreduce import allreduce_gradients, start_allreduce_gradients
-from ._zero import ModuleGathers, Zero, check_stage
+from ._reshard import NAMED, Held, load_named, optimizer_entries, tensor_entries, whole
+from ._zero import ModuleGathers, Zero, check_optimizer, check_stage
 from .base import (
     DEFAULT_LOOP,
     Batch,
@@ -417,10 +418,12 @@ class DataOptions(StrategyOptions):
     first_bucket_mb: float = 1.0
     broadcast_buffers: bool = True
     overlap: bool = True
+    zero: int = 0
 
     def __post_init__(self) -> None:
         try:
             _check_settings(self.kvstore, self.bucket_mb, self.first_bucket_mb)
+            check_stage(self.zero)
         except (TypeError, ValueError) as e:
             raise FitError(f"strategy 'data': {e}") from None
         for name in ("broadcast_buffers", "overlap"):
@@ -447,14 +450,21 @@ class DataTrainer:
 
     def __init__(self, model: nn.Module, loss_fn: LossFn, optimizer: OptimizerFactory, comm: Communicator,
                  micro_batches: int, opts: DataOptions, loop: LoopSpec = DEFAULT_LOOP) -> None:
+        # built first, so that an optimizer ZeRO cannot shard is refused before any message
+        built = optimizer(model.parameters())
+        if opts.zero:
+            try:
+                check_optimizer(built)
+            except ValueError as e:
+                raise FitError(f"strategy 'data', zero={opts.zero}: {e}") from None
         self.dp = DataParallel(model, opts.kvstore, opts.bucket_mb, comm, first_bucket_mb=opts.first_bucket_mb,
-                               broadcast_buffers=opts.broadcast_buffers, overlap=opts.overlap)
+                               broadcast_buffers=opts.broadcast_buffers, overlap=opts.overlap, zero=opts.zero)
         # buffers go once per step (train_shares), so ranks may run different numbers of forwards
         self.dp.broadcast_buffers = False
         self._buffers = [b for _, b in model.named_buffers()] if opts.broadcast_buffers else []
         self.loss_fn, self.comm, self.micro_batches, self.loop = loss_fn, comm, micro_batches, loop
         self.device = self.dp.device
-        self.optimizer = optimizer(self.dp.module.parameters())
+        self.optimizer = self.dp.shard_optimizer(built)
 
     def share(self, n: int) -> Share:
         return even_share(n, self.comm.size, self.comm.rank)
@@ -471,6 +481,8 @@ class DataTrainer:
         self.optimizer.zero_grad()
         if self._buffers and self.dp.training:
             broadcast_tensors(self._buffers, self.comm, 0)
+        if self.dp.stage == 3:
+            self._check_passes(batches)
         m = self.micro_batches
         pieces = [pair for b in batches if b.share.rows for pair in split_pairs(b.inputs, b.targets, m)]
         if self.device != CPU:
@@ -478,7 +490,9 @@ class DataTrainer:
         local = torch.zeros((), dtype=torch.float64, device=self.device)  # sum of this rank's per-sample losses
         weight = self.comm.size / total  # DataParallel averages over ranks: undo it, divide by the samples
         for j, (x, y) in enumerate(pieces):
-            with self.dp.no_sync() if j < len(pieces) - 1 else contextlib.nullcontext():
+            # ZeRO >= 2 reduces every backward (into the pieces' gradients): no local accumulation
+            local_only = j < len(pieces) - 1 and self.dp.stage < 2
+            with self.dp.no_sync() if local_only else contextlib.nullcontext():
                 with autocast(self.loop.precision, self.device):
                     loss = self.loss_fn(call_model(self.dp, x), y)
                 (loss * (batch_size(x) * weight)).backward()  # weighted by samples (k target rows each)
@@ -486,9 +500,21 @@ class DataTrainer:
         if not pieces:
             self.dp.sync_without_backward()
         if self.loop.grad_clip is not None:  # gradients are averaged: every rank clips the same global norm
-            torch.nn.utils.clip_grad_norm_(self.dp.module.parameters(), self.loop.grad_clip)
+            self.dp.clip_grad_norm_(self.loop.grad_clip)
         self.optimizer.step()
         return float(self.comm.allreduce(local.reshape(1), "sum").item()) / total
+
+    def _check_passes(self, batches: Sequence[BatchShare]) -> None:
+        """zero=3: every rank runs as many forward/backward passes (each gathers every bucket, a
+        collective), so each needs at least `micro_batches` rows of every global batch. FitError on
+        every rank alike (the batch sizes are known everywhere) before any message."""
+        need = self.comm.size * self.micro_batches
+        small = [b.n for b in batches if b.n < need]
+        if small:
+            raise FitError(f"strategy 'data', zero=3: a global batch of {small[0]} samples leaves a rank fewer than "
+                           f"micro_batches={self.micro_batches} rows, but every rank must run the same forward and "
+                           f"backward passes (each gathers the parameters): use batches of at least {need} "
+                           f"samples (drop_last=True for a short last one), or zero <= 2")
 
     @torch.no_grad()
     def eval_step(self, inputs: Batch, targets: torch.Tensor) -> Any:
@@ -503,33 +529,59 @@ class DataTrainer:
 
     # -- checkpoints (CheckpointTrainer) ---------------------------------------------------------------
     def layout(self) -> dict[str, object]:
-        return {"strategy": "data", "world_size": self.comm.size, "replicated": True}
+        return {"strategy": "data", "world_size": self.comm.size, "replicated": True, "zero": self.dp.stage,
+                NAMED: True}
+
+    def _held(self) -> tuple[list[tuple[torch.Tensor, Held]], dict[int, Held]]:
+        """What this rank holds under the user's names: every state_dict tensor whole, except (zero=3)
+        a sharded parameter, of which it holds its piece (or nothing); and the optimizer's parameters
+        (wholes, or with ``zero`` pieces, each under its parameter's first name)."""
+        zero = self.dp.zero
+        pieces: dict[int, tuple[nn.Parameter, int, int]] = {}
+        if zero is not None:
+            for s in zero.shards:
+                for c, q in zip(s.pieces, s.piece_params):
+                    pieces[id(s.params[c.param])] = (q, c.start, c.stop)
+        tensors: list[tuple[torch.Tensor, Held]] = []
+        names: dict[int, Held] = {}
+        for name, t in self.dp.module.state_dict(keep_vars=True).items():
+            sharded = zero is not None and t in zero.slot
+            piece = pieces.get(id(t))
+            if piece is not None:
+                held = Held(name, piece[1], piece[2], tuple(t.shape))
+                names.setdefault(id(piece[0]), held)
+                if zero is not None and zero.stage == 3:
+                    tensors.append((piece[0], held))
+            if not (sharded and zero is not None and zero.stage == 3):
+                tensors.append((t, whole(name, t)))
+                if zero is None:
+                    names.setdefault(id(t), whole(name, t))
+        return tensors, names
 
     def state_dict(self) -> dict[str, object]:
-        return {"model": self.dp.module.state_dict(), "optimizer": self.optimizer.state_dict()}
+        """This rank's shard, by name (:mod:`._reshard`): the model's tensors it holds (all of them whole,
+        except its pieces of the parameters at zero=3) and its optimizer's state (its pieces' with zero)."""
+        tensors, names = self._held()
+        model, pieces = tensor_entries(tensors)
+        return {"model": model, "model_pieces": pieces, "optim": optimizer_entries(self.optimizer, names)}
 
     def load_state_dict(self, read: Callable[[int], dict[str, object]], saved_layout: Mapping[str, object]) -> None:
-        """Same world size: this rank's shard (buffers differ per rank). Another world size: rank 0's
-        (the weights and optimizer state are replicated)."""
-        _check_replicated(saved_layout, self.layout())
-        same = saved_layout["world_size"] == self.comm.size
-        state = read(self.comm.rank if same else 0)
-        self.dp.module.load_state_dict(state["model"])  # type: ignore[arg-type]
-        self.optimizer.load_state_dict(state["optimizer"])  # type: ignore[arg-type]
+        """From a checkpoint by name of any layout (any world size and ZeRO stage, or a pipeline's):
+        every tensor and optimizer state this rank holds is read from the saved ranks that cover it.
+        Same world size and strategy: this rank's own shard first (its BatchNorm statistics)."""
+        if not saved_layout.get(NAMED):
+            raise FitError(f"cannot resume strategy 'data' (layout {self.layout()}) from a checkpoint of layout "
+                           f"{dict(saved_layout)}: it predates checkpoints by name")
+        saved = int(saved_layout["world_size"])  # type: ignore[call-overload]
+        own = self.comm.rank if saved == self.comm.size and saved_layout.get("strategy") == "data" else 0
+        tensors, names = self._held()
+        load_named(read, [own, *(r for r in range(saved) if r != own)], tensors, self.optimizer, names)
 
     def trained_model(self) -> nn.Module:
         """The wrapped module (same weights on every rank). Collective: fit calls it last, on every rank,
         so it also closes the KVStore (its comm thread); the trainer takes no more steps after it."""
         self.dp.close()
         return self.dp.module
-
-
-def _check_replicated(saved: Mapping[str, object], now: Mapping[str, object]) -> None:
-    """FitError unless a checkpoint of layout `saved` can be loaded into layout `now` by a strategy
-    that replicates the whole model (same strategy; any world size)."""
-    if saved.get("strategy") != now["strategy"] or not saved.get("replicated"):
-        raise FitError(f"cannot resume strategy {now['strategy']!r} (layout {dict(now)}) from a checkpoint of "
-                       f"layout {dict(saved)}: resharding between these layouts is not supported")
 
 
 #: The loop features fit may ask of this strategy (see :data:`~mpitrain.strategies.base.FEATURE_NAMES`).
