@@ -213,6 +213,11 @@ class Zero:
         """``id(parameter) -> its piece on this rank`` (parameters without one are absent)."""
         return {id(s.params[c.param]): q for s in self.shards for c, q in zip(s.pieces, s.piece_params)}
 
+    def piece_ranges(self) -> dict[int, tuple[nn.Parameter, int, int]]:
+        """``id(parameter) -> (its piece on this rank, first element, stop)``: what a checkpoint names."""
+        return {id(s.params[c.param]): (q, c.start, c.stop) for s in self.shards
+                for c, q in zip(s.pieces, s.piece_params)}
+
     def shard_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Make `optimizer` (built on the whole parameters, not yet stepped, element-wise) step this rank's
         pieces: in each param group, in place, a parameter becomes its piece or leaves the group (a group

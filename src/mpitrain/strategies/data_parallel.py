@@ -537,11 +537,7 @@ class DataTrainer:
         a sharded parameter, of which it holds its piece (or nothing); and the optimizer's parameters
         (wholes, or with ``zero`` pieces, each under its parameter's first name)."""
         zero = self.dp.zero
-        pieces: dict[int, tuple[nn.Parameter, int, int]] = {}
-        if zero is not None:
-            for s in zero.shards:
-                for c, q in zip(s.pieces, s.piece_params):
-                    pieces[id(s.params[c.param])] = (q, c.start, c.stop)
+        pieces = zero.piece_ranges() if zero is not None else {}
         tensors: list[tuple[torch.Tensor, Held]] = []
         names: dict[int, Held] = {}
         for name, t in self.dp.module.state_dict(keep_vars=True).items():
