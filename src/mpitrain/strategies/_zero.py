@@ -27,6 +27,7 @@ so a gather or a reduce-scatter overlaps the caller's compute.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -42,7 +43,7 @@ from ..comm.base import Communicator
 from ..engine import Engine, Var
 
 __all__ = ["Zero", "FlatShard", "Piece", "ModuleGathers", "ELEMENTWISE", "STAGES", "check_stage",
-           "check_optimizer"]
+           "check_optimizer", "storage_bytes"]
 
 #: ZeRO stages: 0 (off: everything replicated), 1 (optimizer state), 2 (+ gradients), 3 (+ parameters).
 STAGES = (0, 1, 2, 3)
@@ -76,6 +77,18 @@ def check_optimizer(optimizer: object) -> None:
                          "pieces): build the optimizer, shard it, then train")
 
 
+def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
+    """Bytes of the distinct storages behind `tensors` (views of one buffer count once; a released
+    ZeRO-3 buffer counts 0): what a rank holds for them, the cheap proxy of its memory."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t is not None:
+            st = t.untyped_storage()
+            if st.nbytes():
+                seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
+
+
 @dataclass(frozen=True)
 class Piece:
     """Parameter `param` (index in its bucket) has elements ``[start, stop)`` in this rank's block, at
@@ -106,7 +119,7 @@ class FlatShard:
         p0 = self.params[0]
         self.flat = torch.zeros(self.block * size, dtype=p0.dtype, device=p0.device)
         with torch.no_grad():
-            for p, (a, b), v in zip(self.params, self.spans, views(self.flat, [p.shape for p in self.params])):
+            for p, v in zip(self.params, views(self.flat, [p.shape for p in self.params])):
                 v.copy_(p)
                 p.data = v
         self.pieces = [Piece(i, max(a, lo) - a, min(b, hi) - a, max(a, lo) - lo)
@@ -249,7 +262,7 @@ class Zero:
     def gather_all(self) -> None:
         """Collective: every bucket's blocks allgathered in place (below stage 3, after a step)."""
         for s in self.shards:
-            self._run(s, lambda s=s: self._comm.allgather(s.shard, out=s.flat), "allgather")
+            self._run(s, functools.partial(self._comm.allgather, s.shard, out=s.flat), "allgather")
         for s in self.shards:
             self._wait(s)
 

@@ -25,7 +25,7 @@ from ._buckets import MB, Bucket, adopt, plan_buckets
 from ._device import CPU, autocast, model_device, to_device
 from ._grad_allreduce import allreduce_gradients, start_allreduce_gradients
 from ._reshard import NAMED, Held, load_named, optimizer_entries, tensor_entries, whole
-from ._zero import ModuleGathers, Zero, check_optimizer, check_stage
+from ._zero import ModuleGathers, Zero, check_optimizer, check_stage, storage_bytes
 from .base import (
     DEFAULT_LOOP,
     Batch,
@@ -135,8 +135,8 @@ class DataParallel(nn.Module):
         self.stage = zero
         # ZeRO >= 2 reduce-scatters its own buffers: no store, no whole gradient buckets
         self._owns_kv = isinstance(kvstore, str) and zero < 2
-        self.kv = _make_kvstore(kvstore, comm) if zero < 2 else None
-        workers = self.kv.num_workers if self.kv is not None else comm.size
+        self._kv = _make_kvstore(kvstore, comm) if zero < 2 else None
+        workers = self._kv.num_workers if self._kv is not None else comm.size
         order = params[::-1]  # autograd produces the last layers' gradients first
         plan = plan_buckets([(p.numel() * p.element_size(), f"{p.dtype}/{p.device}") for p in order],
                             int(bucket_mb * MB), int(first_bucket_mb * MB))
@@ -147,9 +147,9 @@ class DataParallel(nn.Module):
         self._scale = 1.0 / workers if workers > 1 else None
         # one worker: the sum over workers is the gradient itself, so buckets are not pushed at all
         self._solo = workers == 1
-        if self.kv is not None:
+        if self._kv is not None:
             for b in self.buckets:
-                self.kv.init(b.key, b.buffer)
+                self._kv.init(b.key, b.buffer)
         self.zero = Zero([b.params for b in self.buckets], comm, zero, name=f"{name}.zero") if zero else None
         self._gathers = ModuleGathers(self.zero, module) if self.zero is not None and zero == 3 else None
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
@@ -157,6 +157,13 @@ class DataParallel(nn.Module):
         self._sync_graph = True     # decided by the forward that built the graph being differentiated
         self._closed = False
         self._reset()
+
+    @property
+    def kv(self) -> KVStore:
+        """The store the gradient buckets go through (RuntimeError at ``zero`` >= 2, which has none)."""
+        if self._kv is None:
+            raise RuntimeError(f"DataParallel(zero={self.stage}) reduce-scatters its gradients: it has no kvstore")
+        return self._kv
 
     # -- forward ------------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -192,6 +199,19 @@ class DataParallel(nn.Module):
         if self.zero is not None:
             return self.zero.clip_grad_norm_(max_norm)
         return float(torch.nn.utils.clip_grad_norm_([p for b in self.buckets for p in b.params], max_norm))
+
+    def held_bytes(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+        """Bytes this rank holds for the trainable parameters, their gradients (buckets, ``.grad``, ZeRO's
+        blocks) and `optimizer`'s state, by storage (views count once, a released ZeRO-3 buffer 0): the
+        cheap measure of what ``zero`` saves (docs/data-parallel.md)."""
+        params: list[torch.Tensor] = [p for b in self.buckets for p in b.params]
+        grads: list[torch.Tensor | None] = [b.buffer for b in self.buckets] + [p.grad for p in params]
+        if self.zero is not None:
+            params += [s.shard for s in self.zero.shards]
+            grads += [s.grad for s in self.zero.shards] + [q.grad for s in self.zero.shards for q in s.piece_params]
+        state = [v for st in (optimizer.state.values() if optimizer is not None else [])
+                 for v in st.values() if isinstance(v, torch.Tensor)]
+        return {"params": storage_bytes(params), "grads": storage_bytes(grads), "optimizer": storage_bytes(state)}
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -280,7 +300,6 @@ class DataParallel(nn.Module):
                     self._absent.append((b, i))
                 b.used[i] = mark if used else 0.0
         if not self._solo:
-            assert self.kv is not None
             self.kv.pushpull(b.key, b.buffer, priority=-b.index)
 
     @torch.no_grad()
@@ -298,7 +317,6 @@ class DataParallel(nn.Module):
                 self.zero.release_all()
                 return
             if not self._solo:
-                assert self.kv is not None
                 self.kv.wait(self._keys)
             for b, i in self._absent:
                 if b.used[i].item() > 0:
@@ -332,9 +350,9 @@ class DataParallel(nn.Module):
             self._gathers.remove()
         if self.zero is not None:
             self.zero.close()  # stage 3: the parameters gathered for good
-        if self._owns_kv and self.kv is not None:
+        if self._owns_kv and self._kv is not None:
             self._owns_kv = False
-            self.kv.close()
+            self._kv.close()
 
 
 # -- helpers --------------------------------------------------------------------------------------

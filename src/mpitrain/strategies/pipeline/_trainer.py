@@ -253,7 +253,7 @@ class PipelineTrainer:
             assert isinstance(bounds, list)
             self.pipe.balance = [b - a for a, b in zip(bounds, bounds[1:])]
         saved_groups = read(0)["optim"]["groups"]  # type: ignore[index]
-        for group, saved in zip(self.optimizer.param_groups, saved_groups):  # type: ignore[call-overload]
+        for group, saved in zip(self.optimizer.param_groups, saved_groups):
             group.update(saved)
         if self.pipe.stages:
             self._load()
