@@ -130,8 +130,8 @@ def test_bytes_held_per_rank_shrink_by_stage_to_the_targets(comm, stage):
     want = {0: 1.0, 1: (2 + 2 / n) / 4, 2: (1 + 3 / n) / 4, 3: 1 / n}[stage]
     ratio = (held["params"] + held["grads"] + held["optimizer"]) / one
     slack = len(dp.buckets) * 4 * (n - 1) * 8 / one + 64 / one  # padding; Adam's step counters
-    targets = {0: 1.0, 1: 0.70, 2: 0.50, 3: 0.35}
-    assert_all_ranks(comm, want - 1e-9 <= ratio <= want + slack and (n != 4 or ratio <= targets[stage]),
+    targets = {0: 1.01, 1: 0.70, 2: 0.50, 3: 0.35}  # the last rank's block holds the padding: it may hold less
+    assert_all_ranks(comm, abs(ratio - want) <= slack and (n != 4 or ratio <= targets[stage]),
                      f"zero={stage}: held {held}, ratio {ratio:.4f}, expected {want:.4f}")
     dp.close()
 

@@ -64,17 +64,13 @@ def check_stage(zero: object) -> None:
 
 
 def check_optimizer(optimizer: object) -> None:
-    """ValueError naming the class unless `optimizer` can step shards (:data:`ELEMENTWISE`) and has
-    taken no step yet (its state is created on the pieces)."""
+    """ValueError naming the class unless `optimizer` can step shards (:data:`ELEMENTWISE`)."""
     if not isinstance(optimizer, ELEMENTWISE):
         raise ValueError(f"ZeRO cannot shard {type(optimizer).__name__}: its step needs whole parameters (LBFGS's "
                          f"closure and line search over all of them, Adafactor's row and column factors, Muon's "
                          f"orthogonalised matrices, SparseAdam's sparse gradients); it shards the element-wise "
                          f"optimizers {[c.__name__ for c in ELEMENTWISE]} (and their subclasses). Use zero=0 "
                          f"for this one")
-    if optimizer.state:
-        raise ValueError("ZeRO shards an optimizer before its first step (its state is created on this rank's "
-                         "pieces): build the optimizer, shard it, then train")
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
@@ -232,12 +228,21 @@ class Zero:
                 for c, q in zip(s.pieces, s.piece_params)}
 
     def shard_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """Make `optimizer` (built on the whole parameters, not yet stepped, element-wise) step this rank's
-        pieces: in each param group, in place, a parameter becomes its piece or leaves the group (a group
-        may become empty). Below stage 3 a step-post hook allgathers the updated blocks; at stage 1 its
-        ``zero_grad`` also clears the whole parameters' gradients (which the pieces' view). Returns it."""
+        """Make `optimizer` (element-wise, built on the whole parameters) step this rank's pieces: in each
+        param group, in place, a parameter becomes its piece or leaves the group (a group may become
+        empty); state it already holds (Adagrad's initial sums, or a stepped one's) moves to the pieces,
+        sliced. Below stage 3 a step-post hook allgathers the updated blocks; at stage 1 its
+        ``zero_grad`` also clears the whole parameters' gradients (which the pieces view). Returns it."""
         check_optimizer(optimizer)
         pieces = self.pieces_of()
+        ranges = self.piece_ranges()
+        for p in list(optimizer.state):
+            state = optimizer.state.pop(p)
+            if id(p) in ranges:
+                piece, a, b = ranges[id(p)]
+                optimizer.state[piece] = {k: v.detach().reshape(-1)[a:b].clone()
+                                          if isinstance(v, torch.Tensor) and v.dim() and v.shape == p.shape else v
+                                          for k, v in state.items()}
         known = {id(p) for p in self.slot}
         for group in optimizer.param_groups:
             stray = [tuple(p.shape) for p in group["params"] if id(p) not in known]
