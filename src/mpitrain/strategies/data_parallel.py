@@ -205,7 +205,8 @@ class DataParallel(nn.Module):
         blocks) and `optimizer`'s state, by storage (views count once, a released ZeRO-3 buffer 0): the
         cheap measure of what ``zero`` saves (docs/data-parallel.md)."""
         params: list[torch.Tensor] = [p for b in self.buckets for p in b.params]
-        grads: list[torch.Tensor | None] = [b.buffer for b in self.buckets] + [p.grad for p in params]
+        grads: list[torch.Tensor | None] = [b.buffer for b in self.buckets]
+        grads += [p.grad for p in params]
         if self.zero is not None:
             params += [s.shard for s in self.zero.shards]
             grads += [s.grad for s in self.zero.shards] + [q.grad for s in self.zero.shards for q in s.piece_params]
