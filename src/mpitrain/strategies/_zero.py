@@ -11,8 +11,9 @@ in the optimizer's own param groups (:meth:`Zero.shard_optimizer`), so per-group
 kept. Stepping pieces equals stepping whole parameters only for element-wise optimizers
 (:data:`ELEMENTWISE`); anything else is refused.
 
-* stage 1: gradients are reduced whole (the caller's allreduce); each piece's ``.grad`` is a view of
-  its parameter's averaged gradient; after the step the blocks are allgathered in place.
+* stage 1: gradients are reduced whole (:meth:`Zero.allreduce`, or the caller's own); each piece's
+  ``.grad`` is a view of its parameter's averaged gradient; after the step the blocks are allgathered
+  in place.
 * stage 2: each bucket's gradients are written, pre-scaled, into a transient buffer that is
   reduce-scattered (:meth:`Zero.take`, :meth:`Zero.reduce`); the rank keeps only its block, accumulated
   over backward passes until the pieces' gradients are cleared. Parameters keep ``grad=None``.
@@ -27,6 +28,7 @@ so a gather or a reduce-scatter overlaps the caller's compute.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import math
 from collections.abc import Callable, Iterable, Sequence
@@ -43,10 +45,15 @@ from ..comm.base import Communicator
 from ..engine import Engine, Var
 
 __all__ = ["Zero", "FlatShard", "Piece", "ModuleGathers", "ELEMENTWISE", "STAGES", "check_stage",
-           "check_optimizer", "storage_bytes"]
+           "check_optimizer", "storage_bytes", "module_units", "release_freed_memory"]
 
 #: ZeRO stages: 0 (off: everything replicated), 1 (optimizer state), 2 (+ gradients), 3 (+ parameters).
 STAGES = (0, 1, 2, 3)
+
+#: Reductions queued at once: the next one waits for the oldest. Each reduce-scatter holds a bucket-sized
+#: buffer until it is done; unbounded, a backward that outruns the communication thread held them all
+#: (a 268 MB model at 4 ranks, zero=3: 610 MiB per rank instead of 336, bench._zero_memory).
+MAX_QUEUED = 1
 
 #: Optimizers whose update of an element reads only that element's parameter, gradient and state (and
 #: scalars), so stepping each rank's pieces equals stepping the whole parameters. Subclasses count.
@@ -73,6 +80,26 @@ def check_optimizer(optimizer: object) -> None:
                          f"for this one")
 
 
+def module_units(module: nn.Module, params: Sequence[nn.Parameter]) -> list[list[nn.Parameter]]:
+    """`params` grouped by the module holding them (first holder in registration order), one group per
+    module and dtype/device, in the order backward produces them (modules and their parameters in
+    reverse registration order). Stage 3 plans its buckets over these units, so that a module's
+    forward gathers whole buckets of its own instead of one it shares with a neighbour (a Linear's
+    bias bucketed with the next layer's weight doubled what was gathered at once)."""
+    wanted = {p: None for p in params}
+    units: list[list[nn.Parameter]] = []
+    for m in module.modules():
+        mine = [p for p in m.parameters(recurse=False) if p in wanted]
+        for p in mine:
+            del wanted[p]
+        kinds: dict[str, list[nn.Parameter]] = {}
+        for p in mine:
+            kinds.setdefault(f"{p.dtype}/{p.device}", []).append(p)
+        units += [ps for ps in kinds.values()]
+    units += [[p] for p in wanted]  # parameters no submodule holds directly (cannot happen for nn.Module)
+    return [u[::-1] for u in units[::-1]]
+
+
 def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
     """Bytes of the distinct storages behind `tensors` (views of one buffer count once; a released
     ZeRO-3 buffer counts 0): what a rank holds for them, the cheap proxy of its memory."""
@@ -83,6 +110,29 @@ def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
             if st.nbytes():
                 seen[st.data_ptr()] = st.nbytes()
     return sum(seen.values())
+
+
+#: glibc's mallopt parameter number of the mmap threshold.
+_M_MMAP_THRESHOLD = -3
+#: Allocations from this size on are mapped afresh and unmapped when freed, once ZeRO >= 2 runs.
+MMAP_FROM = 4 << 20
+
+
+def release_freed_memory(stage: int) -> None:
+    """glibc only (elsewhere nothing): give the allocator's free memory back to the system (the model's
+    own parameter memory, freed by sharding, would otherwise stay resident and count in every rank's
+    peak), and from stage 2 on map allocations of :data:`MMAP_FROM` bytes and more afresh. The launcher
+    keeps freed memory below 32 MiB for reuse (docs/ARCHITECTURE.md); ZeRO's bucket-sized transient
+    buffers (gathered parameters, reduce buffers, autograd's fresh gradients) then fragmented the heap:
+    a 268 MB model at 4 ranks peaked at 0.59 (zero=2) and 0.41 (zero=3) of one process's params + grads
+    + Adam state instead of 0.4x and 0.3x (docs/data-parallel.md)."""
+    try:
+        libc = ctypes.CDLL(None)
+        libc.malloc_trim(0)
+        if stage >= 2:
+            libc.mallopt(_M_MMAP_THRESHOLD, MMAP_FROM)
+    except (AttributeError, OSError):
+        pass
 
 
 @dataclass(frozen=True)
@@ -212,10 +262,11 @@ class Zero:
         self._order = Var(f"{name}.order")
         self._vars = [Var(f"{name}.b{s.index}") for s in self.shards]
         self._reduced: dict[int, torch.Tensor] = {}  # written by the communication thread
-        self._reducing: list[FlatShard] = []          # reduce-scatters queued, in order
+        self._reducing: list[FlatShard] = []          # reductions queued, in order
         self._inflight: set[int] = set()  # stage 3: gathers queued, not yet waited for
         self._hooked: list[torch.optim.Optimizer] = []
         self._closed = False
+        release_freed_memory(stage)  # the parameters' former storage; stage >= 2: mapped transients
 
     # -- the optimizer ------------------------------------------------------------------------------------
     def pieces_of(self) -> dict[int, nn.Parameter]:
@@ -289,18 +340,33 @@ class Zero:
             s.buffer = torch.zeros(s.size * s.row, dtype=s.flat.dtype, device=s.flat.device)
         box = [s.buffer]
         s.buffer = None
-        self._reducing.append(s)
+        self._queue(s)
 
         def run() -> None:
             self._reduced[s.index] = self._comm.reduce_scatter(box.pop().view(s.size, s.row), "sum")[0]
         self._run(s, run, "reduce-scatter")
 
+    def allreduce(self, s: FlatShard, buffer: torch.Tensor) -> None:
+        """Stage 1: queue the allreduce (sum, in place) of `s`'s whole gradients in `buffer`."""
+        self._queue(s)
+        self._run(s, functools.partial(self._comm.allreduce, buffer, "sum"), "allreduce")
+
+    def _queue(self, s: FlatShard) -> None:
+        """Note `s`'s reduction (about to be queued), first completing the oldest beyond MAX_QUEUED."""
+        while len(self._reducing) >= MAX_QUEUED:
+            self._complete(self._reducing.pop(0))
+        self._reducing.append(s)
+
+    def _complete(self, s: FlatShard) -> None:
+        self._wait(s)
+        if s.index in self._reduced:
+            s.apply(self._reduced.pop(s.index))
+
     def finish_reduce(self) -> None:
-        """Wait for the queued reduce-scatters and attach the pieces' gradients."""
+        """Wait for the queued reductions; reduce-scattered blocks become the pieces' gradients."""
         reducing, self._reducing = self._reducing, []
         for s in reducing:
-            self._wait(s)
-            s.apply(self._reduced.pop(s.index))
+            self._complete(s)
 
     def attach_full_grads(self) -> None:
         for s in self.shards:

@@ -25,7 +25,7 @@ from ._buckets import MB, Bucket, adopt, plan_buckets
 from ._device import CPU, autocast, model_device, to_device
 from ._grad_allreduce import allreduce_gradients, start_allreduce_gradients
 from ._reshard import NAMED, Held, load_named, optimizer_entries, tensor_entries, whole
-from ._zero import ModuleGathers, Zero, check_optimizer, check_stage, storage_bytes
+from ._zero import ModuleGathers, Zero, check_optimizer, check_stage, module_units, storage_bytes
 from .base import (
     DEFAULT_LOOP,
     Batch,
@@ -106,8 +106,9 @@ class DataParallel(nn.Module):
     parameters and, below stage 3, allgathers them after each step); clip with :meth:`clip_grad_norm_`.
     At stage 1 ``.grad`` is as above; at stages 2 and 3 the parameters keep ``grad=None`` (each
     backward is reduce-scattered as its buckets complete: only the pieces hold gradients, accumulated
-    over backward passes until the optimizer clears them, so :meth:`no_sync` is refused) and the
-    `kvstore` is not used. At stage 3 a bucket's parameters are whole only from the forward of the
+    over backward passes until the optimizer clears them, so :meth:`no_sync` is refused). With `zero`
+    the `kvstore` is not used: the buckets are allreduced (1) or reduce-scattered (2, 3) on ZeRO's own
+    communicator (a store keeps a copy of every bucket, which would cost as much as the gradients). At stage 3 a bucket's parameters are whole only from the forward of the
     first module holding them to that of the last, and again in backward (gathered, the next bucket
     prefetched, released when its gradients are reduced): every rank must run the same modules in the
     same order, and a rank without samples must still run forward and backward.
@@ -131,16 +132,20 @@ class DataParallel(nn.Module):
              name, zero),
             *((n, tuple(t.shape), str(t.dtype)) for n, t in named)])
         broadcast_tensors([t for _, t in named], comm, 0)
+        del named  # detached aliases: they would keep the parameters' memory alive once ZeRO moves them
         self.overlap = bool(overlap)  # push buckets during backward (True) or all when it ends
         self.stage = zero
-        # ZeRO >= 2 reduce-scatters its own buffers: no store, no whole gradient buckets
-        self._owns_kv = isinstance(kvstore, str) and zero < 2
-        self._kv = _make_kvstore(kvstore, comm) if zero < 2 else None
+        # ZeRO reduces on its own communicator (its store would keep a copy of every bucket); from
+        # stage 2 on there are no whole gradient buckets either
+        self._owns_kv = isinstance(kvstore, str) and not zero
+        self._kv = _make_kvstore(kvstore, comm) if not zero else None
         workers = self._kv.num_workers if self._kv is not None else comm.size
-        order = params[::-1]  # autograd produces the last layers' gradients first
-        plan = plan_buckets([(p.numel() * p.element_size(), f"{p.dtype}/{p.device}") for p in order],
-                            int(bucket_mb * MB), int(first_bucket_mb * MB))
-        self.buckets = [Bucket(i, f"{name}.b{i}", [order[j] for j in idx], allocate=zero < 2)
+        # autograd produces the last layers' gradients first; stage 3 keeps each module's parameters
+        # in one bucket (its forward gathers them)
+        units = module_units(module, params) if zero == 3 else [[p] for p in params[::-1]]
+        plan = plan_buckets([(sum(p.numel() * p.element_size() for p in u), f"{u[0].dtype}/{u[0].device}")
+                             for u in units], int(bucket_mb * MB), int(first_bucket_mb * MB))
+        self.buckets = [Bucket(i, f"{name}.b{i}", [p for j in idx for p in units[j]], allocate=zero < 2)
                         for i, idx in enumerate(plan)]
         self._slot = {p: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         self._keys = [b.key for b in self.buckets]
@@ -160,9 +165,9 @@ class DataParallel(nn.Module):
 
     @property
     def kv(self) -> KVStore:
-        """The store the gradient buckets go through (RuntimeError at ``zero`` >= 2, which has none)."""
+        """The store the gradient buckets go through (RuntimeError with ``zero``, which has none)."""
         if self._kv is None:
-            raise RuntimeError(f"DataParallel(zero={self.stage}) reduce-scatters its gradients: it has no kvstore")
+            raise RuntimeError(f"DataParallel(zero={self.stage}) reduces on its own communicator: it has no kvstore")
         return self._kv
 
     # -- forward ------------------------------------------------------------------------------------
@@ -300,7 +305,9 @@ class DataParallel(nn.Module):
                     v.zero_()
                     self._absent.append((b, i))
                 b.used[i] = mark if used else 0.0
-        if not self._solo:
+        if self.zero is not None:
+            self.zero.allreduce(self.zero.shards[b.index], b.buffer)
+        elif not self._solo:
             self.kv.pushpull(b.key, b.buffer, priority=-b.index)
 
     @torch.no_grad()
@@ -317,7 +324,9 @@ class DataParallel(nn.Module):
                 self.zero.finish_reduce()
                 self.zero.release_all()
                 return
-            if not self._solo:
+            if self.zero is not None:
+                self.zero.finish_reduce()
+            elif not self._solo:
                 self.kv.wait(self._keys)
             for b, i in self._absent:
                 if b.used[i].item() > 0:
