@@ -417,7 +417,8 @@ class _Loop:
         cache: dict[int, dict[str, Any]] = {}
 
         def read(rank: int) -> dict[str, Any]:
-            if rank not in cache:
+            if rank not in cache:  # one shard at a time: a trainer resharding reads many, each a replica
+                cache.clear()
                 cache[rank] = checkpoint.read_shard(path, rank)
             return cache[rank]
 
