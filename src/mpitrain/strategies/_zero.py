@@ -50,10 +50,6 @@ __all__ = ["Zero", "FlatShard", "Piece", "ModuleGathers", "ELEMENTWISE", "STAGES
 #: ZeRO stages: 0 (off: everything replicated), 1 (optimizer state), 2 (+ gradients), 3 (+ parameters).
 STAGES = (0, 1, 2, 3)
 
-#: Reductions queued at once: the next one waits for the oldest. Each reduce-scatter holds a bucket-sized
-#: buffer until it is done; unbounded, a backward that outruns the communication thread held them all
-#: (a 268 MB model at 4 ranks, zero=3: 610 MiB per rank instead of 336, bench._zero_memory).
-MAX_QUEUED = 1
 
 #: Optimizers whose update of an element reads only that element's parameter, gradient and state (and
 #: scalars), so stepping each rank's pieces equals stepping the whole parameters. Subclasses count.
@@ -161,7 +157,8 @@ class FlatShard:
         self.spans = spans(numels)
         self.numel = sum(numels)
         self.block = max(1, -(-self.numel // size))
-        lo, hi = rank * self.block, (rank + 1) * self.block
+        self.lo = lo = rank * self.block
+        hi = lo + self.block
         p0 = self.params[0]
         self.flat = torch.zeros(self.block * size, dtype=p0.dtype, device=p0.device)
         with torch.no_grad():
@@ -325,10 +322,15 @@ class Zero:
     # -- gradients (stage >= 2) -------------------------------------------------------------------------
     def take(self, p: nn.Parameter, scale: float | None) -> bool:
         """Move ``p.grad`` (times `scale`) into its bucket's reduce buffer and drop it (``p.grad = None``);
-        False if `p` has no gradient."""
+        False if `p` has no gradient. A bucket's first gradient waits for the reduction in flight: at
+        most one bucket-sized buffer is reduced while the next fills (unbounded, a backward that outran
+        the communication thread held them all: 610 MiB per rank instead of 336 for a 268 MB model at 4
+        ranks, zero=3, bench._zero_memory), and the reduction still overlaps the next layer's backward."""
         if p.grad is None:
             return False
         s, i = self.slot[p]
+        if s.buffer is None:
+            self.finish_reduce()
         s.take(i, p.grad, scale)
         p.grad = None
         return True
@@ -352,21 +354,26 @@ class Zero:
         self._run(s, functools.partial(self._comm.allreduce, buffer, "sum"), "allreduce")
 
     def _queue(self, s: FlatShard) -> None:
-        """Note `s`'s reduction (about to be queued), first completing the oldest beyond MAX_QUEUED."""
-        while len(self._reducing) >= MAX_QUEUED:
-            self._complete(self._reducing.pop(0))
         self._reducing.append(s)
-
-    def _complete(self, s: FlatShard) -> None:
-        self._wait(s)
-        if s.index in self._reduced:
-            s.apply(self._reduced.pop(s.index))
 
     def finish_reduce(self) -> None:
         """Wait for the queued reductions; reduce-scattered blocks become the pieces' gradients."""
         reducing, self._reducing = self._reducing, []
         for s in reducing:
-            self._complete(s)
+            self._wait(s)
+            if s.index in self._reduced:
+                s.apply(self._reduced.pop(s.index))
+
+    def drop_state(self, optimizer: torch.optim.Optimizer) -> None:
+        """Training is over (``trained_model``): free the optimizer's state, its pieces and the gradient
+        blocks before stage 3 gathers the whole parameters for good (:meth:`close`)."""
+        optimizer.state.clear()
+        for group in optimizer.param_groups:
+            group["params"].clear()
+        for s in self.shards:
+            s.grad = None
+            for q in s.piece_params:
+                q.grad = None
 
     def attach_full_grads(self) -> None:
         for s in self.shards:
@@ -443,6 +450,9 @@ class Zero:
         if self.stage == 3:
             for s in self.shards:
                 self.ready(s)
+                # the block is in `flat` now: its own copy (and the pieces viewing it) go
+                s.shard = s.flat[s.lo:s.lo + s.block]
+                s.piece_params = [nn.Parameter(s.shard[c.offset:c.offset + c.stop - c.start]) for c in s.pieces]
         self._engine.close()
         self._comm.free()
 

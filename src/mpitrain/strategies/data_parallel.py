@@ -603,7 +603,10 @@ class DataTrainer:
 
     def trained_model(self) -> nn.Module:
         """The wrapped module (same weights on every rank). Collective: fit calls it last, on every rank,
-        so it also closes the KVStore (its comm thread); the trainer takes no more steps after it."""
+        so it also closes the KVStore (its comm thread); the trainer takes no more steps after it (with
+        ``zero`` its optimizer state is freed first: zero=3 gathers the whole parameters here)."""
+        if self.dp.zero is not None:
+            self.dp.zero.drop_state(self.optimizer)
         self.dp.close()
         return self.dp.module
 
