@@ -108,10 +108,11 @@ class DataParallel(nn.Module):
     backward is reduce-scattered as its buckets complete: only the pieces hold gradients, accumulated
     over backward passes until the optimizer clears them, so :meth:`no_sync` is refused). With `zero`
     the `kvstore` is not used: the buckets are allreduced (1) or reduce-scattered (2, 3) on ZeRO's own
-    communicator (a store keeps a copy of every bucket, which would cost as much as the gradients). At stage 3 a bucket's parameters are whole only from the forward of the
-    first module holding them to that of the last, and again in backward (gathered, the next bucket
-    prefetched, released when its gradients are reduced): every rank must run the same modules in the
-    same order, and a rank without samples must still run forward and backward.
+    communicator (a store keeps a copy of every bucket, which would cost as much as the gradients). At
+    stage 3 a bucket's parameters are whole only from the forward of the first module holding them to
+    that of the last, and again in backward (gathered, the next bucket prefetched, released when its
+    gradients are reduced): every rank must run the same modules in the same order, and a rank without
+    samples must still run forward and backward.
     """
 
     def __init__(self, module: nn.Module, kvstore: str | KVStore = "dist_sync_mpi", bucket_mb: float = 25.0,
