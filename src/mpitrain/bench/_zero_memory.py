@@ -1,22 +1,17 @@
-"""Per-rank peak memory of ``fit(strategy="data", zero=k)`` (and hybrid) on a real-size model, over one
-process's parameters + gradients + Adam state.
+"""Per-rank peak memory of ``fit(strategy="data"|"hybrid", zero=k)`` on a real-size model, counting the
+model itself, over one process's parameters + gradients + Adam state.
 
-What is measured (docs/data-parallel.md, "Memory per rank"): the growth of this rank's resident memory
-from just before the model is built to its peak during the run, ``VmHWM`` after the run minus ``VmRSS``
-before building, with the kernel's peak counter reset first (``/proc/self/clear_refs`` = 5). So it
-counts every byte the rank touched for the model, its gradients, the optimizer state, communication
-buffers, activations and allocator slack. One configuration per process (memory a run freed stays with
-the process), so run it once per row::
+What is measured (docs/data-parallel.md, "Memory per rank"): :func:`mpitrain.bench.memory.peak_growth`
+of building the model on the CPU *and* training it: ZeRO frees the model's own parameter memory, so the
+model is counted (``mpitrain bench memory``'s "cpu" rows build it before the measured run). One
+configuration per process (the mmap threshold ZeRO >= 2 lowers stays lowered), so run it once per row::
 
     mpitrain run -n 4 -- python -m mpitrain.bench._zero_memory --zero 3
-
-:func:`fit_peak` is the function ``mpitrain bench memory`` calls for its ZeRO rows.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 from collections.abc import Callable, Mapping
 
 import torch
@@ -24,23 +19,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..comm.base import Communicator
+from .memory import peak_growth, reference_bytes
 
-__all__ = ["fit_peak", "linear_stack", "reference_bytes", "resident", "main"]
-
-
-def resident(field: str = "VmRSS") -> int:
-    """This process's ``VmRSS`` / ``VmHWM`` (bytes) from /proc/self/status."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/self/status has no {field}")
-
-
-def _reset_peak() -> None:
-    """Set VmHWM back to the current VmRSS (Linux: ``5`` written to /proc/self/clear_refs)."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+__all__ = ["zero_peak", "linear_stack", "main"]
 
 
 def linear_stack(layers: int = 16, width: int = 2048) -> nn.Module:
@@ -52,33 +33,26 @@ def linear_stack(layers: int = 16, width: int = 2048) -> nn.Module:
     return nn.Sequential(*mods)
 
 
-def reference_bytes(model: nn.Module) -> int:
-    """One process's parameters + gradients + Adam's two moments: four times the parameters' bytes."""
-    return 4 * sum(p.numel() * p.element_size() for p in model.parameters())
-
-
-def fit_peak(comm: Communicator, build: Callable[[], nn.Module], fit_options: Mapping[str, object],
-             steps: int = 3, rows: int = 8) -> int:
+def zero_peak(comm: Communicator, build: Callable[[], nn.Module], fit_options: Mapping[str, object],
+              steps: int = 3, rows: int = 8) -> int:
     """Collective: this rank's peak resident growth (bytes) while `build()` makes the model and ``fit``
-    trains it `steps` steps with Adam on global batches of `rows` random rows (``fit_options``: the
+    trains it `steps` steps with Adam on global batches of `rows` random rows (`fit_options`: the
     strategy and its options, e.g. ``{"strategy": "data", "zero": 3}``), after the same run on a tiny
     model (imports, threads, communicators and MPI's own buffers are not the model's)."""
     from ..fit import fit
 
-    def run(model: nn.Module) -> None:
+    def run(make: Callable[[], nn.Module]) -> None:
+        model = make()
         width = next(model.parameters()).shape[1]
         g = torch.Generator().manual_seed(1)
         data = [(torch.randn(rows, width, generator=g), torch.randn(rows, width, generator=g)) for _ in range(steps)]
         fit(model, data, F.mse_loss, lambda ps: torch.optim.Adam(ps, lr=1e-4), comm=comm, progress=False,
             **fit_options)  # type: ignore[arg-type]
 
-    run(linear_stack(4, 8))  # first: imports, threads, communicators and MPI's buffers are not the model's
-    gc.collect()
+    run(lambda: linear_stack(4, 8))
     comm.barrier()
-    _reset_peak()
-    base = resident("VmRSS")
-    run(build())
-    return resident("VmHWM") - base
+    grown, _ = peak_growth(lambda: run(build))
+    return grown
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,10 +70,10 @@ def main(argv: list[str] | None = None) -> int:
     options: dict[str, object] = {"strategy": args.strategy, "zero": args.zero}
     if args.strategy == "hybrid":
         options.update(partitions=args.partitions, micro_batches=2, balance="params")
-    peak = fit_peak(comm, lambda: linear_stack(args.layers, args.width), options, args.steps)
-    peaks = comm.allgather_object(peak)
+    peaks = comm.allgather_object(zero_peak(comm, lambda: linear_stack(args.layers, args.width), options,
+                                            args.steps))
     if comm.rank == 0:
-        ref = reference_bytes(linear_stack(args.layers, args.width))
+        ref = reference_bytes(linear_stack(args.layers, args.width), "adam")
         row = " ".join(f"{x / 2**20:.0f}" for x in peaks)
         print(f"{args.strategy} zero={args.zero} P={args.partitions} ranks={comm.size}: one process's "
               f"params+grads+Adam {ref / 2**20:.0f} MiB; per-rank peak growth MiB [{row}]; max/ref "

@@ -28,7 +28,6 @@ so a gather or a reduce-scatter overlaps the caller's compute.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import math
 from collections.abc import Callable, Iterable, Sequence
@@ -40,6 +39,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from .._utils.flat import spans, views
+from .._utils.malloc import lower_mmap_threshold, release_free_memory
 from .._utils.stall import DEFAULT_POLICY, StallPolicy
 from ..comm.base import Communicator
 from ..engine import Engine, Var
@@ -108,27 +108,20 @@ def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
     return sum(seen.values())
 
 
-#: glibc's mallopt parameter number of the mmap threshold.
-_M_MMAP_THRESHOLD = -3
-#: Allocations from this size on are mapped afresh and unmapped when freed, once ZeRO >= 2 runs.
+#: From stage 2 on, allocations of this size and more get their own mapping, returned when freed.
 MMAP_FROM = 4 << 20
 
 
 def release_freed_memory(stage: int) -> None:
-    """glibc only (elsewhere nothing): give the allocator's free memory back to the system (the model's
-    own parameter memory, freed by sharding, would otherwise stay resident and count in every rank's
-    peak), and from stage 2 on map allocations of :data:`MMAP_FROM` bytes and more afresh. The launcher
-    keeps freed memory below 32 MiB for reuse (docs/ARCHITECTURE.md); ZeRO's bucket-sized transient
-    buffers (gathered parameters, reduce buffers, autograd's fresh gradients) then fragmented the heap:
-    a 268 MB model at 4 ranks peaked at 0.59 (zero=2) and 0.41 (zero=3) of one process's params + grads
-    + Adam state instead of 0.4x and 0.3x (docs/data-parallel.md)."""
-    try:
-        libc = ctypes.CDLL(None)
-        libc.malloc_trim(0)
-        if stage >= 2:
-            libc.mallopt(_M_MMAP_THRESHOLD, MMAP_FROM)
-    except (AttributeError, OSError):
-        pass
+    """After sharding: give glibc's free memory back (the model's own parameter memory, freed by moving
+    the parameters into the flat buffers, would otherwise stay resident and count in every rank's peak)
+    and, from stage 2 on, lower the mmap threshold to :data:`MMAP_FROM` (``_utils.malloc``: ZeRO's
+    bucket-sized transients — gathered parameters, reduce buffers, autograd's fresh gradients —
+    fragmented the heap otherwise, a 268 MB model at 4 ranks peaking at 0.59 (zero=2) and 0.41 (zero=3)
+    of one process's params + grads + Adam state instead of 0.50 and 0.33, docs/data-parallel.md)."""
+    release_free_memory()
+    if stage >= 2:
+        lower_mmap_threshold(MMAP_FROM)
 
 
 @dataclass(frozen=True)
