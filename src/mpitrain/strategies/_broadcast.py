@@ -42,7 +42,7 @@ def check_same_everywhere(comm: Communicator, what: str, signature: object,
 
 #: Fused broadcasts carry at most this many bytes each (a tensor beyond it goes alone, in place): the
 #: flat buffer is a transient copy, and fusing a whole 268 MB model cost every rank 268 MB more than
-#: the model at DataParallel's start (measured with ``bench._zero_memory``, docs/data-parallel.md).
+#: the model at DataParallel's start (measured with ``bench memory --zero``, docs/data-parallel.md).
 FUSE_BYTES = 16 << 20
 
 

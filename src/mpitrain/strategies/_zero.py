@@ -318,7 +318,7 @@ class Zero:
         False if `p` has no gradient. A bucket's first gradient waits for the reduction in flight: at
         most one bucket-sized buffer is reduced while the next fills (unbounded, a backward that outran
         the communication thread held them all: 610 MiB per rank instead of 336 for a 268 MB model at 4
-        ranks, zero=3, bench._zero_memory), and the reduction still overlaps the next layer's backward."""
+        ranks, zero=3, ``bench memory --zero``), and the reduction still overlaps the next layer's backward."""
         if p.grad is None:
             return False
         s, i = self.slot[p]
