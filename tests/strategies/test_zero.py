@@ -133,6 +133,9 @@ def test_bytes_held_per_rank_shrink_by_stage_to_the_targets(comm, stage):
     targets = {0: 1.01, 1: 0.70, 2: 0.50, 3: 0.35}  # the last rank's block holds the padding: it may hold less
     assert_all_ranks(comm, abs(ratio - want) <= slack and (n != 4 or ratio <= targets[stage]),
                      f"zero={stage}: held {held}, ratio {ratio:.4f}, expected {want:.4f}")
+    opt.zero_grad()  # from stage 2 the reduced blocks go too (not held through the next backward)
+    cleared = dp.held_bytes(opt)["grads"]
+    assert_all_ranks(comm, stage < 2 or cleared == 0, f"zero={stage}: {cleared} gradient bytes after zero_grad")
     dp.close()
 
 

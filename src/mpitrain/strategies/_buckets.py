@@ -71,13 +71,14 @@ class Bucket:
 
 
 def gradient_buckets(params: Sequence[nn.Parameter], name: str, bucket_mb: float = 25.0,
-                     first_bucket_mb: float | None = None) -> list[Bucket]:
+                     first_bucket_mb: float | None = None, allocate: bool = True) -> list[Bucket]:
     """`params` in :class:`Bucket` s planned by :func:`plan_buckets` in DDP's order (the reverse of
-    `params`: autograd produces the last layers' gradients first), keys ``f"{name}.b{i}"``."""
+    `params`: autograd produces the last layers' gradients first), keys ``f"{name}.b{i}"``; `allocate`
+    False: the plan only (no buffer, no views)."""
     order = list(params)[::-1]
     plan = plan_buckets([(p.numel() * p.element_size(), f"{p.dtype}/{p.device}") for p in order],
                         int(bucket_mb * MB), None if first_bucket_mb is None else int(first_bucket_mb * MB))
-    return [Bucket(i, f"{name}.b{i}", [order[j] for j in idx]) for i, idx in enumerate(plan)]
+    return [Bucket(i, f"{name}.b{i}", [order[j] for j in idx], allocate) for i, idx in enumerate(plan)]
 
 
 def adopt(p: nn.Parameter, view: torch.Tensor, scale: float | None) -> bool:

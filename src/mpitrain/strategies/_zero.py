@@ -272,8 +272,9 @@ class Zero:
         """Make `optimizer` (element-wise, built on the whole parameters) step this rank's pieces: in each
         param group, in place, a parameter becomes its piece or leaves the group (a group may become
         empty); state it already holds (Adagrad's initial sums, or a stepped one's) moves to the pieces,
-        sliced. Below stage 3 a step-post hook allgathers the updated blocks; at stage 1 its
-        ``zero_grad`` also clears the whole parameters' gradients (which the pieces view). Returns it."""
+        sliced. Below stage 3 a step-post hook allgathers the updated blocks; its ``zero_grad`` also
+        clears the whole parameters' gradients (which the pieces view) at stage 1, and frees the reduced
+        gradient blocks from stage 2 on (``set_to_none``). Returns it."""
         check_optimizer(optimizer)
         pieces = self.pieces_of()
         ranges = self.piece_ranges()
@@ -293,15 +294,19 @@ class Zero:
             group["params"][:] = [pieces[id(p)] for p in group["params"] if id(p) in pieces]
         if self.stage < 3:
             optimizer.register_step_post_hook(lambda opt, args, kwargs: self.gather_all())
-        if self.stage == 1:  # the whole gradients the pieces view are cleared with them
-            clear = optimizer.zero_grad
+        clear = optimizer.zero_grad
 
-            def zero_grad(set_to_none: bool = True) -> None:
-                clear(set_to_none)
+        def zero_grad(set_to_none: bool = True) -> None:
+            clear(set_to_none)
+            if self.stage == 1:  # the whole gradients the pieces view are cleared with them
                 for p in self.slot:
                     if p.grad is not None:
                         p.grad = None if set_to_none else p.grad.zero_()
-            optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
+            elif set_to_none:  # the reduced blocks the pieces viewed are freed until the next reduction
+                for s in self.shards:  # (held through the next backward, they added to its peak)
+                    if all(q.grad is None for q in s.piece_params):
+                        s.grad = None
+        optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
         self._hooked.append(optimizer)
         return optimizer
 
