@@ -451,9 +451,9 @@ class Pipeline:
         # this rank's gradients live in buckets allocated once, as DataParallel's: steps reuse them
         # instead of leaving gradient-sized holes in the heap (docs/pipeline.md, "Memory per rank").
         # zero=2: the plan only; autograd's own gradients are moved into ZeRO's reduce buffers and freed
-        # one by one (whole buckets kept besides the reduced blocks: 0.61 of one process's params + grads
-        # + Adam per rank instead of 0.55, hybrid 2 x 2 on a 268 MB model, `bench memory --zero`), and
-        # ZeRO maps gradient-sized allocations afresh (no holes)
+        # one by one (buckets kept besides the reduced blocks: a peak of 0.610 of one process's params +
+        # grads + Adam per rank instead of 0.595, hybrid 2 x 2 on a 268 MB model, `bench memory --zero`),
+        # and ZeRO maps gradient-sized allocations afresh (no holes)
         self._buckets: list[Bucket] = gradient_buckets(self._params, "pipe", allocate=self.zero_stage < 2)
         self._views = {id(q): v for b in self._buckets for q, v in zip(b.params, b.views)}
         self._tied = self._tied_comms(parts)
