@@ -68,8 +68,9 @@ train("data", ROOT / "atomic")
 
 RESUMED = PRELUDE + """
 def state(result, opt_dir):
-    return {{"model": result.model.state_dict(),
-            "optimizer": checkpoint.read_shard(checkpoint.latest(opt_dir), comm.rank)["trainer"]["optimizer"]}}
+    trainer = checkpoint.read_shard(checkpoint.latest(opt_dir), comm.rank)["trainer"]
+    # by name (data, model, hybrid: "optim") or torch's state_dict (pipe-sgd, spatial: "optimizer")
+    return {{"model": result.model.state_dict(), "optimizer": trainer.get("optim", trainer.get("optimizer"))}}
 
 def same(a, b):
     if isinstance(a, torch.Tensor):

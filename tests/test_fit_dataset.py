@@ -61,10 +61,11 @@ def order_batches(ds: Points, epochs: int, shuffle: bool = True, seed: int = 0, 
     return out
 
 
-def reference(model, epochs_batches, accumulate=1, clip=None, scheduler=None, precision="fp32", stop_after=None):
+def reference(model, epochs_batches, accumulate=1, clip=None, scheduler=None, precision="fp32", stop_after=None,
+              optimizer=sgd):
     """One process: one optimizer step per `accumulate` consecutive global batches on the mean loss of
     their samples; returns (model, per-step losses, per-step lrs)."""
-    opt = sgd(model.parameters())
+    opt = optimizer(model.parameters())
     sched = scheduler(opt) if scheduler else None
     losses, lrs = [], []
     for batches in epochs_batches:

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from .comm.base import Communicator
+from .strategies._reshard import assemble
 
 __all__ = ["load_checkpoint", "latest", "save", "read_manifest", "read_shard", "rng_state", "set_rng_state",
            "CheckpointError", "FORMAT"]
@@ -92,10 +93,7 @@ def load_checkpoint(directory: str | os.PathLike[str]) -> dict[str, torch.Tensor
             raise CheckpointError(f"{directory} holds no complete checkpoint (no step-<k>/{MANIFEST})")
         path = found
     manifest = read_manifest(path)
-    state: dict[str, torch.Tensor] = {}
-    for rank in range(int(manifest["world_size"])):
-        for name, tensor in read_shard(path, rank)["trainer"]["model"].items():
-            state.setdefault(name, tensor)
+    state = assemble(read_shard(path, rank)["trainer"] for rank in range(int(manifest["world_size"])))
     order = manifest.get("model_keys")
     if order:  # the user's state_dict order
         state = {k: state[k] for k in order if k in state} | {k: v for k, v in state.items() if k not in order}

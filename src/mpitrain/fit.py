@@ -23,6 +23,7 @@ from .comm.base import Communicator
 from .runtime import world
 from .strategies._batching import samples, slice_share
 from .strategies._registry import STRATEGIES, features, make_trainer
+from .strategies._reshard import NAMED
 from .strategies.base import (
     Balance,
     Batch,
@@ -407,14 +408,17 @@ class _Loop:
     def restore(self, path: Path, manifest: dict[str, Any]) -> None:
         """Every rank: continue from the checkpoint at `path` (FitError if it was another kind of run)."""
         saved, now = manifest["data"], _data_signature(self.s)
-        if manifest["strategy"] != self.strategy or saved != now:
+        trainer: CheckpointTrainer = self.trainer  # type: ignore[assignment]
+        # state saved by name loads into any strategy that reads it so (data <-> model/hybrid, any ZeRO)
+        by_name = bool(manifest["layout"].get(NAMED)) and bool(trainer.layout().get(NAMED))
+        if (manifest["strategy"] != self.strategy and not by_name) or saved != now:
             raise FitError(f"cannot resume from {path}: it was written by strategy {manifest['strategy']!r} "
                            f"with data {saved}, this run is strategy {self.strategy!r} with data {now}")
-        trainer: CheckpointTrainer = self.trainer  # type: ignore[assignment]
         cache: dict[int, dict[str, Any]] = {}
 
         def read(rank: int) -> dict[str, Any]:
-            if rank not in cache:
+            if rank not in cache:  # one shard at a time: a trainer resharding reads many, each a replica
+                cache.clear()
                 cache[rank] = checkpoint.read_shard(path, rank)
             return cache[rank]
 

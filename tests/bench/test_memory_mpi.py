@@ -1,4 +1,5 @@
-"""`mpitrain bench memory`: a row is collective, and its "own" shares add up to one process's params + grads."""
+"""`mpitrain bench memory`: a row is collective, and its "own" shares add up to one process's params + grads;
+ZeRO's rows (`--zero`) count the model built inside the run."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import argparse
 
 import pytest
 
-from mpitrain.bench.memory import Contender, contenders, fit_peak
+from mpitrain.bench.memory import Contender, contenders, fit_peak, zero_contenders
 from tests.helpers import assert_all_ranks
 
 
@@ -20,3 +21,16 @@ def test_a_row_measures_every_rank_and_own_shares_add_up_to_one_process(comm):
     names = [r.name for r in contenders(comm.size)]
     ok = ok and names[0] == "data" and f"model P={comm.size} time meta" in names
     assert_all_ranks(comm, ok, f"model {model_grown} {model_own}, rows {names}")
+
+
+@pytest.mark.mpi
+def test_zero_rows_build_the_model_inside_the_measured_run_on_every_rank(comm):
+    args = argparse.Namespace(width=32, depth=4, batch=8, micro_batches=2, steps=1, optimizer="adam")
+    rows = {r.name: r for r in zero_contenders(comm.size)}
+    grown, own = fit_peak(comm, rows["data zero=2"], args)
+    # the trained model's parameters are whole on every rank (its gradients dropped): a quarter of the
+    # reference's params + grads + Adam, counted as built in the run
+    ok = len(grown) == comm.size and own == pytest.approx([0.25] * comm.size)
+    ok = ok and rows["data zero=3"].target == 0.35 and rows["data zero=0"].target is None
+    ok = ok and (f"hybrid P={comm.size // 2}xR=2 zero=2" in rows) == (comm.size >= 4 and comm.size % 2 == 0)
+    assert_all_ranks(comm, ok, f"zero=2 {grown} {own}, rows {sorted(rows)}")

@@ -71,6 +71,28 @@ def test_allgather_concatenates_in_rank_order(comm, dtype):
 
 
 @pytest.mark.parametrize("dtype", COMMON, ids=str)
+def test_allgather_into_out_also_in_place_from_this_ranks_block(comm, dtype):
+    """``out=`` is filled and returned; a send tensor that is block `rank` of `out` (ZeRO's parameter
+    buffers) gathers in place; a storage resized to nothing and back still takes it (ZeRO-3 frees it)."""
+    n = 5
+    expected = torch.cat([rank_data(r, n, dtype, (3,)) for r in range(comm.size)])
+    out = torch.zeros(comm.size * n, 3, dtype=dtype)
+    got = comm.allgather(rank_data(comm.rank, n, dtype, (3,)), out=out)
+    assert_all_ranks(comm, got is out, "allgather(out=) returned another tensor")
+    assert_close_all_ranks(comm, out, expected, what="allgather into out")
+    flat = torch.zeros(comm.size * n, 3, dtype=dtype)
+    flat.untyped_storage().resize_(0)
+    flat.untyped_storage().resize_(comm.size * n * 3 * flat.element_size())
+    block = flat[comm.rank * n:(comm.rank + 1) * n]
+    block.copy_(rank_data(comm.rank, n, dtype, (3,)))
+    comm.allgather(block, out=flat)
+    assert_close_all_ranks(comm, flat, expected, what="allgather in place")
+    flat.untyped_storage().resize_(0)  # MPI did not pin the storage
+    with pytest.raises(Exception, match="out"):
+        comm.allgather(rank_data(comm.rank, n, dtype, (3,)), out=torch.zeros(n, 3, dtype=dtype))
+
+
+@pytest.mark.parametrize("dtype", COMMON, ids=str)
 @pytest.mark.parametrize("op", ["sum", "max"])
 def test_reduce_scatter_gives_this_ranks_block(comm, dtype, op):
     for n in LENGTHS:

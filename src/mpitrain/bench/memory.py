@@ -18,8 +18,13 @@ the growth minus what this rank cannot avoid adding: its gradients (its partitio
 model's under data parallelism) and, of a "meta" model, the parameters it materialises. The target
 column is issue #27's for the layouts it names (P = 2: 0.6, P = 4: 0.35, hybrid by its P).
 
-Other rows (ZeRO's) are added by giving :func:`contenders` more :class:`Contender` s; :func:`fit_peak`
-measures one (collective).
+``--zero`` runs ZeRO's rows instead (docs/data-parallel.md, "Memory per rank"): data parallelism with
+``zero`` = 0..3 and, at an even N >= 4, hybrid P = N/2 x R = 2 with ``zero`` = 0..2, the model built on
+the CPU *inside* the measured run ("counted": ZeRO frees the model's own parameter memory, which a row
+building it before would hide), after the same fit on a tiny model (its communicators and threads are
+not the model's); targets 0.70 / 0.50 / 0.35 for data zero=1/2/3 (over params + grads + Adam: pass
+``--optimizer adam``). ZeRO >= 2 lowers glibc's mmap threshold for the rest of the process, so run one
+ZeRO row per command (``--rows``). :func:`fit_peak` measures one row (collective).
 """
 
 from __future__ import annotations
@@ -40,17 +45,21 @@ from mpitrain.bench.common import add_outputs, header, print_table, save_outputs
 from mpitrain.comm.base import Communicator
 from mpitrain.fit import fit
 
-__all__ = ["Contender", "contenders", "fit_peak", "peak_growth", "resident", "reference_bytes", "main", "TARGETS"]
+__all__ = ["Contender", "contenders", "zero_contenders", "fit_peak", "peak_growth", "resident", "reference_bytes",
+           "main", "TARGETS", "ZERO_TARGETS"]
 
 T = TypeVar("T")
 
 #: Issue #27's targets: peak growth per rank over one process's params + grads, by partitions P.
 TARGETS = {2: 0.6, 4: 0.35}
+#: Issue #27's ZeRO targets at 4 ranks: over one process's params + grads + Adam state, by stage.
+ZERO_TARGETS = {1: 0.70, 2: 0.50, 3: 0.35}
 
 
 @dataclass(frozen=True)
 class Contender:
-    """One row: `fit(strategy=strategy, **options)` on the model built on `build` ("meta" or "cpu")."""
+    """One row: `fit(strategy=strategy, **options)` on the model built on `build` ("meta", "cpu", or
+    "counted": on the CPU inside the measured run)."""
 
     name: str
     strategy: str
@@ -60,6 +69,14 @@ class Contender:
     @property
     def partitions(self) -> int:
         return int(self.options.get("partitions", 1))
+
+    @property
+    def target(self) -> float | None:
+        """Issue #27's target for this row, if it names one."""
+        zero = int(self.options.get("zero", 0))
+        if zero:
+            return ZERO_TARGETS.get(zero) if self.strategy == "data" else None
+        return TARGETS.get(self.partitions) if self.strategy != "data" else None
 
 
 def contenders(size: int) -> list[Contender]:
@@ -75,6 +92,17 @@ def contenders(size: int) -> list[Contender]:
                     options["replicas"] = R
                 rows.append(Contender(f"{strategy} P={P}" + (f"xR={R}" if R else "") + f" {balance} {build}",
                                       strategy, build, options))
+    return rows
+
+
+def zero_contenders(size: int) -> list[Contender]:
+    """ZeRO's rows at `size` ranks, the model counted: data parallelism with zero = 0..3 and, at an even
+    `size` >= 4, hybrid P = size/2 x R = 2 with zero = 0..2 (``balance="params"``)."""
+    rows = [Contender(f"data zero={k}", "data", "counted", {"zero": k}) for k in range(4)]
+    if size >= 4 and size % 2 == 0:
+        rows += [Contender(f"hybrid P={size // 2}xR=2 zero={k}", "hybrid", "counted",
+                           {"partitions": size // 2, "replicas": 2, "balance": "params", "zero": k})
+                 for k in range(3)]
     return rows
 
 
@@ -103,6 +131,7 @@ def peak_growth(run: Callable[[], T]) -> tuple[int, T]:
 
 
 def _model(width: int, depth: int, build: str) -> nn.Module:
+    """`depth` x Linear(width, width) (float32, with bias) on the meta device or the CPU."""
     with torch.device("meta" if build == "meta" else "cpu"):
         torch.manual_seed(0)
         return nn.Sequential(*[nn.Linear(width, width) for _ in range(depth)])
@@ -122,23 +151,38 @@ def reference_bytes(model: nn.Module, optimizer: str) -> int:
 
 def _own_bytes(model: nn.Module, build: str) -> int:
     """What this rank cannot avoid adding during a fit: its gradients (a pipeline's partition; the
-    whole model under data parallelism) and, of a meta model, the parameters it materialised."""
+    whole model under data parallelism) and, of a meta model or one built in the run ("counted"), the
+    parameters it materialised."""
     grads = sum(q.numel() * q.element_size() for q in model.parameters() if q.grad is not None)
-    made = sum(q.numel() * q.element_size() for q in model.parameters() if build == "meta" and not q.is_meta)
+    made = sum(q.numel() * q.element_size() for q in model.parameters() if build != "cpu" and not q.is_meta)
     return grads + made
 
 
 def fit_peak(comm: Communicator, row: Contender, args: argparse.Namespace) -> tuple[list[float], list[float]]:
     """Collective: every rank's :func:`peak_growth` of `row`'s fit, and its own parameters + gradients,
-    both over :func:`reference_bytes` (gathered: the same lists on every rank)."""
-    model = _model(args.width, args.depth, row.build)
-    g = torch.Generator().manual_seed(0)
-    data = [(torch.randn(args.batch, args.width, generator=g), torch.randn(args.batch, args.width, generator=g))
-            for _ in range(args.steps)]
+    both over :func:`reference_bytes` (gathered: the same lists on every rank). A "counted" row builds
+    the model inside the measured run, after the same fit on a 2 x Linear(8, 8) model."""
     options = {"micro_batches": args.micro_batches, **row.options} if row.strategy != "data" else row.options
-    grown, result = peak_growth(lambda: fit(model, data, nn.MSELoss(), _optimizer(args.optimizer),
-                                            strategy=row.strategy, comm=comm, progress=False, **options))
-    ref = reference_bytes(model, args.optimizer)
+
+    def data(width: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        g = torch.Generator().manual_seed(0)
+        return [(torch.randn(args.batch, width, generator=g), torch.randn(args.batch, width, generator=g))
+                for _ in range(args.steps)]
+
+    def run(make: Callable[[], nn.Module], batches: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+        return fit(make(), batches, nn.MSELoss(), _optimizer(args.optimizer), strategy=row.strategy, comm=comm,
+                   progress=False, **options)
+
+    if row.build == "counted":
+        run(lambda: _model(8, 2, "cpu"), data(8))
+        comm.barrier()
+        make = lambda: _model(args.width, args.depth, "cpu")  # noqa: E731
+    else:
+        built = _model(args.width, args.depth, row.build)
+        make = lambda: built  # noqa: E731
+    batches = data(args.width)
+    grown, result = peak_growth(lambda: run(make, batches))
+    ref = reference_bytes(_model(args.width, args.depth, "meta"), args.optimizer)
     mine = (grown / ref, _own_bytes(result.model, row.build) / ref)
     seen = comm.allgather_object(mine)
     return [g for g, _ in seen], [o for _, o in seen]
@@ -161,6 +205,7 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
     p.add_argument("--rows", default="", help="comma list of row names to run (default: all)")
+    p.add_argument("--zero", action="store_true", help="ZeRO's rows (the model counted), not the pipeline's")
     add_outputs(p)
     return p.parse_args(list(argv))
 
@@ -170,12 +215,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(1)
     comm = mpitrain.init()
     wanted = {r.strip() for r in args.rows.split(",") if r.strip()}
-    rows = [r for r in contenders(comm.size) if not wanted or r.name in wanted]
+    rows = [r for r in (zero_contenders if args.zero else contenders)(comm.size) if not wanted or r.name in wanted]
     _warm()
     table: list[list[object]] = []
     for row in rows:
         grown, own = fit_peak(comm, row, args)
-        target = TARGETS.get(row.partitions) if row.strategy != "data" else None
+        target = row.target
         table.append([row.name, max(grown), max(g - o for g, o in zip(grown, own)),
                       " ".join(f"{g:.3f}" for g in grown), " ".join(f"{o:.3f}" for o in own),
                       "-" if target is None else target, f"{mmap_threshold() >> 20} MiB"])

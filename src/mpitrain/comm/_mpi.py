@@ -62,16 +62,19 @@ SPLIT_ABOVE = 8 << 20
 
 
 def _buf(t: torch.Tensor) -> list[Any]:
-    """Zero-copy [memory, datatype] of a contiguous tensor: a numpy view of a CPU tensor's storage; a
-    CUDA tensor itself (``__cuda_array_interface__``, for CUDA-aware MPI) once the current stream has
-    produced it (MPI knows no streams). A dtype MPI has no type for goes as its storage's bytes."""
+    """Zero-copy [memory, datatype] of a contiguous tensor: a CPU tensor's memory by address (not a
+    numpy view: ``Tensor.numpy()`` marks the storage as never resizable again, and ZeRO-3 frees and
+    re-allocates its parameter buffers by resizing their storage); a CUDA tensor itself
+    (``__cuda_array_interface__``, for CUDA-aware MPI) once the current stream has produced it (MPI
+    knows no streams). A dtype MPI has no type for goes as its storage's bytes. The caller keeps `t`
+    alive until MPI is done with it."""
     mpi_type = _MPI_TYPES.get(t.dtype)
     if mpi_type is None:
         t, mpi_type = t.reshape(-1).view(torch.uint8), MPI.BYTE
     elif t.dtype == torch.bfloat16:
         t = t.view(torch.int16)
     if t.is_cpu:
-        return [t.numpy(), mpi_type]
+        return [MPI.buffer.fromaddress(t.data_ptr(), t.numel() * t.element_size()), mpi_type]
     host_wait(t)
     return [t, mpi_type]
 
@@ -91,6 +94,12 @@ def _pieces(t: torch.Tensor) -> list[torch.Tensor]:
     if t.numel() * t.element_size() <= SPLIT_ABOVE:
         return [t]
     return list(t.view(-1).split(max(1, SEGMENT_BYTES // t.element_size())))
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the memory of `a` and `b` overlaps (MPI forbids aliased send and receive buffers)."""
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
 def _staged(t: torch.Tensor) -> bool:
@@ -207,15 +216,19 @@ class MPICommunicator(Communicator):
             self._comm.Bcast(_buf(t), root=root)
         return t
 
-    def allgather(self, t: torch.Tensor) -> torch.Tensor:
+    def allgather(self, t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         self._check(t, "t")
+        src = t.reshape(1) if t.dim() == 0 else t
+        out = self._gather_out(src, out)
         if (not t.is_cpu or self._stage_cpu) and self._staged_call(t):
             host, staging = self._stage(t, "t")
-            return staging.out(t, host.allgather)
-        src = t.reshape(1) if t.dim() == 0 else t
-        out = torch.empty((self._size * src.shape[0], *src.shape[1:]), dtype=t.dtype, device=t.device)
+            return out.copy_(staging.out(src.clone(), host.allgather))
         if out.numel():
-            self._comm.Allgather(_buf(src), _buf(out))
+            own = out[self._rank * src.shape[0]:(self._rank + 1) * src.shape[0]]
+            if src.data_ptr() == own.data_ptr():  # block `rank` of out itself: MPI's in-place allgather
+                self._comm.Allgather(MPI.IN_PLACE, _buf(out))
+            else:
+                self._comm.Allgather(_buf(src.clone() if _overlap(src, out) else src), _buf(out))
         return out
 
     def reduce_scatter(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:

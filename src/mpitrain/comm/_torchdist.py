@@ -152,12 +152,13 @@ class TorchCommunicator(Communicator):
         self.ibroadcast(t, root).wait()
         return t
 
-    def allgather(self, t: torch.Tensor) -> torch.Tensor:
+    def allgather(self, t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         self._c(t, "t")
         src = t.reshape(1) if t.dim() == 0 else t
-        out = torch.empty((self.size * src.shape[0], *src.shape[1:]), dtype=t.dtype, device=t.device)
-        if out.numel():
-            dist.all_gather_single(_wire(out), _wire(src), group=self._group)
+        out = self._gather_out(src, out)
+        if out.numel():  # gloo reads the input while writing the output: a block of `out` goes as a copy
+            shared = src.untyped_storage().data_ptr() == out.untyped_storage().data_ptr()
+            dist.all_gather_single(_wire(out), _wire(src.clone() if shared else src), group=self._group)
         return out
 
     def reduce_scatter(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:

@@ -128,8 +128,10 @@ class Communicator(abc.ABC):
         """Overwrite `t` on every rank with root's `t`, in place; returns `t`."""
 
     @abc.abstractmethod
-    def allgather(self, t: torch.Tensor) -> torch.Tensor:
-        """New tensor: every rank's `t` (same shape everywhere) concatenated on dim 0 in rank order.
+    def allgather(self, t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Every rank's `t` (same shape everywhere) concatenated on dim 0 in rank order: a new tensor, or
+        written into `out` (contiguous, ``size`` times `t`'s rows, same dtype and device) and returned.
+        `t` may be block ``rank`` of `out` itself (an in-place allgather: ZeRO's parameter buffers).
 
         A 0-d tensor is treated as shape (1,)."""
 
@@ -231,6 +233,18 @@ class Communicator(abc.ABC):
             raise CommError(f"argument '{name}' is not contiguous; pass t.contiguous() (a copy) explicitly")
         if op is not None and op not in reduce_ops(t.dtype):
             raise CommError(_refusal(op, name, t.dtype))
+
+    def _gather_out(self, src: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        """`out` checked as the output of an allgather of `src` (CommError before any message), or a
+        new tensor of that shape."""
+        shape = (self.size * src.shape[0], *src.shape[1:])
+        if out is None:
+            return torch.empty(shape, dtype=src.dtype, device=src.device)
+        self._check(out, "out")
+        if tuple(out.shape) != shape or out.dtype != src.dtype or out.device != src.device:
+            raise CommError(f"argument 'out' must be a {src.dtype} tensor of shape {shape} on {src.device}, got "
+                            f"{out.dtype} {tuple(out.shape)} on {out.device}")
+        return out
 
     def _check_rank(self, r: int, name: str) -> None:
         if not isinstance(r, int) or not 0 <= r < self.size:

@@ -13,6 +13,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from .._utils.flat import copy_from_flat, flatten, group_by
 from ..comm.base import Communicator
 from ..runtime import world
+from ._buckets import plan_buckets
 
 __all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_tensors", "check_same_everywhere",
            "module_tensors"]
@@ -39,8 +40,15 @@ def check_same_everywhere(comm: Communicator, what: str, signature: object,
     raise error(f"{what}: ranks {bad} disagree with rank 0{detail}")
 
 
+#: Fused broadcasts carry at most this many bytes each (a tensor beyond it goes alone, in place): the
+#: flat buffer is a transient copy, and fusing a whole 268 MB model cost every rank 268 MB more than
+#: the model at DataParallel's start (measured with ``bench memory --zero``, docs/data-parallel.md).
+FUSE_BYTES = 16 << 20
+
+
 def broadcast_tensors(tensors: list[torch.Tensor], comm: Communicator, root: int = 0) -> None:
-    """Overwrite every tensor with root's, in place; one fused broadcast per dtype/device.
+    """Overwrite every tensor with root's, in place; fused broadcasts per dtype/device of at most
+    :data:`FUSE_BYTES` each (grouped by ``plan_buckets``).
 
     Collective over `comm`: every rank passes tensors of the same shapes and dtypes in the same order.
     A lone contiguous tensor is broadcast in place; otherwise a flat buffer costs one copy each way.
@@ -48,14 +56,16 @@ def broadcast_tensors(tensors: list[torch.Tensor], comm: Communicator, root: int
     if comm.size == 1:  # root's tensors are these: nothing to send (and, on a GPU, no host round trip)
         return
     groups = group_by((t for t in tensors if t.numel()), lambda t: (t.dtype, t.device))
-    for ts in groups.values():
-        if len(ts) == 1 and ts[0].is_contiguous():
-            comm.broadcast(ts[0], root)
-            continue
-        flat = flatten(ts)
-        comm.broadcast(flat, root)
-        if comm.rank != root:
-            copy_from_flat(flat, ts)
+    for group in groups.values():
+        for idx in plan_buckets([(t.numel() * t.element_size(), "") for t in group], FUSE_BYTES):
+            ts = [group[i] for i in idx]
+            if len(ts) == 1 and ts[0].is_contiguous():
+                comm.broadcast(ts[0], root)
+                continue
+            flat = flatten(ts)
+            comm.broadcast(flat, root)
+            if comm.rank != root:
+                copy_from_flat(flat, ts)
 
 
 def _named(params: Any) -> list[tuple[str, torch.Tensor]]:

@@ -53,13 +53,14 @@ class Bucket:
     which lets parameters unused everywhere keep ``grad=None`` as in one process, at no extra message.
     """
 
-    def __init__(self, index: int, key: str, params: Sequence[nn.Parameter]) -> None:
+    def __init__(self, index: int, key: str, params: Sequence[nn.Parameter], allocate: bool = True) -> None:
         self.index, self.key, self.params = index, key, list(params)
-        total = sum(p.numel() for p in self.params)
+        total = sum(p.numel() for p in self.params) if allocate else 0
         p0 = self.params[0]
-        self.buffer = torch.zeros(total + len(self.params), dtype=p0.dtype, device=p0.device)
+        # allocate=False: the plan only (ZeRO >= 2 reduces the gradients through its own transient buffers)
+        self.buffer = torch.zeros(total + len(self.params) if allocate else 0, dtype=p0.dtype, device=p0.device)
         self.used = self.buffer[total:]
-        self.views = views(self.buffer, [p.shape for p in self.params])
+        self.views = views(self.buffer, [p.shape for p in self.params]) if allocate else []
 
     @property
     def nbytes(self) -> int:
@@ -70,13 +71,14 @@ class Bucket:
 
 
 def gradient_buckets(params: Sequence[nn.Parameter], name: str, bucket_mb: float = 25.0,
-                     first_bucket_mb: float | None = None) -> list[Bucket]:
+                     first_bucket_mb: float | None = None, allocate: bool = True) -> list[Bucket]:
     """`params` in :class:`Bucket` s planned by :func:`plan_buckets` in DDP's order (the reverse of
-    `params`: autograd produces the last layers' gradients first), keys ``f"{name}.b{i}"``."""
+    `params`: autograd produces the last layers' gradients first), keys ``f"{name}.b{i}"``; `allocate`
+    False: the plan only (no buffer, no views)."""
     order = list(params)[::-1]
     plan = plan_buckets([(p.numel() * p.element_size(), f"{p.dtype}/{p.device}") for p in order],
                         int(bucket_mb * MB), None if first_bucket_mb is None else int(first_bucket_mb * MB))
-    return [Bucket(i, f"{name}.b{i}", [order[j] for j in idx]) for i, idx in enumerate(plan)]
+    return [Bucket(i, f"{name}.b{i}", [order[j] for j in idx], allocate) for i, idx in enumerate(plan)]
 
 
 def adopt(p: nn.Parameter, view: torch.Tensor, scale: float | None) -> bool:

@@ -24,6 +24,8 @@ from ._broadcast import (
 from ._buckets import MB, Bucket, adopt, plan_buckets
 from ._device import CPU, autocast, model_device, to_device
 from ._grad_allreduce import allreduce_gradients, start_allreduce_gradients
+from ._reshard import NAMED, Held, load_named, optimizer_entries, tensor_entries, whole
+from ._zero import ModuleGathers, Zero, check_optimizer, check_stage, module_units, storage_bytes
 from .base import (
     DEFAULT_LOOP,
     Batch,
@@ -97,14 +99,29 @@ class DataParallel(nn.Module):
     ``zero_grad(set_to_none=True)`` (the default) is the cheap way to clear: autograd's fresh gradient
     is copied into its view once, in the hook; with ``set_to_none=False`` the views are zeroed in
     place and autograd accumulates into them.
+
+    `zero` shards state across the ranks (ZeRO, docs/data-parallel.md; :mod:`._zero`): 1 the optimizer
+    state, 2 also the gradients, 3 also the parameters. Build the optimizer on :meth:`parameters` as
+    usual and pass it once through :meth:`shard_optimizer` (it then steps this rank's pieces of the
+    parameters and, below stage 3, allgathers them after each step); clip with :meth:`clip_grad_norm_`.
+    At stage 1 ``.grad`` is as above; at stages 2 and 3 the parameters keep ``grad=None`` (each
+    backward is reduce-scattered as its buckets complete: only the pieces hold gradients, accumulated
+    over backward passes until the optimizer clears them, so :meth:`no_sync` is refused). With `zero`
+    the `kvstore` is not used: the buckets are allreduced (1) or reduce-scattered (2, 3) on ZeRO's own
+    communicator (a store keeps a copy of every bucket, which would cost as much as the gradients). At
+    stage 3 a bucket's parameters are whole only from the forward of the first module holding them to
+    that of the last, and again in backward (gathered, the next bucket prefetched, released when its
+    gradients are reduced): every rank must run the same modules in the same order, and a rank without
+    samples must still run forward and backward.
     """
 
     def __init__(self, module: nn.Module, kvstore: str | KVStore = "dist_sync_mpi", bucket_mb: float = 25.0,
                  comm: Communicator | None = None, *, first_bucket_mb: float = 1.0,
-                 broadcast_buffers: bool = True, overlap: bool = True, name: str = "dp") -> None:
+                 broadcast_buffers: bool = True, overlap: bool = True, name: str = "dp", zero: int = 0) -> None:
         super().__init__()
         comm = comm or world()
         _check_args(module, kvstore, bucket_mb, first_bucket_mb, comm)
+        check_stage(zero)
         self.module, self.comm, self.broadcast_buffers = module, comm, broadcast_buffers
         self.device = model_device(module)  # batches go here; buckets live on the parameters' devices
         self._moves_inputs = self.device != CPU
@@ -113,28 +130,46 @@ class DataParallel(nn.Module):
         named = module_tensors(module)
         check_same_everywhere(comm, "DataParallel: settings and parameters", [
             ("settings", kv_name, float(bucket_mb), float(first_bucket_mb), bool(broadcast_buffers), overlap,
-             name),
+             name, zero),
             *((n, tuple(t.shape), str(t.dtype)) for n, t in named)])
         broadcast_tensors([t for _, t in named], comm, 0)
+        del named  # detached aliases: they would keep the parameters' memory alive once ZeRO moves them
         self.overlap = bool(overlap)  # push buckets during backward (True) or all when it ends
-        self._owns_kv = isinstance(kvstore, str)
-        self.kv = _make_kvstore(kvstore, comm)
-        order = params[::-1]  # autograd produces the last layers' gradients first
-        plan = plan_buckets([(p.numel() * p.element_size(), f"{p.dtype}/{p.device}") for p in order],
-                            int(bucket_mb * MB), int(first_bucket_mb * MB))
-        self.buckets = [Bucket(i, f"{name}.b{i}", [order[j] for j in idx]) for i, idx in enumerate(plan)]
+        self.stage = zero
+        # ZeRO reduces on its own communicator (its store would keep a copy of every bucket); from
+        # stage 2 on there are no whole gradient buckets either
+        self._owns_kv = isinstance(kvstore, str) and not zero
+        self._kv = _make_kvstore(kvstore, comm) if not zero else None
+        workers = self._kv.num_workers if self._kv is not None else comm.size
+        # autograd produces the last layers' gradients first; stage 3 keeps each module's parameters
+        # in one bucket (its forward gathers them)
+        units = module_units(module, params) if zero == 3 else [[p] for p in params[::-1]]
+        plan = plan_buckets([(sum(p.numel() * p.element_size() for p in u), f"{u[0].dtype}/{u[0].device}")
+                             for u in units], int(bucket_mb * MB), int(first_bucket_mb * MB))
+        self.buckets = [Bucket(i, f"{name}.b{i}", [p for j in idx for p in units[j]], allocate=zero < 2)
+                        for i, idx in enumerate(plan)]
         self._slot = {p: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         self._keys = [b.key for b in self.buckets]
-        self._scale = 1.0 / self.kv.num_workers if self.kv.num_workers > 1 else None
+        self._scale = 1.0 / workers if workers > 1 else None
         # one worker: the sum over workers is the gradient itself, so buckets are not pushed at all
-        self._solo = self.kv.num_workers == 1
-        for b in self.buckets:
-            self.kv.init(b.key, b.buffer)
+        self._solo = workers == 1
+        if self._kv is not None:
+            for b in self.buckets:
+                self._kv.init(b.key, b.buffer)
+        self.zero = Zero([b.params for b in self.buckets], comm, zero, name=f"{name}.zero") if zero else None
+        self._gathers = ModuleGathers(self.zero, module) if self.zero is not None and zero == 3 else None
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
         self._sync_enabled = True   # False inside no_sync()
         self._sync_graph = True     # decided by the forward that built the graph being differentiated
         self._closed = False
         self._reset()
+
+    @property
+    def kv(self) -> KVStore:
+        """The store the gradient buckets go through (RuntimeError with ``zero``, which has none)."""
+        if self._kv is None:
+            raise RuntimeError(f"DataParallel(zero={self.stage}) reduces on its own communicator: it has no kvstore")
+        return self._kv
 
     # -- forward ------------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -147,12 +182,54 @@ class DataParallel(nn.Module):
                 broadcast_tensors(buffers, self.comm, 0)
         if self._moves_inputs:
             args, kwargs = to_device((args, kwargs), self.device)
-        out = self.module(*args, **kwargs)
+        try:
+            out = self.module(*args, **kwargs)
+        finally:
+            if self._gathers is not None:
+                self._gathers.end_forward()
         return _watch_outputs(out, self) if grad and self._sync_graph and self.buckets else out
+
+    def shard_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """With ``zero`` >= 1: make `optimizer`, built on :meth:`parameters` and not stepped yet, step this
+        rank's pieces (1-D views of its block of each bucket; each param group keeps its
+        hyperparameters and holds the pieces of its parameters, possibly none) and, below stage 3,
+        allgather the parameters after every step. Returns the same object. Element-wise optimizers only
+        (SGD, Adam, AdamW, ...: :data:`._zero.ELEMENTWISE`): ValueError naming any other (LBFGS,
+        Adafactor, ...). Without ``zero`` it returns `optimizer` untouched."""
+        return optimizer if self.zero is None else self.zero.shard_optimizer(optimizer)
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Collective: scale the averaged gradient as ``torch.nn.utils.clip_grad_norm_`` over the whole
+        model does in one process (with ``zero``: the norm summed over the ranks' pieces, the pieces
+        scaled); returns the norm. Call it after backward, before the step."""
+        if self.zero is not None:
+            return self.zero.clip_grad_norm_(max_norm)
+        return float(torch.nn.utils.clip_grad_norm_([p for b in self.buckets for p in b.params], max_norm))
+
+    def held_bytes(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+        """Bytes this rank holds for the trainable parameters, their gradients (buckets, ``.grad``, ZeRO's
+        blocks) and `optimizer`'s state, by storage (views count once, a released ZeRO-3 buffer 0): the
+        cheap measure of what ``zero`` saves (docs/data-parallel.md)."""
+        params: list[torch.Tensor] = [p for b in self.buckets for p in b.params]
+        grads: list[torch.Tensor | None] = [b.buffer for b in self.buckets]
+        grads += [p.grad for p in params]
+        if self.zero is not None:
+            params += [s.shard for s in self.zero.shards]
+            grads += [s.grad for s in self.zero.shards] + [q.grad for s in self.zero.shards for q in s.piece_params]
+        state = [v for st in (optimizer.state.values() if optimizer is not None else [])
+                 for v in st.values() if isinstance(v, torch.Tensor)]
+        return {"params": storage_bytes(params), "grads": storage_bytes(grads), "optimizer": storage_bytes(state)}
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Forwards run inside this context build graphs whose backward only accumulates locally."""
+        """Forwards run inside this context build graphs whose backward only accumulates locally.
+        Refused with ``zero`` >= 2 (RuntimeError): no rank holds a whole gradient to accumulate into;
+        backward passes accumulate into the pieces' gradients, each reduced."""
+        if self.stage >= 2:
+            raise RuntimeError(f"DataParallel(zero={self.stage}) keeps only this rank's piece of the gradient: "
+                               f"no_sync() cannot accumulate whole gradients locally. Call backward several "
+                               f"times without it (each is reduced, the pieces' gradients add up until "
+                               f"zero_grad), or use zero=1")
         previous, self._sync_enabled = self._sync_enabled, False
         try:
             yield
@@ -183,7 +260,11 @@ class DataParallel(nn.Module):
                                f"shared parameter?); use torch.utils.checkpoint(..., use_reentrant=False) "
                                f"or no_sync()")
         # pre-scale by 1/size as the gradient lands, so the sum the store returns is the mean
-        self._adopt(p, b.views[i], self._scale)
+        if self.stage >= 2:
+            assert self.zero is not None
+            self.zero.take(p, self._scale)
+        else:
+            self._adopt(p, b.views[i], self._scale)
         fired.add(i)
         if self.overlap and len(fired) == len(b.params):
             self._push_ready()
@@ -207,6 +288,14 @@ class DataParallel(nn.Module):
 
     def _push(self, b: Bucket) -> None:
         fired = self._fired[b.index]
+        if self.zero is not None and self.stage >= 2:  # unused: zeros and "used" 0 in its reduce buffer
+            for i, p in enumerate(b.params):
+                if i not in fired:
+                    self.zero.take(p, self._scale)
+            shard = self.zero.shards[b.index]
+            self.zero.reduce(shard)
+            self.zero.release(shard)  # stage 3: its gradients are all in, autograd reads it no more
+            return
         mark = 1.0 if self._scale is None else self._scale
         if len(fired) == len(b.params):
             b.used.fill_(mark)
@@ -217,7 +306,9 @@ class DataParallel(nn.Module):
                     v.zero_()
                     self._absent.append((b, i))
                 b.used[i] = mark if used else 0.0
-        if not self._solo:
+        if self.zero is not None:
+            self.zero.allreduce(self.zero.shards[b.index], b.buffer)
+        elif not self._solo:
             self.kv.pushpull(b.key, b.buffer, priority=-b.index)
 
     @torch.no_grad()
@@ -230,11 +321,19 @@ class DataParallel(nn.Module):
             for b in self.buckets[self._next:]:
                 self._push(b)
             self._next = len(self.buckets)
-            if not self._solo:
+            if self.zero is not None and self.stage >= 2:
+                self.zero.finish_reduce()
+                self.zero.release_all()
+                return
+            if self.zero is not None:
+                self.zero.finish_reduce()
+            elif not self._solo:
                 self.kv.wait(self._keys)
             for b, i in self._absent:
                 if b.used[i].item() > 0:
                     b.params[i].grad = b.views[i]  # the average of the other ranks' gradients
+            if self.zero is not None:
+                self.zero.attach_full_grads()
         finally:
             self._reset()
 
@@ -242,7 +341,12 @@ class DataParallel(nn.Module):
         """Collective: take part in a synchronised backward for which this rank has no samples. Every
         bucket is pushed with zeros (as parameters without a gradient are), so afterwards each ``.grad``
         holds the other ranks' contributions averaged over all ranks, ``grad=None`` where no rank had one.
-        Call it after ``zero_grad()`` where the other ranks run their synchronised backward."""
+        Call it after ``zero_grad()`` where the other ranks run their synchronised backward. Refused
+        at ``zero=3`` (RuntimeError): the other ranks' forward and backward gather parameters, so every
+        rank must run them."""
+        if self.stage == 3:
+            raise RuntimeError("DataParallel(zero=3): every rank must run forward and backward (they gather the "
+                               "parameters bucket by bucket); a rank without samples cannot sit out")
         self._sync_graph = True
         self._finalize()
 
@@ -253,9 +357,13 @@ class DataParallel(nn.Module):
             h.remove()
         self._hooks = []
         self._closed = True
-        if self._owns_kv:
+        if self._gathers is not None:
+            self._gathers.remove()
+        if self.zero is not None:
+            self.zero.close()  # stage 3: the parameters gathered for good
+        if self._owns_kv and self._kv is not None:
             self._owns_kv = False
-            self.kv.close()
+            self._kv.close()
 
 
 # -- helpers --------------------------------------------------------------------------------------
@@ -339,10 +447,12 @@ class DataOptions(StrategyOptions):
     first_bucket_mb: float = 1.0
     broadcast_buffers: bool = True
     overlap: bool = True
+    zero: int = 0
 
     def __post_init__(self) -> None:
         try:
             _check_settings(self.kvstore, self.bucket_mb, self.first_bucket_mb)
+            check_stage(self.zero)
         except (TypeError, ValueError) as e:
             raise FitError(f"strategy 'data': {e}") from None
         for name in ("broadcast_buffers", "overlap"):
@@ -369,14 +479,21 @@ class DataTrainer:
 
     def __init__(self, model: nn.Module, loss_fn: LossFn, optimizer: OptimizerFactory, comm: Communicator,
                  micro_batches: int, opts: DataOptions, loop: LoopSpec = DEFAULT_LOOP) -> None:
+        # built first, so that an optimizer ZeRO cannot shard is refused before any message
+        built = optimizer(model.parameters())
+        if opts.zero:
+            try:
+                check_optimizer(built)
+            except ValueError as e:
+                raise FitError(f"strategy 'data', zero={opts.zero}: {e}") from None
         self.dp = DataParallel(model, opts.kvstore, opts.bucket_mb, comm, first_bucket_mb=opts.first_bucket_mb,
-                               broadcast_buffers=opts.broadcast_buffers, overlap=opts.overlap)
+                               broadcast_buffers=opts.broadcast_buffers, overlap=opts.overlap, zero=opts.zero)
         # buffers go once per step (train_shares), so ranks may run different numbers of forwards
         self.dp.broadcast_buffers = False
         self._buffers = [b for _, b in model.named_buffers()] if opts.broadcast_buffers else []
         self.loss_fn, self.comm, self.micro_batches, self.loop = loss_fn, comm, micro_batches, loop
         self.device = self.dp.device
-        self.optimizer = optimizer(self.dp.module.parameters())
+        self.optimizer = self.dp.shard_optimizer(built)
 
     def share(self, n: int) -> Share:
         return even_share(n, self.comm.size, self.comm.rank)
@@ -393,6 +510,8 @@ class DataTrainer:
         self.optimizer.zero_grad()
         if self._buffers and self.dp.training:
             broadcast_tensors(self._buffers, self.comm, 0)
+        if self.dp.stage == 3:
+            self._check_passes(batches)
         m = self.micro_batches
         pieces = [pair for b in batches if b.share.rows for pair in split_pairs(b.inputs, b.targets, m)]
         if self.device != CPU:
@@ -400,7 +519,9 @@ class DataTrainer:
         local = torch.zeros((), dtype=torch.float64, device=self.device)  # sum of this rank's per-sample losses
         weight = self.comm.size / total  # DataParallel averages over ranks: undo it, divide by the samples
         for j, (x, y) in enumerate(pieces):
-            with self.dp.no_sync() if j < len(pieces) - 1 else contextlib.nullcontext():
+            # ZeRO >= 2 reduces every backward (into the pieces' gradients): no local accumulation
+            local_only = j < len(pieces) - 1 and self.dp.stage < 2
+            with self.dp.no_sync() if local_only else contextlib.nullcontext():
                 with autocast(self.loop.precision, self.device):
                     loss = self.loss_fn(call_model(self.dp, x), y)
                 (loss * (batch_size(x) * weight)).backward()  # weighted by samples (k target rows each)
@@ -408,9 +529,21 @@ class DataTrainer:
         if not pieces:
             self.dp.sync_without_backward()
         if self.loop.grad_clip is not None:  # gradients are averaged: every rank clips the same global norm
-            torch.nn.utils.clip_grad_norm_(self.dp.module.parameters(), self.loop.grad_clip)
+            self.dp.clip_grad_norm_(self.loop.grad_clip)
         self.optimizer.step()
         return float(self.comm.allreduce(local.reshape(1), "sum").item()) / total
+
+    def _check_passes(self, batches: Sequence[BatchShare]) -> None:
+        """zero=3: every rank runs as many forward/backward passes (each gathers every bucket, a
+        collective), so each needs at least `micro_batches` rows of every global batch. FitError on
+        every rank alike (the batch sizes are known everywhere) before any message."""
+        need = self.comm.size * self.micro_batches
+        small = [b.n for b in batches if b.n < need]
+        if small:
+            raise FitError(f"strategy 'data', zero=3: a global batch of {small[0]} samples leaves a rank fewer than "
+                           f"micro_batches={self.micro_batches} rows, but every rank must run the same forward and "
+                           f"backward passes (each gathers the parameters): use batches of at least {need} "
+                           f"samples (drop_last=True for a short last one), or zero <= 2")
 
     @torch.no_grad()
     def eval_step(self, inputs: Batch, targets: torch.Tensor) -> Any:
@@ -425,33 +558,58 @@ class DataTrainer:
 
     # -- checkpoints (CheckpointTrainer) ---------------------------------------------------------------
     def layout(self) -> dict[str, object]:
-        return {"strategy": "data", "world_size": self.comm.size, "replicated": True}
+        return {"strategy": "data", "world_size": self.comm.size, "replicated": True, "zero": self.dp.stage,
+                NAMED: True}
+
+    def _held(self) -> tuple[list[tuple[torch.Tensor, Held]], dict[int, Held]]:
+        """What this rank holds under the user's names: every state_dict tensor whole, except (zero=3)
+        a sharded parameter, of which it holds its piece (or nothing); and the optimizer's parameters
+        (wholes, or with ``zero`` pieces, each under its parameter's first name)."""
+        zero = self.dp.zero
+        pieces = zero.piece_ranges() if zero is not None else {}
+        tensors: list[tuple[torch.Tensor, Held]] = []
+        names: dict[int, Held] = {}
+        for name, t in self.dp.module.state_dict(keep_vars=True).items():
+            sharded = zero is not None and t in zero.slot
+            piece = pieces.get(id(t))
+            if piece is not None:
+                held = Held(name, piece[1], piece[2], tuple(t.shape))
+                names.setdefault(id(piece[0]), held)
+                if zero is not None and zero.stage == 3:
+                    tensors.append((piece[0], held))
+            if not (sharded and zero is not None and zero.stage == 3):
+                tensors.append((t, whole(name, t)))
+                if zero is None:
+                    names.setdefault(id(t), whole(name, t))
+        return tensors, names
 
     def state_dict(self) -> dict[str, object]:
-        return {"model": self.dp.module.state_dict(), "optimizer": self.optimizer.state_dict()}
+        """This rank's shard, by name (:mod:`._reshard`): the model's tensors it holds (all of them whole,
+        except its pieces of the parameters at zero=3) and its optimizer's state (its pieces' with zero)."""
+        tensors, names = self._held()
+        model, pieces = tensor_entries(tensors)
+        return {"model": model, "model_pieces": pieces, "optim": optimizer_entries(self.optimizer, names)}
 
     def load_state_dict(self, read: Callable[[int], dict[str, object]], saved_layout: Mapping[str, object]) -> None:
-        """Same world size: this rank's shard (buffers differ per rank). Another world size: rank 0's
-        (the weights and optimizer state are replicated)."""
-        _check_replicated(saved_layout, self.layout())
-        same = saved_layout["world_size"] == self.comm.size
-        state = read(self.comm.rank if same else 0)
-        self.dp.module.load_state_dict(state["model"])  # type: ignore[arg-type]
-        self.optimizer.load_state_dict(state["optimizer"])  # type: ignore[arg-type]
+        """From a checkpoint by name of any layout (any world size and ZeRO stage, or a pipeline's):
+        every tensor and optimizer state this rank holds is read from the saved ranks that cover it.
+        Same world size and strategy: this rank's own shard first (its BatchNorm statistics)."""
+        if not saved_layout.get(NAMED):
+            raise FitError(f"cannot resume strategy 'data' (layout {self.layout()}) from a checkpoint of layout "
+                           f"{dict(saved_layout)}: it predates checkpoints by name")
+        saved = int(saved_layout["world_size"])  # type: ignore[call-overload]
+        own = self.comm.rank if saved == self.comm.size and saved_layout.get("strategy") == "data" else 0
+        tensors, names = self._held()
+        load_named(read, [own, *(r for r in range(saved) if r != own)], tensors, self.optimizer, names)
 
     def trained_model(self) -> nn.Module:
         """The wrapped module (same weights on every rank). Collective: fit calls it last, on every rank,
-        so it also closes the KVStore (its comm thread); the trainer takes no more steps after it."""
+        so it also closes the KVStore (its comm thread); the trainer takes no more steps after it (with
+        ``zero`` its optimizer state is freed first: zero=3 gathers the whole parameters here)."""
+        if self.dp.zero is not None:
+            self.dp.zero.drop_state(self.optimizer)
         self.dp.close()
         return self.dp.module
-
-
-def _check_replicated(saved: Mapping[str, object], now: Mapping[str, object]) -> None:
-    """FitError unless a checkpoint of layout `saved` can be loaded into layout `now` by a strategy
-    that replicates the whole model (same strategy; any world size)."""
-    if saved.get("strategy") != now["strategy"] or not saved.get("replicated"):
-        raise FitError(f"cannot resume strategy {now['strategy']!r} (layout {dict(now)}) from a checkpoint of "
-                       f"layout {dict(saved)}: resharding between these layouts is not supported")
 
 
 #: The loop features fit may ask of this strategy (see :data:`~mpitrain.strategies.base.FEATURE_NAMES`).

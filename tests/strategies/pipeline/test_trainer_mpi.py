@@ -1,7 +1,7 @@
 """fit's training-run features under model and hybrid parallelism, against one process over real MPI
 (2, 3, 4 ranks): a Dataset with an uneven last batch, what each rank reads, scheduler / clipping /
-accumulation / bf16, and checkpoints (stop and resume bit-identical, load_checkpoint, a meta model,
-another layout refused)."""
+accumulation / bf16, and checkpoints (stop and resume bit-identical, load_checkpoint, a meta model;
+other layouts resume in tests/strategies/test_zero.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from torch import nn
 
 from mpitrain import checkpoint
 from mpitrain.comm.base import split_sizes
-from mpitrain.fit import FitError, fit
+from mpitrain.fit import fit
 from mpitrain.strategies.pipeline._materialize import materialize
 from tests.helpers import assert_all_ranks, assert_close_all_ranks, bitwise_equal
 from tests.test_fit_dataset import Points, order_batches, reference, sgd
@@ -174,16 +174,6 @@ def test_checkpoint_of_fewer_replicas_resumes_on_more(comm, tmp_path):
     ref, _, _ = reference(deep(), order_batches(Points(N), 2))
     same_params(comm, result.model, ref, 1e-10, f"hybrid P={P}: 1 replica -> {R}")
     assert_all_ranks(comm, len(result.history) == 2, f"history {result.history}")
-
-
-def test_resume_on_another_layout_is_refused_naming_both(comm, tmp_path):
-    directory = comm.broadcast_object(str(tmp_path / "ckpt"))
-    fit(deep(), Points(N), F.cross_entropy, sgd, strategy="hybrid", partitions=comm.size, batch_size=B, steps=1,
-        balance="params", checkpoint_dir=directory, progress=False)
-    with pytest.raises(FitError, match=rf"layout .*'partitions': 1, 'replicas': {comm.size}.*checkpoint of "
-                                       rf"layout .*'partitions': {comm.size}, 'replicas': 1"):
-        fit(deep(), Points(N), F.cross_entropy, sgd, strategy="hybrid", partitions=1, batch_size=B,
-            checkpoint_dir=directory, resume=True, progress=False)
 
 
 def test_meta_model_checkpoints_its_materialised_partition_and_resumes(comm, tmp_path):

@@ -12,8 +12,11 @@ supported (:data:`FEATURES`):
 * the optimizer is built at construction from the whole model's parameters (so fit can hand it to an
   LR scheduler at once) and, at set-up, each parameter group keeps only this rank's parameters (a rank
   with none keeps empty groups: its steps and scheduler still run).
-* checkpoints: a rank's shard holds its partitions' tensors under the user's ``state_dict`` names, its
-  optimizer state and the cut; see :meth:`PipelineTrainer.load_state_dict`.
+* checkpoints: a rank's shard holds its partitions' tensors and its optimizer state by the user's
+  ``state_dict`` names (:mod:`.._reshard`), and the layout the cut; they load into any partitions,
+  replicas, ZeRO stage or strategy (see :meth:`PipelineTrainer.load_state_dict`).
+* ``zero=1|2`` (hybrid): each partition's optimizer state (and gradients) sharded over its replicas
+  (:class:`._pipe.Pipeline`).
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from torch import nn
 
 from ...comm.base import Communicator, split_sizes
 from .._batching import even_share, samples, slice_share
+from .._reshard import NAMED, Held, assemble, load_named, optimizer_entries, tensor_entries, whole
+from .._zero import check_optimizer
 from ..base import (
     DEFAULT_LOOP,
     BatchShare,
@@ -63,8 +68,11 @@ class PipelineOptions(StrategyOptions):
     virtual_stages: int = 2
     init_seed: int = 0
     init_fn: InitFn | None = None
+    zero: int = 0
 
     def __post_init__(self) -> None:
+        self.require("zero", not isinstance(self.zero, bool) and self.zero in (0, 1, 2),
+                     "0, 1 (optimizer state sharded across the replicas) or 2 (and gradients)")
         self.require("profile_passes", is_int(self.profile_passes) and self.profile_passes >= 1, "an int >= 1")
         self.require("checkpoint", self.checkpoint in CHECKPOINTS, f"one of {CHECKPOINTS}")
         self.require("virtual_stages", is_int(self.virtual_stages) and self.virtual_stages >= 1, "an int >= 1")
@@ -89,11 +97,17 @@ def make_trainer(model: nn.Module, loss_fn: LossFn, optimizer: OptimizerFactory,
                  spec: FitSpec) -> PipelineTrainer:
     """Validate `spec` locally (same verdict on every rank) and create the pipeline's communicators."""
     opts = _check_spec(spec, comm.size)
+    built = optimizer(model.parameters())  # first: an optimizer ZeRO cannot shard is refused before any message
+    if opts.zero:
+        try:
+            check_optimizer(built)
+        except ValueError as e:
+            raise FitError(f"strategy {spec.strategy!r}, zero={opts.zero}: {e}") from None
     pipe = Pipeline(model, spec.partitions, spec.replicas, spec.micro_batches, spec.schedule, comm,
                     opts.checkpoint, balance=spec.balance, virtual_stages=opts.virtual_stages, stall=spec.stall,
                     profile_passes=opts.profile_passes, seed=opts.init_seed, init_fn=opts.init_fn,
-                    inputs_on_first=True, autocast=spec.loop.precision == "bf16")
-    return PipelineTrainer(pipe, loss_fn, optimizer, spec.strategy, spec.loop)
+                    inputs_on_first=True, autocast=spec.loop.precision == "bf16", zero=opts.zero)
+    return PipelineTrainer(pipe, loss_fn, lambda params: built, spec.strategy, spec.loop)
 
 
 class PipelineTrainer:
@@ -107,8 +121,9 @@ class PipelineTrainer:
         # the user's names of the model's parameters: they survive a meta model's materialisation
         self._names = {id(q): name for name, q in pipe.model.named_parameters(remove_duplicate=False)}
         self.optimizer: torch.optim.Optimizer = optimizer(pipe.model.parameters())
-        self._pending: dict[str, Any] | None = None  # a checkpoint shard to load once the model is split
+        self._pending = False  # a checkpoint to load once the model is split
         self._read: Callable[[int], dict[str, object]] | None = None
+        self._saved: Mapping[str, object] = {}
 
     # -- shares (ShardedTrainer) ------------------------------------------------------------------------
     def share(self, n: int) -> Share:
@@ -129,6 +144,7 @@ class PipelineTrainer:
             self._setup(batches[0])
         for q in pipe.parameters():
             q.grad = None
+        self.optimizer.zero_grad()  # with ZeRO the optimizer holds pieces, whose gradients accumulate
         local = 0.0
         for b in batches:
             sizes = [s for s in split_sizes(b.share.stop - b.share.start, pipe.M) if s > 0]
@@ -152,9 +168,11 @@ class PipelineTrainer:
         for group in self.optimizer.param_groups:  # in place: an optimizer may hold the list itself
             held = [current[self._names[id(q)]] for q in group["params"]]
             group["params"][:] = [q for q in held if id(q) in mine]
-        if self._pending is not None:
-            self._load(self._pending)
-            self._pending = None
+        if pipe.zero is not None:
+            pipe.zero.shard_optimizer(self.optimizer)
+        if self._pending:
+            self._load()
+            self._pending = False
 
     @property
     def bounds(self) -> list[int]:
@@ -170,74 +188,99 @@ class PipelineTrainer:
     def trained_model(self) -> nn.Module:
         if not self.pipe.stages and self._read is not None:  # resumed after the last step: no set-up
             self._load_everything(self._read)
-        return self.pipe.trained_model()
+        model = self.pipe.trained_model()
+        if self.pipe.zero is not None:
+            self.pipe.zero.close()
+        return model
 
     # -- checkpoints (CheckpointTrainer) -----------------------------------------------------------------
     def layout(self) -> dict[str, object]:
-        """Strategy, world size, P, R, virtual stages and the cut (None before the first step)."""
+        """Strategy, world size, P, R, virtual stages, ZeRO stage and the cut (None before the first step)."""
         pipe = self.pipe
         return {"strategy": self.strategy, "world_size": self.comm.size, "partitions": pipe.P,
-                "replicas": pipe.R, "virtual_stages": pipe.V,
-                "bounds": list(pipe.bounds) if pipe.stages else None}
+                "replicas": pipe.R, "virtual_stages": pipe.V, "zero": pipe.zero_stage,
+                "bounds": list(pipe.bounds) if pipe.stages else None, NAMED: True}
 
-    def state_dict(self) -> dict[str, object]:
-        """This rank's partitions' parameters and buffers under the user's ``state_dict`` names (a tied
-        weight under each of its names, on every rank holding a copy: the copies are equal), plus, on
-        world rank 0, tensors no partition holds (unused ones); the optimizer state."""
+    def _held(self) -> tuple[list[tuple[torch.Tensor, Held]], dict[int, Held]]:
+        """This rank's tensors by name: its partitions' parameters and buffers (a tied weight under each
+        of its names, on every rank holding a copy: the copies are equal), plus, on world rank 0, tensors
+        no partition holds (before the first step: every tensor); and its optimizer's parameters (whole,
+        or with ZeRO this rank's pieces)."""
         pipe = self.pipe
         named = pipe.model.state_dict(keep_vars=True)
-        if not pipe.stages:  # no step taken: every rank holds the whole (initial) model
-            model = {k: t.detach() for k, t in named.items() if self.comm.rank == 0 and not t.is_meta}
+        rank0 = self.comm.rank == 0
+        if not pipe.stages:
+            tensors = [(t, whole(k, t)) for k, t in named.items() if rank0 and not t.is_meta]
+            return tensors, {}
+        own, held = pipe.tensor_ids()
+        tensors = [(t, whole(k, t)) for k, t in named.items()
+                   if id(t) in own or (rank0 and id(t) not in held and not t.is_meta)]
+        params = dict(pipe.model.named_parameters(remove_duplicate=False))
+        names: dict[int, Held] = {}
+        if pipe.zero is not None:
+            for pid, (piece, a, b) in pipe.zero.piece_ranges().items():
+                name = self._names[pid]
+                names[id(piece)] = Held(name, a, b, tuple(params[name].shape))
         else:
-            own, held = pipe.tensor_ids()
-            model = {k: t.detach() for k, t in named.items()
-                     if id(t) in own or (self.comm.rank == 0 and id(t) not in held and not t.is_meta)}
-        return {"model": model, "optimizer": self.optimizer.state_dict()}
+            for q in pipe.parameters():
+                names[id(q)] = whole(self._names[id(q)], q)
+        return tensors, names
+
+    def state_dict(self) -> dict[str, object]:
+        """This rank's shard by name (:mod:`.._reshard`): the tensors of :meth:`_held` and its optimizer's state."""
+        tensors, names = self._held()
+        model, pieces = tensor_entries(tensors)
+        return {"model": model, "model_pieces": pieces, "optim": optimizer_entries(self.optimizer, names)}
 
     def load_state_dict(self, read: Callable[[int], dict[str, object]], saved_layout: Mapping[str, object]) -> None:
-        """Resume with the same partitions and virtual stages, cut where the saved run cut it (its
-        bounds become ``balance``); the shard is applied when the model is split at the first step.
-        Same replicas: this rank's shard. Other replicas (another world size): pipeline rank p reads
-        saved rank p, replica 0's (replicas hold the same weights and optimizer state; BatchNorm
-        statistics become replica 0's). Other partitions or virtual stages: FitError naming both
-        layouts (partitions and their optimizer state are not resharded)."""
+        """Resume from a checkpoint by name of any layout: this rank's tensors and optimizer state are read,
+        once the model is split at the first step, from whichever saved ranks hold them (partitions,
+        replicas, ZeRO stage and strategy may all differ). Same partitions and virtual stages: the model
+        is cut where the saved run cut it (its bounds become ``balance``) and pipeline rank p reads saved
+        rank p first (replica 0's BatchNorm statistics; its own with the same replicas). The optimizer's
+        hyperparameters are set at once (fit reports the lr, a scheduler was built on them)."""
         now = self.layout()
-        keys = ("strategy", "partitions", "virtual_stages")
-        bounds = saved_layout.get("bounds")
-        if any(saved_layout.get(k) != now[k] for k in keys) or (bounds is not None and not isinstance(bounds, list)):
+        if not saved_layout.get(NAMED):
             raise FitError(f"cannot resume strategy {self.strategy!r} (layout {now}) from a checkpoint of layout "
-                           f"{dict(saved_layout)}: a pipeline resumes only with the same partitions and virtual "
-                           f"stages (resharding partitions is not supported; replicas may change)")
-        same = saved_layout.get("replicas") == now["replicas"] and saved_layout.get("world_size") == now["world_size"]
-        state = read(self.comm.rank if same else self.pipe.p)
-        self._read = read
-        if bounds is None:  # saved before any step: the whole model on every rank
+                           f"{dict(saved_layout)}: it predates checkpoints by name")
+        self._read, self._saved = read, saved_layout
+        bounds = saved_layout.get("bounds")
+        pipeline = saved_layout.get("strategy") in ("model", "hybrid")
+        if pipeline and bounds is None:  # saved before any step: the whole model, on rank 0
             self.pipe.model.load_state_dict(read(0)["model"])  # type: ignore[arg-type]
             return
-        self.pipe.balance = [b - a for a, b in zip(bounds, bounds[1:])]
-        # hyperparameters now (fit reports the lr, a scheduler was built on them); the state at set-up
-        for group, saved in zip(self.optimizer.param_groups, state["optimizer"]["param_groups"]):  # type: ignore[index]
-            group.update({k: v for k, v in saved.items() if k != "params"})
+        if self._same_cut():
+            assert isinstance(bounds, list)
+            self.pipe.balance = [b - a for a, b in zip(bounds, bounds[1:])]
+        saved_groups = read(0)["optim"]["groups"]  # type: ignore[index]
+        for group, saved in zip(self.optimizer.param_groups, saved_groups):
+            group.update(saved)
         if self.pipe.stages:
-            self._load(state)
+            self._load()
         else:
-            self._pending = state
+            self._pending = True
 
-    def _load(self, state: Mapping[str, Any]) -> None:
-        own, _ = self.pipe.tensor_ids()
-        named = self.pipe.model.state_dict(keep_vars=True)
-        with torch.no_grad():
-            for k, t in state["model"].items():
-                if k in named and id(named[k]) in own:
-                    named[k].copy_(t)
-        self.optimizer.load_state_dict(state["optimizer"])
+    def _same_cut(self) -> bool:
+        saved = self._saved
+        return (saved.get("strategy") in ("model", "hybrid") and saved.get("partitions") == self.pipe.P
+                and saved.get("virtual_stages") == self.pipe.V and isinstance(saved.get("bounds"), list))
+
+    def _load(self) -> None:
+        assert self._read is not None
+        saved = self._saved
+        world = int(saved["world_size"])  # type: ignore[call-overload]
+        if self._same_cut():  # same layout: this rank's own shard; other replicas: pipeline rank p's
+            same = saved.get("replicas") == self.pipe.R and world == self.comm.size
+            first = self.comm.rank if same else self.pipe.p
+        else:
+            first = 0
+        tensors, names = self._held()
+        load_named(self._read, [first, *(r for r in range(world) if r != first)], tensors, self.optimizer, names)
 
     def _load_everything(self, read: Callable[[int], dict[str, object]]) -> None:
         """The whole model from every saved shard (lowest rank first), for a run resumed with no step left."""
-        merged: dict[str, torch.Tensor] = {}
-        for r in range(self.comm.size):
-            for k, t in read(r)["model"].items():  # type: ignore[attr-defined]
-                merged.setdefault(k, t)
+        world = int(self._saved.get("world_size", self.comm.size))  # type: ignore[call-overload]
+        merged = assemble(read(r) for r in range(world))
         if not self.pipe.on_meta:
             self.pipe.model.load_state_dict(merged, strict=False)
 
