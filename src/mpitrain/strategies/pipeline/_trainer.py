@@ -113,9 +113,10 @@ class PipelineTrainer:
     # -- shares (ShardedTrainer) ------------------------------------------------------------------------
     def share(self, n: int) -> Share:
         """Replica r's block of `n` rows (:func:`~mpitrain.comm.base.split_sizes`); inputs on pipeline
-        rank 0, targets on the last pipeline rank, nothing on the others."""
+        rank 0, targets on the pipeline rank of the last partition (the last rank; rank 0 under zbv),
+        nothing on the others."""
         s = even_share(n, self.pipe.R, self.pipe.replica)
-        return Share(s.start, s.stop, inputs=self.pipe.p == 0, targets=self.pipe.p == self.pipe.P - 1)
+        return Share(s.start, s.stop, inputs=self.pipe.p == 0, targets=self.pipe.p == self.pipe.last_rank)
 
     def train_step(self, inputs: Any, targets: Any) -> float:
         """One step on a global batch every rank holds in full (any size)."""
@@ -174,10 +175,11 @@ class PipelineTrainer:
 
     # -- checkpoints (CheckpointTrainer) -----------------------------------------------------------------
     def layout(self) -> dict[str, object]:
-        """Strategy, world size, P, R, virtual stages and the cut (None before the first step)."""
+        """Strategy, world size, P, R, virtual stages, their placement ("loop": rank p runs p, p + P, ...;
+        "v": zbv's p and 2P-1-p) and the cut (None before the first step)."""
         pipe = self.pipe
         return {"strategy": self.strategy, "world_size": self.comm.size, "partitions": pipe.P,
-                "replicas": pipe.R, "virtual_stages": pipe.V,
+                "replicas": pipe.R, "virtual_stages": pipe.V, "placement": pipe.placement_name,
                 "bounds": list(pipe.bounds) if pipe.stages else None}
 
     def state_dict(self) -> dict[str, object]:
@@ -200,11 +202,14 @@ class PipelineTrainer:
         Same replicas: this rank's shard. Other replicas (another world size): pipeline rank p reads
         saved rank p, replica 0's (replicas hold the same weights and optimizer state; BatchNorm
         statistics become replica 0's). Other partitions or virtual stages: FitError naming both
-        layouts (partitions and their optimizer state are not resharded)."""
+        layouts (partitions and their optimizer state are not resharded), as is another placement of the
+        virtual stages."""
         now = self.layout()
         keys = ("strategy", "partitions", "virtual_stages")
         bounds = saved_layout.get("bounds")
-        if any(saved_layout.get(k) != now[k] for k in keys) or (bounds is not None and not isinstance(bounds, list)):
+        placed = saved_layout.get("placement", "loop") == now["placement"]  # older checkpoints: the loop
+        if any(saved_layout.get(k) != now[k] for k in keys) or not placed or (
+                bounds is not None and not isinstance(bounds, list)):
             raise FitError(f"cannot resume strategy {self.strategy!r} (layout {now}) from a checkpoint of layout "
                            f"{dict(saved_layout)}: a pipeline resumes only with the same partitions and virtual "
                            f"stages (resharding partitions is not supported; replicas may change)")
