@@ -57,10 +57,11 @@ def layouts(size: int) -> list[tuple[int, int]]:
     return [(size, 1)] + ([(2, size // 2)] if size == 4 else [])
 
 
-# GPT-2 (embedding tied to the LM head: the tie spans the first and last partition) under every
-# schedule; BERT-MLM (its decoder tied to the word embedding) and Llama (untied) under one each.
-CASES = [("gpt2", "gpipe"), ("gpt2", "1f1b"), ("gpt2", "interleaved-1f1b"), ("bert", "1f1b"),
-         ("llama", "interleaved-1f1b")]
+# GPT-2 (embedding tied to the LM head: the tie spans the first and last partition; under zbv both
+# live on rank 0) under every schedule; BERT-MLM (its decoder tied to the word embedding) and Llama
+# (untied) under two each.
+CASES = [("gpt2", "gpipe"), ("gpt2", "1f1b"), ("gpt2", "interleaved-1f1b"), ("gpt2", "zb1p"), ("gpt2", "zbv"),
+         ("bert", "1f1b"), ("bert", "zbv"), ("llama", "interleaved-1f1b"), ("llama", "zb1p")]
 
 
 @pytest.mark.mpi
@@ -79,8 +80,10 @@ def test_transformer_parameters_after_2_steps_equal_one_process(comm, device, na
 
 
 # Built on the meta device, captured by torch.export (no rank runs or holds the whole model): GPT-2
-# timing only its own partitions, BERT and Llama split by parameters, one schedule each.
-META_CASES = [("gpt2", "1f1b", "time"), ("bert", "gpipe", "params"), ("llama", "interleaved-1f1b", "params")]
+# timing only its own partitions, BERT and Llama split by parameters, one schedule each; GPT-2 under
+# zbv too (its tie on one rank).
+META_CASES = [("gpt2", "1f1b", "time"), ("bert", "gpipe", "params"), ("llama", "interleaved-1f1b", "params"),
+              ("gpt2", "zbv", "params")]
 SEED = 3
 
 
