@@ -106,6 +106,8 @@ def test_training_loss_is_the_one_process_mean_on_every_rank(comm):
     ({"strategy": "model", "stall_timout": 3}, "does not take option"),
     ({"strategy": "model", "checkpoint": "sometimes"}, "checkpoint"),
     ({"strategy": "model", "schedule": "interleaved-1f1b", "micro_batches": 5}, "multiple"),
+    ({"strategy": "model", "schedule": "zb1p", "checkpoint": "always"}, "recompute the forward in each"),
+    ({"strategy": "model", "schedule": "zbv", "virtual_stages": 3}, "exactly 2 partitions per rank"),
 ])
 def test_bad_arguments_are_refused_on_every_rank_before_any_message(comm, kwargs, match):
     cls, shape = MODELS["mlp"]

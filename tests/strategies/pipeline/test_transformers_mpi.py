@@ -148,16 +148,19 @@ def test_meta_transformer_in_the_loop_api_trains_and_evaluates_like_one_process(
 
 
 @pytest.mark.mpi
-def test_tied_copies_get_the_summed_gradient_and_stay_identical(comm):
-    """GPT-2's wte/lm_head weight lives on the first and the last rank; after each step both hold the
-    one-process gradient (the sum of the two uses), so the copies stay equal after AdamW steps."""
+@pytest.mark.parametrize("schedule", ["1f1b", "zb1p", "zbv"])
+def test_tied_copies_get_the_summed_gradient_stay_identical_and_evaluate_like_one_process(comm, schedule):
+    """GPT-2's wte/lm_head weight lives on the first and the last partition's rank (the last rank; rank
+    0 under zbv: one tensor); after each step every holder has the one-process gradient (the sum of the
+    two uses, after the weight halves of the zero-bubble schedules), so the copies stay equal after
+    AdamW steps; pipe.eval's logits equal one process's."""
     model = build("gpt2")
     want = copy.deepcopy(model)
-    pipe = mpitrain.Pipeline(model, partitions=comm.size, micro_batches=2, comm=comm, balance="params",
-                             example=lm_batches(4, 1)[0][0])
+    pipe = mpitrain.Pipeline(model, partitions=comm.size, micro_batches=2, schedule=schedule, comm=comm,
+                             balance="params", example=lm_batches(4, 1)[0][0])
     tied = model.lm_head.weight
     holders = comm.allgather_object(any(q is tied for q in pipe.parameters()))
-    assert_all_ranks(comm, holders[0] and holders[-1], f"tied weight holders {holders}")
+    assert_all_ranks(comm, holders[0] and holders[pipe.last_rank], f"tied weight holders {holders}")
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(want.parameters(), lr=1e-2)
     for inputs, labels in lm_batches(4, STEPS, seed=1):
@@ -171,7 +174,11 @@ def test_tied_copies_get_the_summed_gradient_and_stay_identical(comm):
             assert_all_ranks(comm, True)
         opt.step()
         ref_opt.step()
-    compare(comm, pipe.trained_model(), want, "AdamW loop")
+    compare(comm, pipe.trained_model(), want, f"AdamW loop, {schedule}")
+    x = {k: v[:5] for k, v in lm_batches(5, 1, seed=3)[0][0].items()}
+    with torch.no_grad():
+        ref = want.eval()(**x)
+    assert_close_all_ranks(comm, pipe.eval(x).logits, ref.logits, atol=1e-10, what=f"eval logits, {schedule}")
 
 
 @pytest.mark.mpi

@@ -61,7 +61,7 @@ from ._graph import (
 from ._materialize import InitFn, is_meta, materialize, release
 from ._partition import bounds_from_balance
 from ._stage import Stage, autocast, make_edges, run
-from .schedule import SCHEDULES, Action, chunks_per_rank, placement, schedule
+from .schedule import SCHEDULES, SPLIT, Action, chunks_per_rank, placement, schedule
 
 __all__ = ["Pipeline", "CHECKPOINTS"]
 
@@ -689,6 +689,10 @@ def _check_options(P: int, M: int, schedule: str, checkpoint: str, balance: Any,
     if schedule == "interleaved-1f1b" and (not isinstance(virtual, int) or virtual < 1 or M % P):
         raise FitError(f"schedule 'interleaved-1f1b' needs virtual_stages >= 1 and micro_batches a multiple "
                        f"of partitions ({P}); got virtual_stages={virtual!r}, micro_batches={M}")
+    if schedule in SPLIT and checkpoint != "never":
+        raise FitError(f"schedule {schedule!r} splits each backward in two halves, and recomputation "
+                       f"(checkpoint={checkpoint!r}) would recompute the forward in each of them (and once per "
+                       f"weight group); use checkpoint='never', or schedule '1f1b' with recomputation")
     if schedule == "zbv" and virtual != 2:
         raise FitError(f"schedule 'zbv' runs exactly 2 partitions per rank (in a V); got virtual_stages={virtual!r}: "
                        f"leave virtual_stages at 2")
