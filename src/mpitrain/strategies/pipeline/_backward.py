@@ -120,14 +120,14 @@ def _groups(params: Sequence[torch.Tensor], up: dict[Node, list[Node]], closure:
     """The weight region's pieces that hold parameters, each with its intermediates and the `outputs`
     (edge, seed) that lie in it."""
     rep: dict[Node, Node] = {}
-    entry: set[Node] = set()
+    entry: dict[Node, None] = {}  # ordered (the walk's order): the same engine calls on every run
     for child, parents in up.items():
         if child in closure:
             continue
-        for p in parents:
-            rep[_find(rep, p)] = _find(rep, child)
-            if p in closure:
-                entry.add(p)
+        for parent in parents:
+            rep[_find(rep, parent)] = _find(rep, child)
+            if parent in closure:
+                entry[parent] = None
     groups: dict[Node, _Group] = {}
     for p in params:
         acc = get_gradient_edge(p).node

@@ -111,9 +111,10 @@ class Pipeline:
     ``reset_parameters()``).
 
     For fit's per-rank reads (`inputs_on_first`): only pipeline rank 0 has a batch's inputs, and only
-    the rank of the last partition (:attr:`last_rank`) its targets (:meth:`setup_shared`, :meth:`train_pass`); a model input read
-    by a later partition is sent there by partition 0. `autocast`: forwards and loss under CPU bf16
-    autocast (shapes and dtypes of the messages are profiled under it too)."""
+    the rank of the last partition (:attr:`last_rank`) its targets (:meth:`setup_shared`,
+    :meth:`train_pass`); a model input read by a later partition is sent there by partition 0.
+    `autocast`: forwards and loss under CPU bf16 autocast (shapes and dtypes of the messages are
+    profiled under it too)."""
 
     def __init__(self, model: nn.Module, partitions: int | None = None, replicas: int | None = None,
                  micro_batches: int = 1, schedule: str = "1f1b", comm: Communicator | None = None,
