@@ -15,6 +15,7 @@ from ..perf.pipeline import micro_batch_candidates, pipeline_step
 from ..perf.spatial import ConvShape, halo_messages, layer_path
 from ..perf.timing import TimingInputs, predict, ring_allreduce_time
 from ..strategies.pipeline import balanced_bounds
+from ..strategies.pipeline.schedule import SPLIT, bubble_efficiency, chunks_per_rank, peak_in_flight
 from ._overhead import Overheads
 from ._profile import ModelProfile
 from ._types import Dropped, Plan
@@ -125,7 +126,8 @@ def _stage_sums(values: list[float], bounds: list[int]) -> list[float]:
 
 
 def _pipelines(m: Measured) -> Iterator[Plan | Dropped]:
-    """HyPar-Flow's model (P = W) and hybrid (P | W, R = W / P) with the best M (perf.pipeline)."""
+    """HyPar-Flow's model (P = W) and hybrid (P | W, R = W / P) with the best M and schedule
+    (perf.pipeline; the schedules of :data:`PLANNED`, the option only when not the default 1f1b)."""
     B, W, prof = m.prof.batch, m.world, m.prof
     for P in _divisors(W)[1:]:
         R = W // P
@@ -152,17 +154,48 @@ def _pipelines(m: Measured) -> Iterator[Plan | Dropped]:
             n = B // (R * M)
             link = _link(m, groups)
             ar = ring_allreduce_time(grads, R, link[0], link[1], m.cal.gamma, m.cal.S)
-            ar += m.overheads.of_data(grads) * (R > 1) + m.overheads.pipeline_slot * (M + P - 1)
-            cost = pipeline_step([prof.step_s(n) * s for s in shares], M, pipes.p2p.time(cross * n), ar,
-                                 _update_s(m, grads))
-            mem = _state_bytes(grads) + acts * n * min(M, P) + 2 * cross * n
-            plan = Plan(strategy, {**base, "micro_batches": M}, cost.total, int(mem),
-                        {"compute": cost.compute + cost.update, "communication": cost.communication,
-                         "bubble": cost.bubble})
-            if best is None or plan.step_s < best.step_s:
-                best = plan
+            ar += m.overheads.of_data(grads) * (R > 1)
+            for schedule in _schedules(P, M, len(prof.cuts)):
+                v = chunks_per_rank(schedule)
+                # the probe's per-slot overhead was measured under 1F1B (two actions per micro-batch)
+                slots = M * v * (3 if schedule in SPLIT else 2) / 2 + P - 1
+                cost = pipeline_step([prof.step_s(n) * s for s in shares], M, pipes.p2p.time(cross * n),
+                                     ar + m.overheads.pipeline_slot * slots, _update_s(m, grads),
+                                     _bubble_share(schedule, P, M, prof.forward_share), v)
+                mem = _state_bytes(grads) + acts * n * peak_in_flight(schedule, P, M) + 2 * v * cross * n
+                opts = {**base, "micro_batches": M, **({} if schedule == "1f1b" else {"schedule": schedule})}
+                plan = Plan(strategy, opts, cost.total, int(mem),
+                            {"compute": cost.compute + cost.update, "communication": cost.communication,
+                             "bubble": cost.bubble})
+                if best is None or plan.step_s < best.step_s:
+                    best = plan
         if best is not None:
             yield best
+
+
+#: The schedules the planner prices (gpipe takes 1F1B's time with more memory: never better).
+PLANNED = ("1f1b", "interleaved-1f1b", "zb1p", "zbv")
+
+
+def _schedules(P: int, M: int, cuts: int) -> list[str]:
+    """The schedules that can run P ranks and M micro-batches on a graph with `cuts` cut points: two
+    partitions per rank need 2P - 1 cuts, interleaved-1f1b M a multiple of P."""
+    if P == 1:
+        return ["1f1b"]
+    return [s for s in PLANNED if chunks_per_rank(s) * P <= cuts + 1 and (s != "interleaved-1f1b" or M % P == 0)]
+
+
+def _bubble_share(schedule: str, P: int, M: int, forward_share: float) -> float:
+    """`schedule`'s bubble over 1F1B's on a balanced pipeline, simulated with the measured forward
+    share of a step and W (weight half) as long as F, at most half the backward (a weight GEMM per
+    forward GEMM): 1/2 for interleaved (v = 2), ~1/3 for zb1p when F = I = W."""
+    if P == 1 or schedule in ("gpipe", "1f1b"):
+        return 1.0
+    f = min(max(forward_share, 0.05), 0.95)
+    b = (1 - f) / f  # the backward in units of the forward
+    work = M * (1 + b)
+    makespan = work / bubble_efficiency(schedule, P, M, 2, b, min(1.0, b / 2))
+    return (makespan - work) / ((P - 1) * (1 + b))
 
 
 def _link(m: Measured, net: Network) -> tuple[float, float]:

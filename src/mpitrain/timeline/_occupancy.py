@@ -84,6 +84,6 @@ def format_occupancy(rows: list[Occupancy]) -> str:
         lines.append(f"{r.rank:>4}  {r.steps:>5}  {r.step_ms:>7.1f}  {r.window_ms:>9.1f}  {r.waits_ms:>8.1f}  "
                      f"{r.compute_ms:>10.1f}  {r.busy:>21.3f}  {r.of_step:>12.3f}")
     if rows:
-        lines.append(f"mean  {'':>5}  {'':>7}  {'':>9}  {'':>8}  {'':>10}  "
-                     f"{statistics.mean(r.busy for r in rows):>21.3f}  {statistics.mean(r.of_step for r in rows):>12.3f}")
+        busy, of_step = statistics.mean(r.busy for r in rows), statistics.mean(r.of_step for r in rows)
+        lines.append(f"mean  {'':>5}  {'':>7}  {'':>9}  {'':>8}  {'':>10}  {busy:>21.3f}  {of_step:>12.3f}")
     return "\n".join(lines)

@@ -61,7 +61,8 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 __all__ = ["Action", "gpipe", "one_f_one_b", "interleaved_1f1b", "zb1p", "zbv", "SCHEDULES", "SPLIT", "schedule",
-           "chunks_per_rank", "placement", "render", "simulate", "ideal_efficiency", "bubble_efficiency"]
+           "chunks_per_rank", "placement", "render", "simulate", "peak_in_flight", "ideal_efficiency",
+           "bubble_efficiency"]
 
 
 class Action(NamedTuple):
@@ -258,6 +259,20 @@ def simulate(stages: int, micro_batches: int, name: str, backward_cost: float = 
             raise RuntimeError(f"schedule {name!r} deadlocks for P={stages}, M={micro_batches}, v={virtual}: "
                                f"stages wait forever at {stuck}")
     return max(clock)
+
+
+def peak_in_flight(name: str, stages: int, micro_batches: int, virtual: int = 2) -> float:
+    """The most micro-batches any rank holds between a forward and the end of its backward (B, or W
+    for the split schedules), a chunk counting 1/chunks: the activation memory in units of one
+    micro-batch through a rank's layers. 1f1b: P; gpipe: M; zb1p: P; zbv: at most P."""
+    v = chunks_per_rank(name, virtual)
+    peak = 0.0
+    for s in range(stages):
+        live = 0.0
+        for a in schedule(name, stages, micro_batches, s, virtual):
+            live += 1 / v if a.kind == "F" else -1 / v if a.kind in "BW" else 0.0
+            peak = max(peak, live)
+    return peak
 
 
 def ideal_efficiency(stages: int, micro_batches: int) -> float:
