@@ -15,7 +15,7 @@ from tests.helpers import assert_close_all_ranks
 
 from .models import batches, reference_train
 
-STEPS, ROWS = 2, 2  # steps; rows per micro-batch (32x32 images: layer4 runs on 2x2 maps, 8 values per BatchNorm channel)
+STEPS, ROWS = 2, 2  # rows per micro-batch: 32x32 images leave layer4 2x2 maps, 8 values per BatchNorm channel
 
 
 def sgd(params):
