@@ -26,6 +26,7 @@ from torch import nn
 
 from ..comm.base import Communicator
 from ..fit import FitSpec, make_trainer
+from ..perf.memory import step_memory
 from ..runtime import init
 from ..strategies.pipeline.schedule import bubble_efficiency
 from .common import (
@@ -224,10 +225,13 @@ def transformer_table(comm: Communicator, args: argparse.Namespace) -> None:
             opt.step()
         return step
 
+    steps: dict[str, Callable[[], object]] = {}  # contender -> its training step (after the rounds: memory)
+
     def parallel(strategy: str, partitions: int, schedule: str = "1f1b") -> Timer:
         spec = FitSpec(strategy=strategy, partitions=partitions, micro_batches=micro if strategy != "data" else 1,
                        schedule=schedule, balance="time")
         trainer = make_trainer(_gpt2(args), _lm_loss, _sgd, comm, spec)
+        steps[f"{strategy} {schedule}" if strategy != "data" else "data"] = lambda: trainer.train_step(inputs, labels)
         return step_timer(comm, lambda: trainer.train_step(inputs, labels), args.steps)
 
     timers = {"seq": alone_timer(comm, sequential_step() if comm.rank == 0 else None, args.steps),
@@ -252,9 +256,11 @@ def transformer_table(comm: Communicator, args: argparse.Namespace) -> None:
         # the bubble of a balanced pipeline with F = I = W (schedule.bubble_efficiency): M / (M + P - 1)
         # for 1f1b, M / (M + (P - 1) / 2) interleaved (v = 2), 3M / (3M + P - 1) zb1p
         ideal = bubble_efficiency(schedule, P, micro, virtual=2, backward_cost=2.0, weight_cost=1.0)
+        # one more step, profiled: the peak growth of live tensors per rank (activations held, messages)
+        peaks = comm.allgather_object(step_memory(steps[name]))
         rows.append([name, tokens / median(t[name]), paired_ratio(t["seq"], t[name]), of_machine,
                      quartiles([a / (size * b) for a, b in zip(t["seq all"], t[name])]), ideal,
-                     of_machine / ideal])
+                     of_machine / ideal, "/".join(f"{p / 1e6:.0f}" for p in peaks)])
     if comm.rank == 0:
         print(f"\n## tokens/s per training step, GPT-2 ({args.gpt_layers} layers x {args.gpt_width}, vocab "
               f"{args.gpt_vocab}, tied embeddings; batch {n} x {args.gpt_seq} tokens, M={micro}); sequential "
@@ -262,7 +268,7 @@ def transformer_table(comm: Communicator, args: argparse.Namespace) -> None:
               f"rank running it at once;\n## 'of machine' = (T_seq all / T) / P: the share of what {size} "
               f"concurrent processes get from this machine")
         print_table(["contender", "tokens/s", "speed-up vs seq", "of machine", "q25-q75", "bubble ideal",
-                     "of machine ideal"], rows)
+                     "of machine ideal", "peak MB per rank"], rows)
 
 
 def _ints(text: str) -> list[int]:
