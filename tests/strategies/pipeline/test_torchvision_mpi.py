@@ -1,7 +1,7 @@
-"""A torchvision CNN from its default constructor (torchvision's ResNet with one BasicBlock per stage,
-ResNet-18's blocks at half the depth: residual skips across partitions, BatchNorm, the stock stem and
-head) through the model and hybrid strategies, against one process: parameters after 2 SGD steps in
-float64, under the zero-bubble schedules."""
+"""A torchvision CNN from its default constructor (ShuffleNetV2 x0.5: each unit splits its channels,
+passes one half around its branch and concatenates and shuffles them, so halves skip across
+partitions; BatchNorm everywhere) through the model and hybrid strategies, against one process:
+parameters and BatchNorm statistics after 2 SGD steps in float64, under the zero-bubble schedules."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from tests.helpers import assert_close_all_ranks
 
 from .models import batches, reference_train
 
-STEPS, ROWS = 2, 2  # rows per micro-batch: 32x32 images leave layer4 2x2 maps, 8 values per BatchNorm channel
+STEPS, ROWS = 2, 2  # rows per micro-batch: 64x64 images leave conv5 2x2 maps, 8 values per BatchNorm channel
 
 
 def sgd(params):
@@ -29,12 +29,12 @@ def layouts(size: int) -> list[tuple[int, int]]:
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("schedule", ["zb1p", "zbv"])
-def test_torchvision_resnet_parameters_after_2_steps_equal_one_process(comm, schedule):
-    resnet = torchvision_module("models.resnet")
+def test_torchvision_shufflenet_parameters_after_2_steps_equal_one_process(comm, schedule):
+    shufflenet = torchvision_module("models.shufflenetv2")
     for P, R in layouts(comm.size):
         torch.manual_seed(0)
-        model = resnet.ResNet(resnet.BasicBlock, [1, 1, 1, 1], num_classes=10).double()
-        data = [(x.double(), y) for x, y in batches((3, 32, 32), R * P * ROWS, STEPS, classes=10, seed=P + R)]
+        model = shufflenet.shufflenet_v2_x0_5(num_classes=10).double()
+        data = [(x.double(), y) for x, y in batches((3, 64, 64), R * P * ROWS, STEPS, classes=10, seed=P + R)]
         want = reference_train(model, data, sgd, R * P)
         got = fit(model, data, nn.CrossEntropyLoss(), sgd, strategy="model" if R == 1 else "hybrid", partitions=P,
                   micro_batches=P, schedule=schedule, progress=False, balance="params").model
