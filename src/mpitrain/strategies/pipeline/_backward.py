@@ -129,9 +129,14 @@ def _groups(params: Sequence[torch.Tensor], up: dict[Node, list[Node]], closure:
             if parent in closure:
                 entry[parent] = None
     groups: dict[Node, _Group] = {}
-    for p in params:
-        acc = get_gradient_edge(p).node
-        if acc in up and acc not in closure:
+    wanted = {id(p) for p in params}
+    # the graph's gradient accumulators name their parameters (get_gradient_edge per parameter costs
+    # ~2.5 us each: 130 us for GPT-2's 50, against 8 us for this scan of a 140-node partition)
+    for acc in up:
+        if type(acc).__name__ != "AccumulateGrad" or acc in closure:
+            continue
+        p: torch.Tensor = getattr(acc, "variable")  # noqa: B009  (Node's stub lacks the accumulator's field)
+        if id(p) in wanted:
             groups.setdefault(_find(rep, acc), _Group()).params.append(p)
     for n in entry:
         g = groups.get(_find(rep, n))
