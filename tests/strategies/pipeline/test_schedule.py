@@ -138,6 +138,15 @@ def test_zero_bubble_schedules_shrink_the_bubble_as_the_paper_says():
     assert bubble_efficiency("zbv", 2, 4) == pytest.approx(12 / 12.5)
 
 
+def test_simulate_on_partition_times_reproduces_the_uniform_case_and_sees_an_unbalanced_rank():
+    for name, P, M, v in layouts():
+        chunks = chunks_per_rank(name, v)
+        uniform = [3.0 / chunks] * (P * chunks)  # F + B of a chunk: (1 + backward_cost) / chunks
+        assert simulate(P, M, name, 2.0, v, 1.0, uniform) == pytest.approx(simulate(P, M, name, 2.0, v, 1.0))
+    # zbv's rank 0 runs partitions 0 and 3: a heavy last partition makes it the slow rank
+    assert simulate(2, 4, "zbv", partition_costs=[1, 1, 1, 3]) > simulate(2, 4, "zbv", partition_costs=[2, 1, 1, 2])
+
+
 def test_simulate_detects_a_deadlocking_order():
     bad = {"bad": lambda P, M, s: [a for a in reversed(one_f_one_b(P, M, s))]}
     SCHEDULES.update(bad)
