@@ -96,7 +96,7 @@ def _plan(args: argparse.Namespace, rest: list[str]) -> int:
     return _launched("plan", lambda: run_module(_spec(args, args.n, []), module, rest, dry_run=args.dry_run))
 
 
-# -- mpitrain timeline plot TRACE -o OUT (docs/timeline.md) --------------------------------------------
+# -- mpitrain timeline plot TRACE -o OUT | bubble TRACE (docs/timeline.md) --------------------------------------------
 def _timeline_parser(sub: argparse._SubParsersAction) -> None:
     t = sub.add_parser("timeline", help="work with a timeline JSON (fit(timeline=...), MPITRAIN_TIMELINE)")
     tsub = t.add_subparsers(dest="action", required=True)
@@ -106,15 +106,21 @@ def _timeline_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--start", type=float, help="ms since the start: left edge of the window")
     p.add_argument("--end", type=float, help="ms since the start: right edge of the window")
     p.add_argument("--title")
+    o = tsub.add_parser("bubble", help="how busy each rank's pipeline actions keep it, per step (the bubble)")
+    o.add_argument("trace", help="the timeline JSON of a fit run")
+    o.add_argument("--skip", type=int, default=1, help="first steps left out (the first one sets up)")
 
 
 def _timeline(args: argparse.Namespace) -> int:
-    from .timeline import plot
+    from .timeline import format_occupancy, occupancy, plot
 
     try:
-        print(plot(args.trace, args.out, title=args.title, start_ms=args.start, end_ms=args.end))
+        if args.action == "bubble":
+            print(format_occupancy(occupancy(args.trace, args.skip)))
+        else:
+            print(plot(args.trace, args.out, title=args.title, start_ms=args.start, end_ms=args.end))
     except (OSError, ValueError, KeyError) as e:
-        print(f"mpitrain timeline plot: cannot draw {args.trace}: {e!r}", file=sys.stderr)
+        print(f"mpitrain timeline {args.action}: cannot read {args.trace}: {e!r}", file=sys.stderr)
         return 2
     return 0
 # -----------------------------------------------------------------------------------------------------

@@ -171,3 +171,22 @@ def test_switch_points_name_whole_residual_blocks_not_the_convs_inside_them():
     prof = measure_model(model, nn.functional.cross_entropy, batch, [2, 4], repeats=1)
     names = [name for _, name, _ in prof.switch_points]
     assert names == ["1", "2", "3"] and all(h == 8 for _, _, h in prof.switch_points)
+
+
+def test_pipelines_price_every_schedule_that_can_run_and_keep_the_fastest():
+    """4 graph nodes, 3 cuts: P = 2 may cut 4 partitions (interleaved, zbv), P = 4 only 1F1B and zb1p.
+    The bubble is the schedule simulated on the partitions' times: balanced, the zero-bubble schedules
+    win with a cheap network; with the last node holding half the time (an LM head), zbv's four
+    partitions cannot balance its two ranks and zb1p wins at P = 2."""
+    from mpitrain.planner._candidates import _pipelines, _schedules
+
+    assert _schedules(2, 4, 3) == ["1f1b", "interleaved-1f1b", "zb1p", "zbv"]
+    assert _schedules(4, 4, 3) == ["1f1b", "zb1p"] and _schedules(2, 3, 3) == ["1f1b", "zb1p", "zbv"]
+    fast = _net(1e-9, 1e-15)
+    for shares, want in (([0.25] * 4, {2: "zbv", 4: "zb1p"}), ([0.15, 0.15, 0.2, 0.5], {2: "zb1p", 4: "zb1p"})):
+        prof = _profile(32, 0.01, 10_000)
+        prof.node_share = shares
+        plans = list(_pipelines(_measured(prof, net=fast)))
+        assert {p.options["partitions"]: p.options.get("schedule", "1f1b") for p in plans} == want, plans
+        for p in plans:
+            assert p.step_s == pytest.approx(sum(p.breakdown.values())) and p.breakdown["bubble"] >= 0

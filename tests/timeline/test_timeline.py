@@ -105,6 +105,25 @@ def test_timeline_plot_cli_draws_a_png_with_one_row_per_rank_and_thread(tmp_path
     assert cli(["timeline", "plot", str(tmp_path / "missing.json"), "-o", str(out)]) == 2
 
 
+def test_bubble_is_the_share_of_the_schedules_window_not_computed_or_spent_waiting(tmp_path, capsys):
+    """Rank 0: a step of 100 ms whose actions F0 (10-30) and W0.1 (40-90, waiting 50-60 inside) span a
+    window of 80 ms, 60 of them computing: busy 0.75. Its first step (the set-up) is skipped; rank 1
+    has no step span (it is left out)."""
+    ms = 1000.0  # merge takes microseconds
+    doc = merge([[("compute", "step", 0.0, 50 * ms, None), ("compute", "F0", 5 * ms, 40 * ms, None),
+                  ("compute", "step", 100 * ms, 100 * ms, None), ("compute", "F0", 110 * ms, 20 * ms, None),
+                  ("compute", "W0.1", 140 * ms, 50 * ms, None), ("waits", "wait irecv", 150 * ms, 10 * ms, None),
+                  ("compute", "optimizer step", 195 * ms, 3 * ms, None)],
+                 [("compute", "F0", 0.0, 10 * ms, None)]], {"ranks": 2})
+    (got,) = timeline.occupancy(doc, skip=1)
+    assert (got.rank, got.steps, got.step_ms, got.window_ms, got.waits_ms, got.compute_ms) == (0, 1, 100, 80, 10, 60)
+    assert got.busy == 0.75 and got.of_step == 0.6
+    trace = tmp_path / "t.json"
+    trace.write_text(json.dumps(doc))
+    assert cli(["timeline", "bubble", str(trace)]) == 0
+    assert "0.750" in capsys.readouterr().out
+
+
 def test_mpitrain_timeline_env_writes_one_trace_of_both_ranks_at_exit(tmp_path, monkeypatch):
     path = tmp_path / "env.json"
     monkeypatch.setenv("MPITRAIN_TIMELINE", str(path))

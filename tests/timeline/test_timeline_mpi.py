@@ -14,8 +14,8 @@ from torch import nn
 from mpitrain import timeline
 from mpitrain.comm.base import Communicator
 from mpitrain.fit import fit
-from mpitrain.strategies.pipeline.schedule import one_f_one_b, render
-from mpitrain.timeline import _clock, _recorder
+from mpitrain.strategies.pipeline.schedule import SCHEDULES, render
+from mpitrain.timeline import _clock, _recorder, occupancy
 from tests.helpers import assert_all_ranks
 from tests.strategies.pipeline.models import MLP, batches
 
@@ -38,11 +38,12 @@ def sgd(params):
 
 
 @pytest.mark.mpi
-def test_1f1b_pipeline_trace_is_valid_nests_and_each_stage_follows_the_printed_schedule(comm):
+@pytest.mark.parametrize("schedule", ["1f1b", "zb1p"])
+def test_pipeline_trace_is_valid_nests_follows_the_printed_schedule_and_measures_its_bubble(comm, schedule):
     path = os.path.join(shared_dir(comm), "trace.json")
     torch.manual_seed(0)
     fit(MLP(), batches((12,), 8, STEPS), nn.CrossEntropyLoss(), sgd, strategy="model", partitions=comm.size,
-        micro_batches=MICRO, schedule="1f1b", progress=False, balance="params", timeline=path)
+        micro_batches=MICRO, schedule=schedule, progress=False, balance="params", timeline=path)
     verdict: list[str] = []
     if comm.rank == 0:
         with open(path) as f:
@@ -50,7 +51,7 @@ def test_1f1b_pipeline_trace_is_valid_nests_and_each_stage_follows_the_printed_s
         verdict += problems(doc)
         orders = stage_orders(doc)
         for stage in range(comm.size):
-            want = " ".join([render(one_f_one_b(comm.size, MICRO, stage))] * STEPS)
+            want = " ".join([render(SCHEDULES[schedule](comm.size, MICRO, stage))] * STEPS)
             got = " ".join(orders.get(stage, []))
             if got != want:
                 verdict.append(f"stage {stage} ran {got!r}, the schedule prints {want!r}")
@@ -66,6 +67,10 @@ def test_1f1b_pipeline_trace_is_valid_nests_and_each_stage_follows_the_printed_s
             verdict.append(f"rows {rows} lack compute/comm/waits")
         if {e["pid"] for e in x_events(doc)} != set(range(comm.size)):
             verdict.append("not every rank has events")
+        busy = occupancy(doc, skip=0)  # every step: both have actions (the first also sets up)
+        if [o.rank for o in busy] != list(range(comm.size)) or not all(
+                o.steps == STEPS and 0 < o.compute_ms <= o.window_ms <= o.step_ms and 0 < o.busy <= 1 for o in busy):
+            verdict.append(f"occupancy {busy}")
     assert_all_ranks(comm, not verdict, "; ".join(verdict[:5]))
 
 

@@ -52,9 +52,9 @@ def problems(doc: dict[str, Any]) -> list[str]:
 
 
 def stage_orders(doc: dict[str, Any]) -> dict[int, list[str]]:
-    """Per process (rank), the names of its pipeline actions ("F0", "B3", ...) in time order."""
+    """Per process (rank), the names of its pipeline actions ("F0", "B3", "I2", "W2.1", ...) in time order."""
     out: dict[int, list[tuple[float, str]]] = defaultdict(list)
     for e in x_events(doc):
-        if re.fullmatch(r"[FB]\d+", e["name"]):
+        if re.fullmatch(r"[FBIW]\d+(\.\d+)?", e["name"]):
             out[e["pid"]].append((e["ts"], e["name"]))
     return {pid: [n for _, n in sorted(v)] for pid, v in out.items()}

@@ -1,5 +1,5 @@
 """Sequential vs model vs data vs hybrid img/s on a deep residual CNN, pipeline efficiency, and
-tokens/s of a GPT-2 (model 1F1B vs interleaved vs data vs hybrid).
+tokens/s of a GPT-2 (model under 1F1B, interleaved, zb1p and zbv vs data vs hybrid).
 
 ``mpitrain bench pipeline -n 2`` (or -n 4). Table 1 has HyPar-Flow's Fig. 7/8 shape: images per
 second of one training step at several batch sizes for one process (rank 0 alone, the others asleep),
@@ -26,7 +26,9 @@ from torch import nn
 
 from ..comm.base import Communicator
 from ..fit import FitSpec, make_trainer
+from ..perf.memory import step_memory
 from ..runtime import init
+from ..strategies.pipeline.schedule import bubble_efficiency
 from .common import (
     DEVICE_STEPS,
     add_outputs,
@@ -204,8 +206,8 @@ def _lm_loss(out: Any, labels: torch.Tensor) -> torch.Tensor:
 
 def transformer_table(comm: Communicator, args: argparse.Namespace) -> None:
     """tokens/s of a GPT-2 (tied embeddings, captured by torch.export) for one process alone, P
-    processes alone at once ("seq all", the machine's ceiling), data, model (1F1B and interleaved),
-    and hybrid; efficiencies against the machine's ceiling."""
+    processes alone at once ("seq all", the machine's ceiling), data, model (every schedule of
+    ``--gpt-schedules``), and hybrid; efficiencies against the machine's ceiling."""
     size, n, micro = comm.size, args.gpt_batch, args.gpt_micro
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, args.gpt_vocab, (n, args.gpt_seq), generator=g)
@@ -223,30 +225,42 @@ def transformer_table(comm: Communicator, args: argparse.Namespace) -> None:
             opt.step()
         return step
 
+    steps: dict[str, Callable[[], object]] = {}  # contender -> its training step (after the rounds: memory)
+
     def parallel(strategy: str, partitions: int, schedule: str = "1f1b") -> Timer:
         spec = FitSpec(strategy=strategy, partitions=partitions, micro_batches=micro if strategy != "data" else 1,
                        schedule=schedule, balance="time")
         trainer = make_trainer(_gpt2(args), _lm_loss, _sgd, comm, spec)
+        steps[f"{strategy} {schedule}" if strategy != "data" else "data"] = lambda: trainer.train_step(inputs, labels)
         return step_timer(comm, lambda: trainer.train_step(inputs, labels), args.steps)
 
     timers = {"seq": alone_timer(comm, sequential_step() if comm.rank == 0 else None, args.steps),
               "seq all": step_timer(comm, sequential_step(), args.steps),
-              "data": parallel("data", 1), "model 1f1b": parallel("model", size),
-              "model interleaved": parallel("model", size, "interleaved-1f1b")}
+              "data": parallel("data", 1)}
+    layouts: dict[str, tuple[int, str]] = {}  # contender -> (P, schedule)
+    for schedule in args.gpt_schedules:
+        if schedule == "interleaved-1f1b" and micro % size:
+            continue  # M must be a multiple of P
+        layouts[f"model {schedule}"] = (size, schedule)
+        timers[f"model {schedule}"] = parallel("model", size, schedule)
     if size >= 4 and size % 2 == 0:
+        layouts["hybrid 1f1b"] = (2, "1f1b")
         timers["hybrid 1f1b"] = parallel("hybrid", 2)
     t = paired_rounds(timers, args.rounds)
     tokens = n * args.gpt_seq
     rows = []
-    stages = {"model 1f1b": size, "model interleaved": size, "hybrid 1f1b": 2}
     for name in [k for k in timers if k not in ("seq", "seq all")]:
         # the machine's ceiling: P whole-model processes at once give P x (tokens / T_seq all)
         of_machine = paired_ratio(t["seq all"], t[name]) / size
-        P = stages.get(name, 1)  # the bubble: M / (M + (P - 1) / v), v = 2 for the interleaved schedule
-        ideal = micro / (micro + (P - 1) / (2 if "interleaved" in name else 1))
+        P, schedule = layouts.get(name, (1, "1f1b"))
+        # the bubble of a balanced pipeline with F = I = W (schedule.bubble_efficiency): M / (M + P - 1)
+        # for 1f1b, M / (M + (P - 1) / 2) interleaved (v = 2), 3M / (3M + P - 1) zb1p
+        ideal = bubble_efficiency(schedule, P, micro, virtual=2, backward_cost=2.0, weight_cost=1.0)
+        # one more step, profiled: the peak growth of live tensors per rank (activations held, messages)
+        peaks = comm.allgather_object(step_memory(steps[name]))
         rows.append([name, tokens / median(t[name]), paired_ratio(t["seq"], t[name]), of_machine,
                      quartiles([a / (size * b) for a, b in zip(t["seq all"], t[name])]), ideal,
-                     of_machine / ideal])
+                     of_machine / ideal, "/".join(f"{p / 1e6:.0f}" for p in peaks)])
     if comm.rank == 0:
         print(f"\n## tokens/s per training step, GPT-2 ({args.gpt_layers} layers x {args.gpt_width}, vocab "
               f"{args.gpt_vocab}, tied embeddings; batch {n} x {args.gpt_seq} tokens, M={micro}); sequential "
@@ -254,7 +268,7 @@ def transformer_table(comm: Communicator, args: argparse.Namespace) -> None:
               f"rank running it at once;\n## 'of machine' = (T_seq all / T) / P: the share of what {size} "
               f"concurrent processes get from this machine")
         print_table(["contender", "tokens/s", "speed-up vs seq", "of machine", "q25-q75", "bubble ideal",
-                     "of machine ideal"], rows)
+                     "of machine ideal", "peak MB per rank"], rows)
 
 
 def _ints(text: str) -> list[int]:
@@ -283,7 +297,9 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--gpt-vocab", type=int, default=2000)
     p.add_argument("--gpt-seq", type=int, default=64)
     p.add_argument("--gpt-batch", type=int, default=16)
-    p.add_argument("--gpt-micro", type=int, default=4, help="M for the transformer table (a multiple of P)")
+    p.add_argument("--gpt-micro", type=int, default=4, help="M for the transformer table")
+    p.add_argument("--gpt-schedules", type=lambda v: v.split(","), default=["1f1b", "interleaved-1f1b", "zb1p", "zbv"],
+                   help="pipeline schedules of the transformer table (interleaved-1f1b only when P divides M)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cuda: a deep MLP's pipeline on each rank's GPU vs one process of plain torch "
                         "(mpitrain.bench._pipeline_cuda); the CPU tables' options do not apply")

@@ -1,7 +1,8 @@
 """The cost model of the model and hybrid strategies (HyPar-Flow): a pipeline of P partitions, R
 replicas, M micro-batches per replica.
 
-One step of a synchronous pipeline schedule (GPipe or 1F1B: same length) has ``M + P - 1`` slots: the
+One step of a synchronous pipeline schedule (GPipe or 1F1B: same length; the other schedules' bubble
+is simulated, see :func:`pipeline_step`) has ``M + P - 1`` slots: the
 first micro-batch passes through every partition (forward and backward: the sum of the partitions'
 times), the other ``M - 1`` follow at the rate of the slowest partition; each slot passes an
 activation forward and a partial error backward point-to-point; the replicas' gradient allreduce of a
@@ -40,17 +41,21 @@ class PipelineCost:
         return self.compute + self.bubble + self.communication + self.update
 
 
-def pipeline_step(stage_s: Sequence[float], M: int, p2p_s: float, allreduce_s: float, update_s: float = 0.0
-                  ) -> PipelineCost:
-    """The module formula: `stage_s` each partition's seconds per micro-batch (fwd+bwd), `p2p_s` one
-    boundary message of the largest activation, `allreduce_s` the replicas' allreduce of the largest
-    partition."""
+def pipeline_step(stage_s: Sequence[float], M: int, p2p_s: float, allreduce_s: float, update_s: float = 0.0,
+                  bubble_s: float | None = None, chunks: int = 1) -> PipelineCost:
+    """The module formula: `stage_s` each pipeline rank's seconds per micro-batch (fwd+bwd), `p2p_s`
+    one boundary message of the largest activation, `allreduce_s` the replicas' allreduce of the
+    largest partition. Other schedules than GPipe/1F1B: `bubble_s` is their bubble (the caller
+    simulates the schedule on the partitions' times, :func:`mpitrain.strategies.pipeline.schedule.simulate`,
+    and subtracts ``M * max(stage_s)``), `chunks` the partitions per rank (v): a micro-batch crosses
+    ``chunks`` boundaries per rank, ``2 (M chunks + P - 1)`` messages."""
     P = len(stage_s)
-    if M < 1 or P < 1:
-        raise ValueError(f"M and the number of partitions must be >= 1, got M={M}, P={P}")
+    if M < 1 or P < 1 or chunks < 1:
+        raise ValueError(f"M, the number of partitions and chunks must be >= 1, got M={M}, P={P}, chunks={chunks}")
     t_max = max(stage_s)
-    comm = (2 * (M + P - 1) * p2p_s if P > 1 else 0.0) + allreduce_s
-    return PipelineCost(compute=M * t_max, bubble=sum(stage_s) - t_max, communication=comm, update=update_s)
+    comm = (2 * (M * chunks + P - 1) * p2p_s if P > 1 else 0.0) + allreduce_s
+    bubble = sum(stage_s) - t_max if bubble_s is None else bubble_s
+    return PipelineCost(compute=M * t_max, bubble=bubble, communication=comm, update=update_s)
 
 
 def micro_batch_candidates(per_replica: int, limit: int = 64) -> list[int]:

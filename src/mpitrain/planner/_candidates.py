@@ -15,6 +15,7 @@ from ..perf.pipeline import micro_batch_candidates, pipeline_step
 from ..perf.spatial import ConvShape, halo_messages, layer_path
 from ..perf.timing import TimingInputs, predict, ring_allreduce_time
 from ..strategies.pipeline import balanced_bounds
+from ..strategies.pipeline.schedule import SPLIT, chunks_per_rank, peak_in_flight, placement, simulate
 from ._overhead import Overheads
 from ._profile import ModelProfile
 from ._types import Dropped, Plan
@@ -125,7 +126,8 @@ def _stage_sums(values: list[float], bounds: list[int]) -> list[float]:
 
 
 def _pipelines(m: Measured) -> Iterator[Plan | Dropped]:
-    """HyPar-Flow's model (P = W) and hybrid (P | W, R = W / P) with the best M (perf.pipeline)."""
+    """HyPar-Flow's model (P = W) and hybrid (P | W, R = W / P) with the best M and schedule
+    (perf.pipeline; the schedules of :data:`PLANNED`, the option only when not the default 1f1b)."""
     B, W, prof = m.prof.batch, m.world, m.prof
     for P in _divisors(W)[1:]:
         R = W // P
@@ -140,29 +142,70 @@ def _pipelines(m: Measured) -> Iterator[Plan | Dropped]:
         if B % R:
             yield Dropped(strategy, base, f"the batch of {B} does not split over {R} replicas")
             continue
-        bounds = balanced_bounds(prof.node_share, prof.cuts, P)
-        shares = _stage_sums(prof.node_share, bounds)
-        grads = max(_stage_sums([float(b) for b in prof.node_param_bytes], bounds))
-        acts = max(_stage_sums(prof.node_bytes_per_sample, bounds))
-        cross = max(prof.crossing_bytes_per_sample[c] for c in bounds[1:-1])
         pipes = m.level([range(r * P, (r + 1) * P) for r in range(R)])  # rank r*P + p: replica r, stage p
         groups = m.level([range(p, W, P) for p in range(P)])
         best: Plan | None = None
         for M in micro_batch_candidates(B // R):
             n = B // (R * M)
-            link = _link(m, groups)
-            ar = ring_allreduce_time(grads, R, link[0], link[1], m.cal.gamma, m.cal.S)
-            ar += m.overheads.of_data(grads) * (R > 1) + m.overheads.pipeline_slot * (M + P - 1)
-            cost = pipeline_step([prof.step_s(n) * s for s in shares], M, pipes.p2p.time(cross * n), ar,
-                                 _update_s(m, grads))
-            mem = _state_bytes(grads) + acts * n * min(M, P) + 2 * cross * n
-            plan = Plan(strategy, {**base, "micro_batches": M}, cost.total, int(mem),
-                        {"compute": cost.compute + cost.update, "communication": cost.communication,
-                         "bubble": cost.bubble})
-            if best is None or plan.step_s < best.step_s:
-                best = plan
+            for schedule in _schedules(P, M, len(prof.cuts)):
+                plan = _pipeline_plan(m, strategy, base, schedule, P, R, M, n, pipes, groups)
+                if best is None or plan.step_s < best.step_s:
+                    best = plan
         if best is not None:
             yield best
+
+
+def _pipeline_plan(m: Measured, strategy: str, base: dict[str, int], schedule: str, P: int, R: int, M: int, n: int,
+                   pipes: Network, groups: Network) -> Plan:
+    """One pipeline plan: the partitions cut by time (P x chunks of them), each rank's share, the
+    replicas' allreduce of the largest rank's gradients, and the schedule's bubble simulated on the
+    partitions' times (the GPipe/1F1B formula for 1f1b)."""
+    prof = m.prof
+    v = chunks_per_rank(schedule)
+    bounds = balanced_bounds(prof.node_share, prof.cuts, P * v)
+    rows = placement(schedule, P)
+
+    def per_rank(values: list[float]) -> list[float]:
+        parts = _stage_sums(values, bounds)
+        return [sum(parts[k] for k in row) for row in rows]
+
+    grads = max(per_rank([float(b) for b in prof.node_param_bytes]))
+    acts = max(per_rank(prof.node_bytes_per_sample))
+    cross = max(prof.crossing_bytes_per_sample[c] for c in bounds[1:-1])
+    link = _link(m, groups)
+    ar = ring_allreduce_time(grads, R, link[0], link[1], m.cal.gamma, m.cal.S) + m.overheads.of_data(grads) * (R > 1)
+    # the probe's per-slot overhead was measured under 1F1B (two actions per micro-batch)
+    slots = M * v * (3 if schedule in SPLIT else 2) / 2 + P - 1
+    part_s = [prof.step_s(n) * s for s in _stage_sums(prof.node_share, bounds)]
+    stage_s = [sum(part_s[k] for k in row) for row in rows]
+    bubble = None if schedule == "1f1b" else _makespan(schedule, P, M, part_s, prof.forward_share) - M * max(stage_s)
+    cost = pipeline_step(stage_s, M, pipes.p2p.time(cross * n), ar + m.overheads.pipeline_slot * slots,
+                         _update_s(m, grads), bubble, v)
+    mem = _state_bytes(grads) + acts * n * peak_in_flight(schedule, P, M) + 2 * v * cross * n
+    opts = {**base, "micro_batches": M, **({} if schedule == "1f1b" else {"schedule": schedule})}
+    return Plan(strategy, opts, cost.total, int(mem), {"compute": cost.compute + cost.update,
+                                                       "communication": cost.communication, "bubble": cost.bubble})
+
+
+#: The schedules the planner prices (gpipe takes 1F1B's time with more memory: never better).
+PLANNED = ("1f1b", "interleaved-1f1b", "zb1p", "zbv")
+
+
+def _schedules(P: int, M: int, cuts: int) -> list[str]:
+    """The schedules that can run P ranks and M micro-batches on a graph with `cuts` cut points: two
+    partitions per rank need 2P - 1 cuts, interleaved-1f1b M a multiple of P."""
+    if P == 1:
+        return ["1f1b"]
+    return [s for s in PLANNED if chunks_per_rank(s) * P <= cuts + 1 and (s != "interleaved-1f1b" or M % P == 0)]
+
+
+def _makespan(schedule: str, P: int, M: int, part_s: list[float], forward_share: float) -> float:
+    """The makespan of `schedule` on partitions taking `part_s` seconds (forward + backward) per
+    micro-batch, the forward the measured share of it and W (weight half) as long as F, at most half
+    the backward (a weight GEMM per forward GEMM)."""
+    f = min(max(forward_share, 0.05), 0.95)
+    b = (1 - f) / f  # the backward in units of the forward
+    return simulate(P, M, schedule, b, 2, min(1.0, b / 2), part_s)
 
 
 def _link(m: Measured, net: Network) -> tuple[float, float]:

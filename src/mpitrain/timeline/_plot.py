@@ -10,16 +10,18 @@ from typing import Any
 
 __all__ = ["plot", "color_of"]
 
-_COLORS = {"F": "#4C72B0", "B": "#DD8452", "optimizer step": "#8172B3", "wait": "#C44E52", "comm": "#55A868",
-           "step": "#E8E8E8", "other": "#937860"}
+_COLORS = {"F": "#4C72B0", "B": "#DD8452", "I": "#E5AE38", "W": "#2CA9B8", "optimizer step": "#8172B3",
+           "wait": "#C44E52", "comm": "#55A868", "step": "#E8E8E8", "other": "#937860"}
+#: a pipeline action's span: F3, B3, I3, W3 (micro-batch 3), F3.1 (on the rank's chunk 1)
+ACTION = re.compile(r"([FBIW])\d+(?:\.\d+)?")
 
 
 def color_of(name: str, row: str) -> str:
-    """Forward blue, backward orange, optimizer purple, waits red, messages green, fit's step light grey."""
-    if re.fullmatch(r"F\d+", name):
-        return _COLORS["F"]
-    if re.fullmatch(r"B\d+", name):
-        return _COLORS["B"]
+    """Forward blue, backward orange (its input half I yellow, its weight half W teal), optimizer
+    purple, waits red, messages green, fit's step light grey."""
+    action = ACTION.fullmatch(name)
+    if action:
+        return _COLORS[action.group(1)]
     if name in ("optimizer step", "step"):
         return _COLORS[name]
     if "wait" in row or name.startswith("wait"):
@@ -45,7 +47,7 @@ def plot(trace: str | os.PathLike[str], out: str | os.PathLike[str], title: str 
          start_ms: float | None = None, end_ms: float | None = None, width: float = 14.0) -> str:
     """Draw `trace` (a timeline JSON) into the image `out` (format from its suffix); returns `out`.
     `start_ms`/`end_ms` cut a window of the run. Nested events are drawn thinner on top of their parent;
-    a forward or backward wide enough is labelled with its name ("F3", "B0")."""
+    a pipeline action wide enough is labelled with its name ("F3", "B0", "I2", "W2.1")."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -81,16 +83,16 @@ def plot(trace: str | os.PathLike[str], out: str | os.PathLike[str], title: str 
             x0, w = e["ts"] / 1e3, e["dur"] / 1e3
             ax.broken_barh([(x0, w)], (y - h / 2, h), facecolors=color_of(e["name"], label),
                            edgecolor="black" if e["name"] == "step" else "none", linewidth=0.4)
-            if w >= min_label and re.fullmatch(r"[FB]\d+", e["name"]):
+            if w >= min_label and ACTION.fullmatch(e["name"]):
                 ax.text(x0 + w / 2, y, e["name"], ha="center", va="center", fontsize=6, color="white", clip_on=True)
     ax.set_yticks(range(len(keys)), [f"rank {pid}: {names[(pid, tid)]}" for pid, tid in keys], fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel("ms since the timeline started (rank 0's clock)")
     if lo is not None or hi is not None:
         ax.set_xlim(left=lo, right=hi)
-    legend = [Patch(color=_COLORS[k], label=k) for k in ("F", "B", "optimizer step", "comm", "wait", "step")]
+    legend = [Patch(color=_COLORS[k], label=k) for k in ("F", "B", "I", "W", "optimizer step", "comm", "wait", "step")]
     ax.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.12 - 0.6 / max(len(keys), 1)),
-              ncol=6, fontsize=8, frameon=False)
+              ncol=8, fontsize=8, frameon=False)
     other = doc.get("otherData", {})
     ax.set_title(title or f"mpitrain timeline, {other.get('ranks', '?')} ranks, started {other.get('started', '?')}",
                  fontsize=10)

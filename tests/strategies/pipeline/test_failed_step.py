@@ -23,12 +23,12 @@ import gc, sys, time, torch, mpitrain
 from torch import nn
 from mpitrain._utils.stall import StallPolicy
 
-FAIL, WHERE, AFTER = {fail}, "{where}", "{after}"
+FAIL, WHERE, AFTER, SCHEDULE = {fail}, "{where}", "{after}", "{schedule}"
 W, B = 512, 64  # a micro-batch's activation (8 rows) is 16 KiB: beyond the shared-memory eager limit
 comm = mpitrain.init()
 torch.manual_seed(0)
 model = nn.Sequential(*[m for _ in range(2 * comm.size) for m in (nn.Linear(W, W), nn.Tanh())])
-pipe = mpitrain.Pipeline(model, partitions=comm.size, micro_batches=8, schedule="1f1b", balance="params",
+pipe = mpitrain.Pipeline(model, partitions=comm.size, micro_batches=8, schedule=SCHEDULE, balance="params",
                          example=torch.randn(B, W), stall=StallPolicy(warn_after=2.0, abort_after=6.0))
 x, y = torch.randn(B, W), torch.randn(B, W)
 pipe.step(x, y, nn.functional.mse_loss)  # one good step
@@ -66,14 +66,16 @@ if failed:  # the user goes on: the failed step's tensors return to the allocato
         sys.exit(1)
 """
 
-#: (ranks, failing rank, where it fails, how the user leaves): a middle partition in forward and in
-#: backward, the first partition at 2 ranks; returning normally or sys.exit(1).
-CASES = [(2, 0, "forward", "return"), (3, 1, "forward", "return"), (4, 2, "backward", "exit1")]
+#: (ranks, failing rank, where it fails, how the user leaves, schedule): a middle partition in forward
+#: and in backward, the first partition at 2 ranks; returning normally or sys.exit(1); the zero-bubble
+#: schedule (split backward, weight halves owed at the failure) at 3 ranks.
+CASES = [(2, 0, "forward", "return", "1f1b"), (3, 1, "forward", "return", "zb1p"),
+         (4, 2, "backward", "exit1", "1f1b")]
 
 
-@pytest.mark.parametrize(("n", "fail", "where", "after"), CASES)
-def test_a_caught_failure_midway_through_a_step_corrupts_nothing_and_the_job_ends(n, fail, where, after):
-    out = run_job(JOB.format(fail=fail, where=where, after=after), n=n, timeout=120)
+@pytest.mark.parametrize(("n", "fail", "where", "after", "schedule"), CASES)
+def test_a_caught_failure_midway_through_a_step_corrupts_nothing_and_the_job_ends(n, fail, where, after, schedule):
+    out = run_job(JOB.format(fail=fail, where=where, after=after, schedule=schedule), n=n, timeout=120)
     end = time.time()
     text = out.stdout + out.stderr
     marks = [float(ln.split()[1]) for ln in text.splitlines() if ln.startswith("FAIL_AT ")]

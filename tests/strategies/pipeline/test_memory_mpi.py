@@ -65,15 +65,17 @@ def test_cpu_model_grows_by_its_partitions_gradients_with_either_balance(comm, m
 
 
 @pytest.mark.mpi
-def test_gradients_live_in_buckets_allocated_once_and_accumulate_like_one_process(comm):
+@pytest.mark.parametrize("schedule", ["1f1b", "zb1p"])
+def test_gradients_live_in_buckets_allocated_once_and_accumulate_like_one_process(comm, schedule):
     """Pipeline's loop API: each rank's .grad are views of buckets holding exactly its partitions'
     gradients, the same memory at every step; steps without zero_grad accumulate (the previous
-    gradients are copied out of the buckets first) and equal one process's summed gradients."""
+    gradients are copied out of the buckets first) and equal one process's summed gradients. Under
+    zb1p the weight halves (W, run after the input halves) land in the same buckets."""
     torch.manual_seed(0)
     reference = Deep().double()
     data = [(x.double(), y) for x, y in batches((128,), 8, 3, seed=5)]
     pipe = Pipeline(copy.deepcopy(reference), partitions=comm.size, micro_batches=2, balance="params",
-                    example=data[0][0])
+                    example=data[0][0], schedule=schedule)
     mine = list(pipe.parameters())
     loss_fn = nn.CrossEntropyLoss()
     where: list[dict[int, int]] = []

@@ -14,6 +14,7 @@ from mpitrain import checkpoint
 from mpitrain.comm.base import split_sizes
 from mpitrain.fit import fit
 from mpitrain.strategies.pipeline._materialize import materialize
+from mpitrain.strategies.pipeline.schedule import placement
 from tests.helpers import assert_all_ranks, assert_close_all_ranks, bitwise_equal
 from tests.test_fit_dataset import Points, order_batches, reference, sgd
 
@@ -61,7 +62,7 @@ def same_params(comm, got: nn.Module, want: nn.Module, atol: float, what: str) -
         assert_close_all_ranks(comm, p.detach().double(), q.detach().double(), atol=atol, what=f"{what}: {name}")
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "interleaved-1f1b"])
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved-1f1b", "zbv"])
 def test_dataset_with_uneven_last_batch_equals_one_process_and_each_rank_reads_only_what_it_uses(comm, schedule):
     for strategy, P, R in layouts(comm.size):
         ds = Points(N)
@@ -80,7 +81,10 @@ def test_dataset_with_uneven_last_batch_equals_one_process_and_each_rank_reads_o
                              f"{what}: epoch {e + 1} loss {result.history[e]['loss']} vs {mean}")
         replica, p = divmod(comm.rank, P)
         rows = sum(split_sizes(n, R)[replica] for n in (8, 8, 8, 5))
-        want = 2 * rows if p in (0, P - 1) else 0  # inputs on the first stage, targets on the last
+        where = placement(schedule, P)
+        last = next(s for s, row in enumerate(where) if P * len(row) - 1 in row)
+        # inputs on the first stage, targets on the last partition's (the last rank; rank 0 under zbv)
+        want = 2 * rows if p in (0, last) else 0
         assert_all_ranks(comm, len(ds.reads) == want, f"{what}: rank {comm.rank} read {len(ds.reads)}, not {want}")
         firsts = [reads for r, reads in enumerate(comm.allgather_object(ds.reads)) if r % P == 0]
         counts = torch.bincount(torch.tensor([i for reads in firsts for i in reads]), minlength=N)

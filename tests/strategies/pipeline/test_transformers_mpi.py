@@ -57,10 +57,12 @@ def layouts(size: int) -> list[tuple[int, int]]:
     return [(size, 1)] + ([(2, size // 2)] if size == 4 else [])
 
 
-# GPT-2 (embedding tied to the LM head: the tie spans the first and last partition) under every
-# schedule; BERT-MLM (its decoder tied to the word embedding) and Llama (untied) under one each.
-CASES = [("gpt2", "gpipe"), ("gpt2", "1f1b"), ("gpt2", "interleaved-1f1b"), ("bert", "1f1b"),
-         ("llama", "interleaved-1f1b")]
+# GPT-2 (embedding tied to the LM head: the tie spans the first and last partition) under the 1F1B
+# family; BERT-MLM (its decoder tied to the word embedding) and Llama (untied) under two each, a
+# zero-bubble one among them. GPT-2 under zb1p and zbv: the tied test below (the loop API, its tie's
+# gradient sum after the weight halves) and the meta test (zbv through fit, model and hybrid).
+CASES = [("gpt2", "gpipe"), ("gpt2", "1f1b"), ("gpt2", "interleaved-1f1b"),
+         ("bert", "1f1b"), ("bert", "zbv"), ("llama", "interleaved-1f1b"), ("llama", "zb1p")]
 
 
 @pytest.mark.mpi
@@ -79,8 +81,10 @@ def test_transformer_parameters_after_2_steps_equal_one_process(comm, device, na
 
 
 # Built on the meta device, captured by torch.export (no rank runs or holds the whole model): GPT-2
-# timing only its own partitions, BERT and Llama split by parameters, one schedule each.
-META_CASES = [("gpt2", "1f1b", "time"), ("bert", "gpipe", "params"), ("llama", "interleaved-1f1b", "params")]
+# timing only its own partitions, BERT and Llama split by parameters, one schedule each; GPT-2 under
+# zbv too (its tie on one rank).
+META_CASES = [("gpt2", "1f1b", "time"), ("bert", "gpipe", "params"), ("llama", "interleaved-1f1b", "params"),
+              ("gpt2", "zbv", "params")]
 SEED = 3
 
 
@@ -145,16 +149,19 @@ def test_meta_transformer_in_the_loop_api_trains_and_evaluates_like_one_process(
 
 
 @pytest.mark.mpi
-def test_tied_copies_get_the_summed_gradient_and_stay_identical(comm):
-    """GPT-2's wte/lm_head weight lives on the first and the last rank; after each step both hold the
-    one-process gradient (the sum of the two uses), so the copies stay equal after AdamW steps."""
+@pytest.mark.parametrize("schedule", ["1f1b", "zb1p", "zbv"])
+def test_tied_copies_get_the_summed_gradient_stay_identical_and_evaluate_like_one_process(comm, schedule):
+    """GPT-2's wte/lm_head weight lives on the first and the last partition's rank (the last rank; rank
+    0 under zbv: one tensor); after each step every holder has the one-process gradient (the sum of the
+    two uses, after the weight halves of the zero-bubble schedules), so the copies stay equal after
+    AdamW steps; pipe.eval's logits equal one process's."""
     model = build("gpt2")
     want = copy.deepcopy(model)
-    pipe = mpitrain.Pipeline(model, partitions=comm.size, micro_batches=2, comm=comm, balance="params",
-                             example=lm_batches(4, 1)[0][0])
+    pipe = mpitrain.Pipeline(model, partitions=comm.size, micro_batches=2, schedule=schedule, comm=comm,
+                             balance="params", example=lm_batches(4, 1)[0][0])
     tied = model.lm_head.weight
     holders = comm.allgather_object(any(q is tied for q in pipe.parameters()))
-    assert_all_ranks(comm, holders[0] and holders[-1], f"tied weight holders {holders}")
+    assert_all_ranks(comm, holders[0] and holders[pipe.last_rank], f"tied weight holders {holders}")
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(want.parameters(), lr=1e-2)
     for inputs, labels in lm_batches(4, STEPS, seed=1):
@@ -168,7 +175,11 @@ def test_tied_copies_get_the_summed_gradient_and_stay_identical(comm):
             assert_all_ranks(comm, True)
         opt.step()
         ref_opt.step()
-    compare(comm, pipe.trained_model(), want, "AdamW loop")
+    compare(comm, pipe.trained_model(), want, f"AdamW loop, {schedule}")
+    x = {k: v[:5] for k, v in lm_batches(5, 1, seed=3)[0][0].items()}
+    with torch.no_grad():
+        ref = want.eval()(**x)
+    assert_close_all_ranks(comm, pipe.eval(x).logits, ref.logits, atol=1e-10, what=f"eval logits, {schedule}")
 
 
 @pytest.mark.mpi

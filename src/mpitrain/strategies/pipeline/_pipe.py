@@ -9,7 +9,10 @@ into M micro-batches; the last partition back-propagates ``loss(micro) / M``, so
 the gradients equal one process's gradients of the mean loss over the whole batch.
 
 With ``schedule="interleaved-1f1b"`` the model is cut into ``P * virtual_stages`` partitions and
-pipeline rank p runs partitions p, p + P, ... (Megatron-LM's virtual stages).
+pipeline rank p runs partitions p, p + P, ... (Megatron-LM's virtual stages); with ``"zbv"`` into 2P
+partitions, rank p running p and 2P-1-p (a V: rank 0 holds the first and the last partition, and
+computes the loss). ``"zb1p"`` and ``"zbv"`` split each backward into its input half and its weight
+half (:mod:`._backward`), the weight halves filling what would be the pipeline's bubble.
 
 Set-up happens on the first batch (or at construction given `example`), because capture, shapes and
 per-node times need a sample: every rank captures the same graph (:func:`._graph.capture`), measures
@@ -59,7 +62,7 @@ from ._graph import (
 from ._materialize import InitFn, is_meta, materialize, release
 from ._partition import bounds_from_balance
 from ._stage import Stage, autocast, make_edges, run
-from .schedule import SCHEDULES, Action, schedule
+from .schedule import SCHEDULES, SPLIT, Action, chunks_per_rank, placement, schedule
 
 __all__ = ["Pipeline", "CHECKPOINTS"]
 
@@ -109,9 +112,10 @@ class Pipeline:
     ``reset_parameters()``).
 
     For fit's per-rank reads (`inputs_on_first`): only pipeline rank 0 has a batch's inputs, and only
-    the last pipeline rank its targets (:meth:`setup_shared`, :meth:`train_pass`); a model input read
-    by a later partition is sent there by partition 0. `autocast`: forwards and loss under CPU bf16
-    autocast (shapes and dtypes of the messages are profiled under it too).
+    the rank of the last partition (:attr:`last_rank`) its targets (:meth:`setup_shared`,
+    :meth:`train_pass`); a model input read by a later partition is sent there by partition 0.
+    `autocast`: forwards and loss under CPU bf16 autocast (shapes and dtypes of the messages are
+    profiled under it too).
 
     `zero` (1 or 2; fit's ``strategy="hybrid", zero=``) shards each partition's optimizer state (1) and
     gradients (2) across its R replicas (:mod:`.._zero`, over the replica group): the replicas
@@ -144,7 +148,13 @@ class Pipeline:
         self.device = _CPU if self.on_meta else model_device(model)  # a meta model is materialised on the CPU
         # the partitions of a meta model create on its device the tensors its graph creates on meta
         self._place = self.device if self.on_meta else None
-        self.V = virtual_stages if schedule == "interleaved-1f1b" else 1
+        self.V = chunks_per_rank(schedule, virtual_stages)
+        # rank p runs partitions self._where[p] (its chunks, in order); partition k runs on self._rank_of[k]
+        self._where = placement(schedule, self.P, self.V)
+        self._rank_of = {k: p for p, row in enumerate(self._where) for k in row}
+        #: the pipeline rank running the model's last partition (it computes the loss)
+        self.last_rank = self._rank_of[self.P * self.V - 1]
+        self.placement_name = "v" if schedule == "zbv" else "loop"
         self.replica, self.p = divmod(comm.rank, self.P)
         self.pipe = _split(comm, self.replica, self.p)
         self.group = _split(comm, self.p, self.replica)
@@ -234,7 +244,7 @@ class Pipeline:
         rows (any sizes >= 1; none: this replica has no rows), micro-batch m back-propagating
         ``loss * scales[m]``. Gradients are ADDED to ``.grad`` and not reduced (:meth:`reduce_gradients`).
         `inputs` (pipeline rank 0 only, else None; `flat`: already :func:`model_args` leaves) and
-        `targets` (the last pipeline rank only) hold ``sum(sizes)`` rows. Every rank of the replica calls
+        `targets` (:attr:`last_rank` only) hold ``sum(sizes)`` rows. Every rank of the replica calls
         it with the same `sizes`. Returns the sum over its micro-batches of ``loss * size`` on the last
         pipeline rank (0 elsewhere)."""
         if not sizes:
@@ -368,7 +378,7 @@ class Pipeline:
                 begin = sum(per_replica[:r])
                 for t in leaves:
                     if isinstance(t, torch.Tensor):
-                        self.comm.broadcast(t[begin:begin + size], root=r * self.P + self.P - 1)
+                        self.comm.broadcast(t[begin:begin + size], root=r * self.P + self.last_rank)
         return pytree.tree_unflatten(leaves, traced.out_spec)
 
     def trained_model(self) -> nn.Module:
@@ -380,7 +390,7 @@ class Pipeline:
         owner: dict[int, int] = {}
         for k, part in enumerate(self._parts):
             for t in [*part.module.parameters(), *part.module.buffers()]:
-                owner.setdefault(id(t), k % self.P)
+                owner.setdefault(id(t), self._rank_of[k])
         with torch.no_grad():
             for t in self.model.state_dict(keep_vars=True).values():
                 if id(t) in owner:
@@ -438,7 +448,7 @@ class Pipeline:
         if self.checkpoint != "never":
             _refuse_recompute_with_batchnorm(mine)
         edges = make_edges(parts, meta, [n.name for n in traced.placeholders] if self.inputs_on_first else None)
-        ranks = [k % self.P for k in range(parts_n)]
+        ranks = [self._rank_of[k] for k in range(parts_n)]
         last = self.M - 1
         recompute = (lambda m: True) if self.checkpoint == "always" else (
             (lambda m: m != last) if self.checkpoint == "except_last" else (lambda m: False))
@@ -504,9 +514,9 @@ class Pipeline:
         return None
 
     def _mine(self, parts: list[Partition]) -> list[Partition]:
-        """This rank's partitions of `parts`. Blocks as large as their largest weight get their own
-        mapping from now on (:func:`_map_weight_sized_blocks`)."""
-        mine = [parts[c * self.P + self.p] for c in range(self.V)]
+        """This rank's partitions of `parts` (its chunks, :func:`.schedule.placement`). Blocks as large as
+        their largest weight get their own mapping from now on (:func:`_map_weight_sized_blocks`)."""
+        mine = [parts[k] for k in self._where[self.p]]
         _map_weight_sized_blocks(mine)
         return mine
 
@@ -542,7 +552,7 @@ class Pipeline:
         (a collective over `pipe`: every rank splits for every group, in the same order)."""
         out = []
         for holders, params in tied_groups(parts):
-            ranks = sorted({k % self.P for k in holders})
+            ranks = sorted({self._rank_of[k] for k in holders})
             if len(ranks) < 2:
                 continue  # copies on one rank are one tensor: its gradient is already the sum
             sub = self.pipe.split(0 if self.p in ranks else None, self.p)
@@ -725,7 +735,14 @@ def _check_options(P: int, M: int, schedule: str, checkpoint: str, balance: Any,
     if schedule == "interleaved-1f1b" and (not isinstance(virtual, int) or virtual < 1 or M % P):
         raise FitError(f"schedule 'interleaved-1f1b' needs virtual_stages >= 1 and micro_batches a multiple "
                        f"of partitions ({P}); got virtual_stages={virtual!r}, micro_batches={M}")
-    parts = P * (virtual if schedule == "interleaved-1f1b" else 1)
+    if schedule in SPLIT and checkpoint != "never":
+        raise FitError(f"schedule {schedule!r} splits each backward in two halves, and recomputation "
+                       f"(checkpoint={checkpoint!r}) would recompute the forward in each of them (and once per "
+                       f"weight group); use checkpoint='never', or schedule '1f1b' with recomputation")
+    if schedule == "zbv" and virtual != 2:
+        raise FitError(f"schedule 'zbv' runs exactly 2 partitions per rank (in a V); got virtual_stages={virtual!r}: "
+                       f"leave virtual_stages at 2")
+    parts = P * chunks_per_rank(schedule, virtual)
     if not (balance in ("time", "params") or (isinstance(balance, (list, tuple)) and len(balance) == parts)):
         raise FitError(f"balance must be 'time', 'params' or a list of {parts} node counts, got {balance!r}")
 

@@ -35,6 +35,7 @@ from ...comm.base import Communicator, Request
 from ...timeline import span
 from .._device import autocast as device_autocast
 from .._device import model_device, to_device
+from ._backward import WeightWork, input_gradients
 from ._graph import Partition, ValueMeta, mutated_placeholders
 from .schedule import Action
 
@@ -102,6 +103,8 @@ class Stage:
         self._posted: dict[tuple[str, int], list[tuple[Request, torch.Tensor]]] = {}
         self._sends: list[tuple[Request, str]] = []
         self._saved: dict[int, tuple[list[torch.Tensor], Any]] = {}
+        self._weights: dict[int, WeightWork] = {}  # micro-batch -> its weight half, after its input half
+        self._params = [q for q in part.module.parameters() if q.requires_grad]
         mutated = mutated_placeholders(part.module)
         self._clone = [v in mutated for v in part.recv_inputs]
 
@@ -110,7 +113,8 @@ class Stage:
 
     # -- receives -----------------------------------------------------------------------------
     def _post(self, a: Action, metas: list[dict[str, ValueMeta | None]]) -> None:
-        if (a.kind, a.micro) in self._posted:
+        """Post the receives of `a` (activations for F, partial errors for B or I; W receives nothing)."""
+        if a.kind == "W" or (_direction(a), a.micro) in self._posted:
             return
         edges = self.in_edges if a.kind == "F" else self.grad_out
         peer = (lambda e: e.src) if a.kind == "F" else (lambda e: e.dst)
@@ -119,13 +123,13 @@ class Stage:
             m = metas[a.micro][e.value]
             assert m is not None  # edges carry tensors only (cut_points)
             buf = torch.empty(m.shape, dtype=m.dtype, device=self.device)
-            reqs.append((self.comm.irecv(buf, self.ranks[peer(e)], self.tag(e, a.micro, a.kind == "B")), buf))
-        self._posted[(a.kind, a.micro)] = reqs
+            reqs.append((self.comm.irecv(buf, self.ranks[peer(e)], self.tag(e, a.micro, a.kind != "F")), buf))
+        self._posted[(_direction(a), a.micro)] = reqs
 
     def _take(self, a: Action) -> list[torch.Tensor]:
         edges = self.in_edges if a.kind == "F" else self.grad_out
         out = []
-        for e, (req, buf) in zip(edges, self._posted.pop((a.kind, a.micro))):
+        for e, (req, buf) in zip(edges, self._posted.pop((_direction(a), a.micro))):
             what = "activation" if a.kind == "F" else "partial error"
             src = e.src if a.kind == "F" else e.dst
             self._wait(req, f"{what} {e.value!r} of micro-batch {a.micro} from partition {src} "
@@ -169,14 +173,16 @@ class Stage:
             self._saved[micro] = (leaves, out)
         return out
 
-    def backward(self, micro: int, loss: torch.Tensor | None) -> None:
-        """Backward of micro-batch `micro`: from `loss` (last partition) or the summed received errors."""
+    def backward(self, micro: int, loss: torch.Tensor | None, split: bool = False) -> None:
+        """Backward of micro-batch `micro` from `loss` (last partition) or the summed received errors,
+        ending with the partial errors sent back. `split`: only the input half (the zero-bubble
+        schedules' I: :mod:`._backward`); :meth:`backward_weight` runs the weight half later."""
         leaves, out = self._saved.pop(micro)
         tensors: list[torch.Tensor]
-        grads: list[torch.Tensor] | None
+        grads: list[torch.Tensor | None]
         if self.last:
             assert loss is not None, "the last partition back-propagates the loss"
-            tensors, grads = [loss], None
+            tensors, grads = [loss], [None]
         else:
             summed: dict[str, torch.Tensor] = {}
             for e, g in zip(self.grad_out, self._take(Action("B", micro))):
@@ -184,12 +190,19 @@ class Stage:
             index = {v: i for i, v in enumerate(self.part.outputs)}
             pairs = [(out[index[v]], g) for v, g in summed.items() if out[index[v]].requires_grad]
             tensors, grads = [t for t, _ in pairs], [g for _, g in pairs]
-        if tensors:
+        if split:
+            inputs = [leaf for e, leaf in zip(self.recv_edges, leaves) if e.grad]
+            self._weights[micro] = input_gradients(tensors, grads, inputs, self._params)
+        elif tensors:
             torch.autograd.backward(tensors, grads)
         for e, leaf in zip(self.recv_edges, leaves):
             if e.grad:
                 g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
                 self._send(g, e, micro, backward=True)
+
+    def backward_weight(self, micro: int) -> None:
+        """The weight half of micro-batch `micro`'s backward (after :meth:`backward` with `split`)."""
+        self._weights.pop(micro).run()
 
     def abandon(self) -> list[Request]:
         """After a failed step: this stage's requests still in flight (posted receives, sends), which it
@@ -199,6 +212,7 @@ class Stage:
         self._posted.clear()
         self._sends.clear()
         self._saved.clear()
+        self._weights.clear()  # weight halves owed by the failed step
         return reqs
 
     def finish_sends(self) -> None:
@@ -236,5 +250,12 @@ def run(stages: list[Stage], actions: list[Action], inputs: list[list[Any]],
                         loss = last_fn(a.micro, out)
                     if train and loss is not None:
                         losses[a.micro] = loss
-            else:
-                stage.backward(a.micro, losses.pop(a.micro, None) if stage.last else None)
+            elif a.kind == "W":
+                stage.backward_weight(a.micro)
+            else:  # B, or I (the input half)
+                stage.backward(a.micro, losses.pop(a.micro, None) if stage.last else None, split=a.kind == "I")
+
+
+def _direction(a: Action) -> str:
+    """The messages an action receives: "F" activations, "B" partial errors (for B and I alike)."""
+    return "F" if a.kind == "F" else "B"

@@ -128,9 +128,10 @@ class PipelineTrainer:
     # -- shares (ShardedTrainer) ------------------------------------------------------------------------
     def share(self, n: int) -> Share:
         """Replica r's block of `n` rows (:func:`~mpitrain.comm.base.split_sizes`); inputs on pipeline
-        rank 0, targets on the last pipeline rank, nothing on the others."""
+        rank 0, targets on the pipeline rank of the last partition (the last rank; rank 0 under zbv),
+        nothing on the others."""
         s = even_share(n, self.pipe.R, self.pipe.replica)
-        return Share(s.start, s.stop, inputs=self.pipe.p == 0, targets=self.pipe.p == self.pipe.P - 1)
+        return Share(s.start, s.stop, inputs=self.pipe.p == 0, targets=self.pipe.p == self.pipe.last_rank)
 
     def train_step(self, inputs: Any, targets: Any) -> float:
         """One step on a global batch every rank holds in full (any size)."""
@@ -195,11 +196,12 @@ class PipelineTrainer:
 
     # -- checkpoints (CheckpointTrainer) -----------------------------------------------------------------
     def layout(self) -> dict[str, object]:
-        """Strategy, world size, P, R, virtual stages, ZeRO stage and the cut (None before the first step)."""
+        """Strategy, world size, P, R, virtual stages, their placement ("loop": rank p runs p, p + P, ...;
+        "v": zbv's p and 2P-1-p), ZeRO stage and the cut (None before the first step)."""
         pipe = self.pipe
         return {"strategy": self.strategy, "world_size": self.comm.size, "partitions": pipe.P,
-                "replicas": pipe.R, "virtual_stages": pipe.V, "zero": pipe.zero_stage,
-                "bounds": list(pipe.bounds) if pipe.stages else None, NAMED: True}
+                "replicas": pipe.R, "virtual_stages": pipe.V, "placement": pipe.placement_name,
+                "zero": pipe.zero_stage, "bounds": list(pipe.bounds) if pipe.stages else None, NAMED: True}
 
     def _held(self) -> tuple[list[tuple[torch.Tensor, Held]], dict[int, Held]]:
         """This rank's tensors by name: its partitions' parameters and buffers (a tied weight under each
@@ -235,8 +237,9 @@ class PipelineTrainer:
     def load_state_dict(self, read: Callable[[int], dict[str, object]], saved_layout: Mapping[str, object]) -> None:
         """Resume from a checkpoint by name of any layout: this rank's tensors and optimizer state are read,
         once the model is split at the first step, from whichever saved ranks hold them (partitions,
-        replicas, ZeRO stage and strategy may all differ). Same partitions and virtual stages: the model
-        is cut where the saved run cut it (its bounds become ``balance``) and pipeline rank p reads saved
+        replicas, placement, ZeRO stage and strategy may all differ). Same partitions, virtual stages and
+        placement: the model is cut where the saved run cut it (its bounds become ``balance``) and
+        pipeline rank p reads saved
         rank p first (replica 0's BatchNorm statistics; its own with the same replicas). The optimizer's
         hyperparameters are set at once (fit reports the lr, a scheduler was built on them)."""
         now = self.layout()
@@ -263,7 +266,8 @@ class PipelineTrainer:
     def _same_cut(self) -> bool:
         saved = self._saved
         return (saved.get("strategy") in ("model", "hybrid") and saved.get("partitions") == self.pipe.P
-                and saved.get("virtual_stages") == self.pipe.V and isinstance(saved.get("bounds"), list))
+                and saved.get("virtual_stages") == self.pipe.V and isinstance(saved.get("bounds"), list)
+                and saved.get("placement", "loop") == self.pipe.placement_name)  # older checkpoints: the loop
 
     def _load(self) -> None:
         assert self._read is not None
