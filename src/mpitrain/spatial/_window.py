@@ -60,6 +60,9 @@ def input_layout(layer: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, Layou
         raise SpatialError(f"{type(layer).__name__} received a tensor without a spatial layout "
                            f"(shape {tuple(x.shape)}); feed the parallelized model Distribution.scatter's "
                            f"blocks and build activations from them")
+    if layout.spatial is not None:
+        raise SpatialError(f"{type(layer).__name__} received a block of shape {tuple(layout.shape)} whose spatial "
+                           f"dims sit at {layout.spatial}; it takes N x C x (spatial) blocks")
     return plain(x), layout
 
 
