@@ -85,16 +85,16 @@ def _target(name: str, x: torch.Tensor, args: tuple, kwargs: dict) -> list[int] 
         return shape[:a] + [math.prod(shape[a:b + 1])] + shape[b + 1:]
     if name == "unflatten":
         d, sizes = _norm(_arg(args, kwargs, 1, "dim"), x.dim()), list(_arg(args, kwargs, 2, "sizes"))
-        rest = shape[d]
         if sizes.count(-1) == 1:
-            sizes[sizes.index(-1)] = rest // max(1, math.prod(s for s in sizes if s != -1))
+            sizes[sizes.index(-1)] = shape[d] // max(1, math.prod(s for s in sizes if s != -1))
         return shape[:d] + sizes + shape[d + 1:]
-    rest = args[1:] if "shape" not in kwargs and "size" not in kwargs else (kwargs.get("shape", kwargs.get("size")),)
-    if len(rest) == 1 and isinstance(rest[0], (tuple, list, torch.Size)):
-        rest = tuple(rest[0])
-    if not rest or not all(isinstance(s, int) for s in rest):
+    given: tuple[Any, ...] = args[1:] if "shape" not in kwargs and "size" not in kwargs else (
+        kwargs.get("shape", kwargs.get("size")),)
+    if len(given) == 1 and isinstance(given[0], (tuple, list, torch.Size)):
+        given = tuple(given[0])
+    if not given or not all(isinstance(s, int) for s in given):
         return None  # view(dtype) and the like
-    sizes = list(rest)
+    sizes = [int(s) for s in given]
     if sizes.count(-1) == 1:
         known = math.prod(s for s in sizes if s != -1)
         sizes[sizes.index(-1)] = x.numel() // known if known else 0

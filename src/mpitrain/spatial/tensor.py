@@ -51,7 +51,7 @@ if TYPE_CHECKING:
 
 __all__ = ["SpatialTensor", "Layout", "SpatialError", "NonSpatialOpError", "BlockExtent", "layout_of", "tag",
            "plain", "global_avg_pool", "register_spatial_function", "own_share", "count_once", "sum_once",
-           "whole_size", "block_layout", "to_nchw"]
+           "whole_size", "block_layout", "nchw", "to_nchw"]
 
 
 class SpatialError(ValueError):
@@ -73,7 +73,7 @@ class Layout:
     kind: str
     shape: tuple[int, ...]
     #: where a block's spatial dims sit (in grid order) when a shape op moved them (a permute to
-    #: channels-last, a channel-shuffle view); None: the trailing dims of an N x C x (spatial) tensor
+    #: channels-last); None: the trailing dims (N x C x H x W, a channel shuffle's N x g x C/g x H x W)
     spatial: tuple[int, ...] | None = None
 
     def spatial_dims(self) -> tuple[int, ...]:
@@ -85,10 +85,15 @@ class Layout:
 
 
 def block_layout(dist: Distribution, shape: tuple[int, ...], spatial: tuple[int, ...]) -> Layout:
-    """A block layout of global `shape` with the spatial dims at `spatial` (None when that is N x C x
-    (spatial), the form spatial layers take)."""
-    canonical = len(shape) == 2 + len(dist.grid) and spatial == tuple(range(2, len(shape)))
-    return Layout(dist, "block", shape, None if canonical else tuple(spatial))
+    """A block layout of global `shape` with the spatial dims at `spatial` (stored as None when they are
+    the trailing dims: one representation per layout)."""
+    trailing = tuple(spatial) == tuple(range(len(shape) - len(dist.grid), len(shape)))
+    return Layout(dist, "block", shape, None if trailing else tuple(spatial))
+
+
+def nchw(layout: Layout) -> bool:
+    """Whether a block is N x C x (spatial): the form spatial layers and the gathers take."""
+    return layout.spatial is None and len(layout.shape) == 2 + len(layout.dist.grid)
 
 
 class SpatialTensor(torch.Tensor):
@@ -174,7 +179,7 @@ def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
     if not blocks:  # whole samples replicated over the group: any op applies
         return _retag(_run(func, args, kwargs), layouts[0], "replicated")
     first = blocks[0]
-    if first.spatial is None and (name in ("adaptive_avg_pool2d", "adaptive_avg_pool3d")
+    if nchw(first) and (name in ("adaptive_avg_pool2d", "adaptive_avg_pool3d")
                                   or (name == "mean" and _spatial_mean(args, kwargs))):
         return _global_pool_op(name, args, kwargs, first)
     out = _blockwise(func, name, args, kwargs, flat, first)
@@ -520,9 +525,9 @@ def to_nchw(t: torch.Tensor) -> tuple[torch.Tensor, Callable[[torch.Tensor], tor
     block — or whole samples of it — back to `t`'s dim order (a replicated result keeps its layout with
     `t`'s other dims and global sizes). Local; differentiable."""
     lay = layout_of(t)
-    if lay is None or lay.kind != "block" or lay.spatial is None:
+    if lay is None or lay.kind != "block" or nchw(lay):
         return t, lambda y: y
-    spatial, k = lay.spatial, t.dim()
+    spatial, k = lay.spatial_dims(), t.dim()
     others = [d for d in range(1, k) if d not in spatial]
     perm = [0, *others, *spatial]
     inverse = [perm.index(d) for d in range(k)]
