@@ -110,15 +110,8 @@ def _reference_update(comm, model: nn.Module, batches, loss_fn) -> torch.Tensor:
     return comm.broadcast(_flat(ref) - _flat(model), 0)
 
 
-def _googlenet_loss(out, y: torch.Tensor) -> torch.Tensor:
-    """torchvision's training recipe for GoogLeNet: the logits' loss plus 0.3 of each auxiliary head's."""
-    ce = nn.functional.cross_entropy
-    return ce(out.logits, y) + 0.3 * (ce(out.aux_logits1, y) + ce(out.aux_logits2, y))
-
-
 #: The classifiers whose output is not one logits tensor, with the loss their recipes use.
-LOSSES: dict[str, Callable[..., torch.Tensor]] = {"googlenet": _googlenet_loss}
-MODELS["googlenet"] = lambda: torchvision_module("models.googlenet").googlenet(num_classes=10, init_weights=True)
+LOSSES: dict[str, Callable[..., torch.Tensor]] = {}
 #: 3 ranks (3x1, uneven blocks) run these; 2 and 4 ranks run every model.
 AT_3 = ("resnet18", "densenet", "shufflenet_v2", "convnext", "regnet", "squeezenet")
 

@@ -175,31 +175,37 @@ class SpatialTrainer:
         x, dist = b.inputs, self.dist
         block: torch.Tensor | None = None
         shape: tuple[int, ...] | None = None
-        if isinstance(x, RegionBatch):  # an iterable of (RegionBatch, targets): read my rows' blocks
+        if isinstance(x, RegionBatch):
             shape = (b.n, *x.dataset.sample_shape)
-            region = region_of(dist, tuple(x.dataset.sample_shape))
-            block = torch.stack([x.dataset.read(i, region)
-                                 for i in x.indices[b.share.start:b.share.stop]])
         elif isinstance(x, torch.Tensor):
-            if blocks and self._sample_shape is not None:  # read by region already (rank_view)
-                shape, block = (b.n, *self._sample_shape), x
-            else:  # whole samples of my rows: crop (a view)
-                shape = (b.n, *x.shape[1:])
-                block = x[(slice(None), slice(None), *region_of(dist, shape[1:]))]
+            shape = (b.n, *(self._sample_shape if blocks and self._sample_shape is not None else x.shape[1:]))
         elif x is not None:
             raise SpatialError(f"strategy 'spatial' takes NCHW tensors or RegionBatch inputs, got {type(x).__name__}")
+        # a batch of the wrong rank for the grid is refused on every rank before any message (where some
+        # group has no sample, after the broadcast that tells it the shape)
+        problem = None if shape is None else self._grid_problem(shape)
+        if problem and b.n >= dist.samples:
+            raise FitError(problem)
+        if isinstance(x, RegionBatch) and not problem:  # an iterable of (RegionBatch, targets): read my rows' blocks
+            region = region_of(dist, tuple(x.dataset.sample_shape))
+            block = torch.stack([x.dataset.read(i, region) for i in x.indices[b.share.start:b.share.stop]])
+        elif isinstance(x, torch.Tensor) and not problem:
+            if blocks and self._sample_shape is not None:  # read by region already (rank_view)
+                block = x
+            else:  # whole samples of my rows: crop (a view)
+                block = x[(slice(None), slice(None), *region_of(dist, tuple(x.shape[1:])))]
         if block is not None:  # blocks read on the CPU (a RegionBatch's reader, the loader) go to the model
             block = to_device(block, self.device)
         info = self._target_info(b.targets, blocks)
         if b.n < dist.samples:  # some group has no sample: it learns the shapes from rank 0 (group 0 has one)
             shape, dtype, info = dist.comm.broadcast_object((shape, None if block is None else block.dtype, info)
                                                             if dist.comm.rank == 0 else None)
+            problem = self._grid_problem(shape)
+            if problem:
+                raise FitError(problem)
             if block is None:
                 block = torch.empty((0, *dist.local_shape(shape)[1:]), dtype=dtype, device=self.device)
         assert block is not None and shape is not None
-        problem = grid_problem(len(shape) - 2, dist.grid, f"the batch of shape {tuple(shape)}")
-        if problem and len(shape) in (4, 5):  # the same shape on every rank: raised by all, before any message
-            raise FitError(problem)
         dist.check_shape((max(shape[0], dist.samples), *shape[1:]), "input batch")
         return tag(block, Layout(dist, "block", shape)), info
 
@@ -209,6 +215,13 @@ class SpatialTrainer:
         if isinstance(targets, torch.Tensor):
             return TargetInfo(tuple(targets.shape[1:]), targets.dtype)
         return None
+
+    def _grid_problem(self, shape: tuple[int, ...]) -> str | None:
+        """Why a batch of global `shape` cannot run on this grid (a volume on a 2-D grid, an image on a 3-D
+        one), or None."""
+        if len(shape) not in (4, 5):
+            return None  # check_shape names other ranks' problems
+        return grid_problem(len(shape) - 2, self.dist.grid, f"the batch of shape {tuple(shape)}")
 
     def train_shares(self, batches: Sequence[BatchShare], total: int) -> float:
         """One optimizer step on this group's rows of `batches` (:class:`~mpitrain.strategies.base.ShardedTrainer`):
