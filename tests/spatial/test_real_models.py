@@ -1,14 +1,15 @@
-"""Real CNNs (torchvision's ResNet-18/50, MobileNetV2, DenseNet, VGG-11-BN) train spatially exactly as in
-one process: parameters after 2 SGD steps in float64 on every grid and sample x spatial hybrid, with no
-activation redistributed (only pooled vectors move). So do torchvision's segmentation models (FCN-ResNet50,
-DeepLabV3-MobileNetV3, LR-ASPP-MobileNetV3, their default heads) under fit's criterion with ignored
-pixels, the loss computed on blocks (dense targets laid out like the output)."""
+"""The conformance set: torchvision's classifiers (ResNet-18/50, MobileNetV2/V3, DenseNet, VGG-11-BN,
+ShuffleNetV2, EfficientNet, ConvNeXt, RegNet, SqueezeNet, MNASNet) and video ResNets (through
+``fit(strategy="spatial")`` on 3-D grids) train spatially exactly as in one process: parameters after 2
+SGD steps in float64 on every grid and sample x spatial hybrid, with no activation redistributed (only
+pooled vectors move). So do torchvision's segmentation models (FCN-ResNet50, DeepLabV3-MobileNetV3,
+LR-ASPP-MobileNetV3, their default heads) under fit's criterion with ignored pixels, the loss computed on
+blocks (dense targets laid out like the output)."""
 
 from __future__ import annotations
 
 import copy
 import warnings
-from collections.abc import Callable
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from torch import nn
 
 from mpitrain.fit import fit
 from mpitrain.spatial import Distribution
-from mpitrain.spatial.models import torchvision_module
+from mpitrain.spatial.models import CLASSIFIERS, VIDEO, no_dropout
 from mpitrain.spatial.trainer import SpatialTrainer
 from tests.helpers import assert_all_ranks
 
@@ -31,62 +32,7 @@ def layouts(size: int, index: int) -> list[tuple[tuple[int, int], int]]:
     return {2: [((2, 1), 1), ((1, 2), 1)], 3: [((3, 1), 1)], 4: [((2, 2), 1), hybrid]}[size]
 
 
-def _no_dropout(model: nn.Module) -> nn.Module:
-    for m in model.modules():
-        if isinstance(m, nn.Dropout) or type(m).__name__ == "StochasticDepth":
-            m.p = 0.0  # random masks (and dropped residual rows) differ between one process and a split run
-    return model
-
-
-def _vgg11_bn() -> nn.Module:
-    model = torchvision_module("models.vgg").vgg11_bn(num_classes=10)
-    # the stock head is 120M parameters; a small one keeps the 7x7 adaptive pool, flatten and linears
-    model.classifier = nn.Sequential(nn.Linear(512 * 7 * 7, 16), nn.ReLU(True), nn.Linear(16, 10))
-    return model
-
-
-def _convnext() -> nn.Module:
-    """ConvNeXt's blocks (depthwise 7x7, channels-last LayerNorm and MLP, layer scale) at small widths."""
-    convnext = torchvision_module("models.convnext")
-    cfg = convnext.CNBlockConfig
-    return convnext.ConvNeXt([cfg(8, 16, 1), cfg(16, 32, 1), cfg(32, 64, 1), cfg(64, None, 1)], num_classes=10)
-
-
-def _regnet() -> nn.Module:
-    """RegNet's X blocks (grouped bottlenecks) at small widths."""
-    regnet = torchvision_module("models.regnet")
-    params = regnet.BlockParams.from_init_params(depth=4, w_0=8, w_a=8.0, w_m=2.0, group_width=8)
-    return regnet.RegNet(params, num_classes=10)
-
-
-def _efficientnet() -> nn.Module:
-    """EfficientNet-B0's stage table (MBConv with squeeze-and-excitation, SiLU, stochastic depth) at width
-    0.25 and depth 0.5."""
-    effnet = torchvision_module("models.efficientnet")
-
-    def stage(*args: int) -> object:
-        return effnet.MBConvConfig(*args, width_mult=0.25, depth_mult=0.5)
-    table = [stage(1, 3, 1, 32, 16, 1), stage(6, 3, 2, 16, 24, 2), stage(6, 5, 2, 24, 40, 2),
-             stage(6, 3, 2, 40, 80, 3), stage(6, 5, 1, 80, 112, 3), stage(6, 5, 2, 112, 192, 4),
-             stage(6, 3, 1, 192, 320, 1)]
-    return effnet.EfficientNet(table, dropout=0.2, num_classes=10)
-
-
-MODELS: dict[str, Callable[[], nn.Module]] = {
-    "resnet18": lambda: torchvision_module("models.resnet").resnet18(num_classes=10),
-    "resnet50": lambda: torchvision_module("models.resnet").resnet50(num_classes=10),
-    "mobilenet_v2": lambda: torchvision_module("models.mobilenetv2").mobilenet_v2(num_classes=10),
-    "densenet": lambda: torchvision_module("models.densenet").DenseNet(
-        growth_rate=8, block_config=(2, 2, 2, 2), num_init_features=16, bn_size=2, num_classes=10),
-    "vgg11_bn": _vgg11_bn,
-    "shufflenet_v2": lambda: torchvision_module("models.shufflenetv2").shufflenet_v2_x0_5(num_classes=10),
-    "mobilenet_v3": lambda: torchvision_module("models.mobilenetv3").mobilenet_v3_small(num_classes=10),
-    "efficientnet": _efficientnet,
-    "convnext": _convnext,
-    "regnet": _regnet,
-    "squeezenet": lambda: torchvision_module("models.squeezenet").squeezenet1_1(num_classes=10),
-    "mnasnet": lambda: torchvision_module("models.mnasnet").mnasnet0_5(num_classes=10),
-}
+MODELS = CLASSIFIERS
 
 
 def sgd(params):
@@ -110,8 +56,6 @@ def _reference_update(comm, model: nn.Module, batches, loss_fn) -> torch.Tensor:
     return comm.broadcast(_flat(ref) - _flat(model), 0)
 
 
-#: The classifiers whose output is not one logits tensor, with the loss their recipes use.
-LOSSES: dict[str, Callable[..., torch.Tensor]] = {}
 #: 3 ranks (3x1, uneven blocks) run these; 2 and 4 ranks run every model.
 AT_3 = ("resnet18", "densenet", "shufflenet_v2", "convnext", "regnet", "squeezenet")
 
@@ -198,18 +142,11 @@ def test_torchvision_model_trains_as_one_process_on_every_grid(comm, name):
     if comm.size == 3 and name not in AT_3:  # the same verdict on every rank
         pytest.skip("3 ranks (3x1, uneven blocks) run the cheaper models only; 2 and 4 ranks run all")
     torch.manual_seed(0)
-    model = _no_dropout(MODELS[name]().double())
+    model = no_dropout(MODELS[name]().double())
     # 64x64 (96x64 on 3 ranks): the last feature map (1/32) covers every grid with 2x2 cells or more
     batches = _batches((2, 3, 96 if comm.size == 3 else 64, 64))
-    check_update(comm, name, model, batches, LOSSES.get(name, nn.CrossEntropyLoss()),
+    check_update(comm, name, model, batches, nn.CrossEntropyLoss(),
                  layouts(comm.size, list(MODELS).index(name)))
-
-
-def _video(name: str) -> Callable[[], nn.Module]:
-    return lambda: getattr(torchvision_module("models.video.resnet"), name)(num_classes=10)
-
-
-VIDEO = {name: _video(name) for name in ("mc3_18", "r3d_18", "r2plus1d_18")}
 
 
 def video_layouts(size: int) -> list[tuple[tuple[int, int, int], int]]:

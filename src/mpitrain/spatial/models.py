@@ -1,6 +1,6 @@
 """Real CNNs for spatial tests and benchmarks: torchvision's models (imported without torchvision's
-package ``__init__``), a U-Net with skip concatenations and transposed convolutions, and a
-CosmoFlow-style 3-D network."""
+package ``__init__``) and the conformance set built from them (:data:`CLASSIFIERS`, :data:`VIDEO`), a
+U-Net with skip concatenations and transposed convolutions, and a CosmoFlow-style 3-D network."""
 
 from __future__ import annotations
 
@@ -8,13 +8,14 @@ import importlib
 import importlib.machinery
 import sys
 import types
+from collections.abc import Callable
 from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["torchvision_module", "UNet", "cosmoflow"]
+__all__ = ["torchvision_module", "UNet", "cosmoflow", "CLASSIFIERS", "VIDEO", "no_dropout"]
 
 
 def torchvision_module(name: str) -> ModuleType:
@@ -88,3 +89,80 @@ def cosmoflow(side: int, in_channels: int = 4, widths: tuple[int, ...] = (8, 16)
     out = side // 2 ** len(widths)
     layers += [nn.Flatten(), nn.Linear(cin * out**3, dense), nn.LeakyReLU(0.01), nn.Linear(dense, outputs)]
     return nn.Sequential(*layers)
+
+
+# --- the conformance set: torchvision's classifiers and video models ---------------------------------
+# Built by torchvision's own constructors; where the stock widths make a float64 test costly, from the
+# model's own building blocks and stage tables at smaller widths (every block type kept).
+
+def _vgg11_bn() -> nn.Module:
+    model: nn.Module = torchvision_module("models.vgg").vgg11_bn(num_classes=10)
+    # the stock head is 120M parameters; a small one keeps the 7x7 adaptive pool, flatten and linears
+    model.classifier = nn.Sequential(nn.Linear(512 * 7 * 7, 16), nn.ReLU(True), nn.Linear(16, 10))
+    return model
+
+
+def _convnext() -> nn.Module:
+    """ConvNeXt's blocks (depthwise 7x7, channels-last LayerNorm and MLP, layer scale) at small widths."""
+    convnext = torchvision_module("models.convnext")
+    cfg = convnext.CNBlockConfig
+    model: nn.Module = convnext.ConvNeXt([cfg(8, 16, 1), cfg(16, 32, 1), cfg(32, 64, 1), cfg(64, None, 1)],
+                                         num_classes=10)
+    return model
+
+
+def _regnet() -> nn.Module:
+    """RegNet's X blocks (grouped bottlenecks) at small widths."""
+    regnet = torchvision_module("models.regnet")
+    params = regnet.BlockParams.from_init_params(depth=4, w_0=8, w_a=8.0, w_m=2.0, group_width=8)
+    model: nn.Module = regnet.RegNet(params, num_classes=10)
+    return model
+
+
+def _efficientnet() -> nn.Module:
+    """EfficientNet-B0's stage table (MBConv with squeeze-and-excitation, SiLU, stochastic depth) at width
+    0.25 and depth 0.5."""
+    effnet = torchvision_module("models.efficientnet")
+
+    def stage(*args: int) -> object:
+        return effnet.MBConvConfig(*args, width_mult=0.25, depth_mult=0.5)
+    table = [stage(1, 3, 1, 32, 16, 1), stage(6, 3, 2, 16, 24, 2), stage(6, 5, 2, 24, 40, 2),
+             stage(6, 3, 2, 40, 80, 3), stage(6, 5, 1, 80, 112, 3), stage(6, 5, 2, 112, 192, 4),
+             stage(6, 3, 1, 192, 320, 1)]
+    model: nn.Module = effnet.EfficientNet(table, dropout=0.2, num_classes=10)
+    return model
+
+
+def _tv(module: str, fn: str, **kwargs: object) -> Callable[[], nn.Module]:
+    return lambda: getattr(torchvision_module(module), fn)(num_classes=10, **kwargs)
+
+
+#: Image classifiers of the conformance set (10 classes; inputs N x 3 x H x W, H and W >= 2 x 32 x grid).
+CLASSIFIERS: dict[str, Callable[[], nn.Module]] = {
+    "resnet18": _tv("models.resnet", "resnet18"),
+    "resnet50": _tv("models.resnet", "resnet50"),
+    "mobilenet_v2": _tv("models.mobilenetv2", "mobilenet_v2"),
+    "densenet": lambda: torchvision_module("models.densenet").DenseNet(
+        growth_rate=8, block_config=(2, 2, 2, 2), num_init_features=16, bn_size=2, num_classes=10),
+    "vgg11_bn": _vgg11_bn,
+    "shufflenet_v2": _tv("models.shufflenetv2", "shufflenet_v2_x0_5"),
+    "mobilenet_v3": _tv("models.mobilenetv3", "mobilenet_v3_small"),
+    "efficientnet": _efficientnet,
+    "convnext": _convnext,
+    "regnet": _regnet,
+    "squeezenet": _tv("models.squeezenet", "squeezenet1_1"),
+    "mnasnet": _tv("models.mnasnet", "mnasnet0_5"),
+}
+
+#: Video classifiers of the conformance set (10 classes; clips N x 3 x T x H x W on a 3-D grid).
+VIDEO: dict[str, Callable[[], nn.Module]] = {name: _tv("models.video.resnet", name)
+                                             for name in ("mc3_18", "r3d_18", "r2plus1d_18")}
+
+
+def no_dropout(model: nn.Module) -> nn.Module:
+    """`model` with its dropout and stochastic depth probabilities set to 0 (in place), for comparisons
+    with one process: random masks (and dropped residual rows) differ between one process and a split run."""
+    for m in model.modules():
+        if isinstance(m, nn.Dropout) or type(m).__name__ == "StochasticDepth":
+            m.p = 0.0  # type: ignore[assignment]
+    return model
