@@ -8,6 +8,7 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from mpitrain.spatial import Distribution, SpatialError, SpatialTensor, layout_of, parallelize
@@ -86,7 +87,7 @@ class ShapeOps(nn.Module):
     """Shape and per-cell ops that keep the split dims whole: a channel shuffle (view, transpose, view
     back), chunk and cat on channels, a permute to channels-last with layer_norm and linear there, basic
     indexing of channels, stack / unbind / softmax / a channel reduction, squeeze and unsqueeze, a view
-    naming the global spatial sizes, then a global pool and a head."""
+    naming the global spatial sizes, functional max and average pools, then a global pool and a head."""
 
     def __init__(self, h: int, w: int) -> None:
         super().__init__()
@@ -107,6 +108,7 @@ class ShapeOps(nn.Module):
         y = torch.cat([first, pair.sum(2), pair.unbind(2)[1], torch.softmax(y[:, :2], dim=1)], dim=1)
         y = y * y.amax(1, keepdim=True)
         y = y.reshape(n, 9, 1, self.h, self.w).squeeze(2)  # the global sizes, as a model may name them
+        y = F.max_pool2d(y, 3, 1, 1) + F.avg_pool2d(y, 3, 2, 1, ceil_mode=True).mean((2, 3), keepdim=True)
         return self.head(y.mean((2, 3)))
 
 

@@ -33,7 +33,7 @@ UNTAGGED = frozenset("""
     hardswish hardswish_ floor_divide floor_divide_ log_sigmoid rrelu rrelu_
     dropout dropout_ alpha_dropout alpha_dropout_ feature_alpha_dropout
     contiguous clone detach detach_ to float double half bfloat16 type_as zeros_like ones_like empty_like
-    full_like rand_like randn_like copy_ fill_ zero_ requires_grad_ retain_grad
+    full_like rand_like randn_like copy_ fill_ zero_ requires_grad_ retain_grad cpu cuda
     """.split())
 
 #: Tensor dunders and the aten packet each resolves to (the reflected forms take the same arguments).

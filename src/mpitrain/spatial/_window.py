@@ -16,7 +16,7 @@ from .halo import HaloPlan, plan_grid
 from .tensor import Layout, SpatialError, layout_of, nchw, plain, register_spatial_function, tag
 
 __all__ = ["WindowLayer", "input_layout", "pad_by_mode", "padding_mode_problem", "PADDING_MODES",
-           "register_functional"]
+           "register_functional", "register_functional_pools"]
 
 #: Conv ``padding_mode`` values with a spatial form ("circular" only along dimensions the grid does not split).
 PADDING_MODES = ("zeros", "reflect", "replicate", "circular")
@@ -135,3 +135,21 @@ def register_functional(name: str, build: Callable[..., nn.Module]) -> None:
         return out
 
     register_spatial_function(name, run)
+
+
+def register_functional_pools(dims: int, max_layer: Callable[[Any, Distribution], nn.Module],
+                              avg_layer: Callable[[Any, Distribution], nn.Module]) -> None:
+    """Route ``F.max_pool{dims}d`` and ``F.avg_pool{dims}d`` on blocks to `max_layer` / `avg_layer` built
+    from the equivalent ``nn`` pool (:func:`register_functional`)."""
+    max_nn, avg_nn = (nn.MaxPool2d, nn.AvgPool2d) if dims == 2 else (nn.MaxPool3d, nn.AvgPool3d)
+
+    def max_pool(dist: Distribution, kernel_size: Any, stride: Any = None, padding: Any = 0, dilation: Any = 1,
+                 ceil_mode: bool = False, return_indices: bool = False) -> nn.Module:
+        return max_layer(max_nn(kernel_size, stride, padding, dilation, return_indices, ceil_mode), dist)
+
+    def avg_pool(dist: Distribution, kernel_size: Any, stride: Any = None, padding: Any = 0, ceil_mode: bool = False,
+                 count_include_pad: bool = True, divisor_override: int | None = None) -> nn.Module:
+        return avg_layer(avg_nn(kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override), dist)
+
+    register_functional(f"max_pool{dims}d", max_pool)
+    register_functional(f"avg_pool{dims}d", avg_pool)

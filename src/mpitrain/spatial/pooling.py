@@ -3,13 +3,11 @@ with ``ceil_mode``, and AdaptiveAvgPool2d whose output is replicated over the sp
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._window import WindowLayer, input_layout, register_functional
+from ._window import WindowLayer, input_layout, register_functional_pools
 from .distribution import Distribution
 from .halo import Box, HaloPlan, halo_exchange, window_of
 from .tensor import SpatialError, global_avg_pool
@@ -106,16 +104,5 @@ class SpatialAdaptiveAvgPool2d(nn.Module):
         return global_avg_pool(x, self.output_size)
 
 
-def _max_pool2d(dist: Distribution, kernel_size: Any, stride: Any = None, padding: Any = 0, dilation: Any = 1,
-                ceil_mode: bool = False, return_indices: bool = False) -> SpatialMaxPool2d:
-    return SpatialMaxPool2d(nn.MaxPool2d(kernel_size, stride, padding, dilation, return_indices, ceil_mode), dist)
 
-
-def _avg_pool2d(dist: Distribution, kernel_size: Any, stride: Any = None, padding: Any = 0, ceil_mode: bool = False,
-                count_include_pad: bool = True, divisor_override: int | None = None) -> SpatialAvgPool2d:
-    return SpatialAvgPool2d(nn.AvgPool2d(kernel_size, stride, padding, ceil_mode, count_include_pad,
-                                         divisor_override), dist)
-
-
-register_functional("max_pool2d", _max_pool2d)
-register_functional("avg_pool2d", _avg_pool2d)
+register_functional_pools(2, SpatialMaxPool2d, SpatialAvgPool2d)

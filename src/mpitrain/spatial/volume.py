@@ -10,13 +10,18 @@ not used here, so the extended block is a full copy — simple and exact, at the
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._window import PADDING_MODES, WindowLayer, input_layout, pad_by_mode, padding_mode_problem, register_functional
+from ._window import (
+    PADDING_MODES,
+    WindowLayer,
+    input_layout,
+    pad_by_mode,
+    padding_mode_problem,
+    register_functional_pools,
+)
 from .distribution import Distribution
 from .halo import Box, HaloPlan, halo_exchange, window_of
 from .tensor import SpatialError
@@ -111,16 +116,5 @@ class SpatialAvgPool3d(WindowLayer):
         return self.tag_output(y, layout)
 
 
-def _max_pool3d(dist: Distribution, kernel_size: Any, stride: Any = None, padding: Any = 0, dilation: Any = 1,
-                ceil_mode: bool = False, return_indices: bool = False) -> SpatialMaxPool3d:
-    return SpatialMaxPool3d(nn.MaxPool3d(kernel_size, stride, padding, dilation, return_indices, ceil_mode), dist)
 
-
-def _avg_pool3d(dist: Distribution, kernel_size: Any, stride: Any = None, padding: Any = 0, ceil_mode: bool = False,
-                count_include_pad: bool = True, divisor_override: int | None = None) -> SpatialAvgPool3d:
-    return SpatialAvgPool3d(nn.AvgPool3d(kernel_size, stride, padding, ceil_mode, count_include_pad,
-                                         divisor_override), dist)
-
-
-register_functional("max_pool3d", _max_pool3d)
-register_functional("avg_pool3d", _avg_pool3d)
+register_functional_pools(3, SpatialMaxPool3d, SpatialAvgPool3d)
