@@ -17,7 +17,7 @@ from torch import nn
 
 from mpitrain.fit import fit
 from mpitrain.spatial import Distribution
-from mpitrain.spatial.models import CLASSIFIERS, VIDEO, no_dropout
+from mpitrain.spatial.models import CLASSIFIERS, VIDEO, no_dropout, suite_grids
 from mpitrain.spatial.trainer import SpatialTrainer
 from tests.helpers import assert_all_ranks
 
@@ -25,11 +25,11 @@ pytestmark = pytest.mark.mpi
 STEPS, RTOL = 2, 1e-9
 
 
-def layouts(size: int, index: int) -> list[tuple[tuple[int, int], int]]:
-    """(grid, samples): 2 ranks 2x1 and 1x2; 3 ranks 3x1; 4 ranks 2x2 and a sample x spatial hybrid
-    (2x1 or 1x2 by model `index`, so the suite covers both)."""
-    hybrid = [((2, 1), 2), ((1, 2), 2)][index % 2]
-    return {2: [((2, 1), 1), ((1, 2), 1)], 3: [((3, 1), 1)], 4: [((2, 2), 1), hybrid]}[size]
+def layouts(size: int, index: int) -> list[tuple[tuple[int, ...], int]]:
+    """The set's layouts (`suite_grids`): 2 ranks 2x1 and 1x2; 3 ranks 3x1; 4 ranks 2x2 and one sample x
+    spatial hybrid (2x1 or 1x2 by model `index`, so the suite covers both)."""
+    grids = suite_grids(size)
+    return grids[:2] if size != 4 else [grids[0], grids[1 + index % 2]]
 
 
 MODELS = CLASSIFIERS
@@ -149,11 +149,6 @@ def test_torchvision_model_trains_as_one_process_on_every_grid(comm, name):
                  layouts(comm.size, list(MODELS).index(name)))
 
 
-def video_layouts(size: int) -> list[tuple[tuple[int, int, int], int]]:
-    """(pd, ph, pw) grids: clips are short (T = 2), so the grid splits height and width."""
-    return {2: [((1, 2, 1), 1)], 3: [((1, 3, 1), 1)], 4: [((1, 2, 2), 1), ((1, 2, 1), 2)]}[size]
-
-
 @pytest.mark.parametrize("name", list(VIDEO))
 def test_torchvision_video_model_trains_through_fit_on_a_3d_grid_as_one_process(comm, name):
     if name != "mc3_18" and comm.size != 2:
@@ -163,4 +158,4 @@ def test_torchvision_video_model_trains_through_fit_on_a_3d_grid_as_one_process(
     model = VIDEO[name]().double()
     # clips N x C x T x H x W: layer4 maps 32 (48 on 3 ranks) rows to 2 (3), one or more per rank
     batches = _batches((2, 3, 2, 48 if comm.size == 3 else 32, 32))
-    check_update(comm, name, model, batches, nn.CrossEntropyLoss(), video_layouts(comm.size), via_fit=True)
+    check_update(comm, name, model, batches, nn.CrossEntropyLoss(), suite_grids(comm.size, video=True), via_fit=True)

@@ -4,12 +4,14 @@ many whole-sample redistributions a step does, and the step memory per rank.
 ``mpitrain bench spatial_models -n N [--models resnet18,convnext] [--size 64] [--video]`` trains every
 model of :data:`~mpitrain.spatial.models.CLASSIFIERS` (``--video``: :data:`~mpitrain.spatial.models.VIDEO`
 on 3-D grids, clips of 2 frames) in float64 with dropout off, batch 2, for 2 SGD-momentum steps on
-every grid of the world size (the 1-D splits, at 4 ranks also 2x2 and a sample x spatial hybrid), and
+every grid of :func:`~mpitrain.spatial.models.suite_grids` for the world size, and
 prints per (model, grid): the relative gap of the parameter update to one process's (rank 0 alone),
 the redistributions per step (``Distribution.redistributions`` after the steps, over the steps) and
 the tensor-level step memory (:func:`~mpitrain.perf.memory.step_memory` of the second step: the peak
-rise of live tensor bytes; largest rank) against one process's. Not timed: these sizes are for
-checking, not speed.
+rise of live tensor bytes; largest rank) against one process's, beside the parameters' gradient
+bytes (at the set's small inputs gradients and their allreduce buffer dominate the step memory; the
+activations, which spatial splitting divides, dominate at larger ones: ``--size``). Not timed: these
+sizes are for checking, not speed.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from torch import nn
 from ..comm.base import Communicator
 from ..perf.memory import step_memory
 from ..spatial.distribution import Distribution
-from ..spatial.models import CLASSIFIERS, VIDEO, no_dropout
+from ..spatial.models import CLASSIFIERS, VIDEO, no_dropout, suite_grids
 from ..spatial.trainer import SpatialTrainer
 from .common import header, print_table, rank_max
 
@@ -39,15 +41,6 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
                    "the height is 1.5x (a 3-row split of the last feature map)")
     p.add_argument("--video", action="store_true", help="the video models on 3-D grids")
     return p.parse_args(list(argv))
-
-
-def _grids(size: int, video: bool) -> list[tuple[tuple[int, ...], int]]:
-    volumes: dict[int, list[tuple[tuple[int, ...], int]]] = {
-        2: [((1, 2, 1), 1)], 3: [((1, 3, 1), 1)], 4: [((1, 2, 2), 1), ((1, 2, 1), 2)]}
-    if video:
-        return volumes.get(size, [])
-    out: list[tuple[tuple[int, ...], int]] = [((size, 1), 1), ((1, size), 1)]
-    return out + ([((2, 2), 1), ((2, 1), 2)] if size == 4 else [])
 
 
 def _sgd(params: object) -> torch.optim.Optimizer:
@@ -84,8 +77,10 @@ def _row(comm: Communicator, name: str, model: nn.Module, batches: list, grid: t
     gap = float((_flat(trainer.model) - start - expected).norm() / expected.norm())
     moves = sum(trainer.dist.redistributions.values()) / STEPS
     where = ",".join(sorted(trainer.dist.redistributions)) or "-"
+    grads = sum(p.numel() * p.element_size() for p in model.parameters())
     return [name, "x".join(map(str, grid)) + (f" x{samples}" if samples > 1 else ""),
-            "equal" if gap < 1e-9 else "DIFFERS", gap, moves, where, mem / MIB, base_mem / MIB, mem / max(base_mem, 1)]
+            "equal" if gap < 1e-9 else "DIFFERS", gap, moves, where, mem / MIB, base_mem / MIB, mem / max(base_mem, 1),
+            grads / MIB]
 
 
 def main(argv: Sequence[str]) -> int:
@@ -105,12 +100,12 @@ def main(argv: Sequence[str]) -> int:
         batches = [(torch.randn(shape, dtype=torch.float64, generator=g), torch.randint(0, 10, (2,), generator=g))
                    for _ in range(STEPS)]
         expected, base = _one_process(comm, model, batches, nn.CrossEntropyLoss())
-        for grid, samples in _grids(comm.size, args.video):
+        for grid, samples in suite_grids(comm.size, args.video):
             rows.append(_row(comm, name, model, batches, grid, samples, expected, base))
     if comm.rank == 0:
         print(header(f"spatial conformance set, input {tuple(shape)}, float64, {STEPS} steps", comm.size))
         print_table(["model", "grid", "result", "update gap", "redistributions/step", "ops",
-                     "step MiB/rank", "1 proc MiB", "mem ratio"], rows)
+                     "step MiB/rank", "1 proc MiB", "mem ratio", "grads MiB"], rows)
     return 0
 
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["torchvision_module", "UNet", "cosmoflow", "CLASSIFIERS", "VIDEO", "no_dropout"]
+__all__ = ["torchvision_module", "UNet", "cosmoflow", "CLASSIFIERS", "VIDEO", "no_dropout", "suite_grids"]
 
 
 def torchvision_module(name: str) -> ModuleType:
@@ -166,3 +166,16 @@ def no_dropout(model: nn.Module) -> nn.Module:
         if isinstance(m, nn.Dropout) or type(m).__name__ == "StochasticDepth":
             m.p = 0.0  # type: ignore[assignment]
     return model
+
+
+def suite_grids(size: int, video: bool = False) -> list[tuple[tuple[int, ...], int]]:
+    """The (grid, samples) layouts the conformance set runs on `size` ranks: 2x1 and 1x2; 3x1; 2x2 and the
+    sample x spatial hybrids 2x1 x 2 and 1x2 x 2. Video: 1x2x1; 1x3x1; 1x2x2 and 1x2x1 x 2 (short clips
+    keep their frames whole)."""
+    if video:
+        volumes: dict[int, list[tuple[tuple[int, ...], int]]] = {
+            2: [((1, 2, 1), 1)], 3: [((1, 3, 1), 1)], 4: [((1, 2, 2), 1), ((1, 2, 1), 2)]}
+        return volumes.get(size, [])
+    images: dict[int, list[tuple[tuple[int, ...], int]]] = {
+        2: [((2, 1), 1), ((1, 2), 1)], 3: [((3, 1), 1)], 4: [((2, 2), 1), ((2, 1), 2), ((1, 2), 2)]}
+    return images.get(size, [])
