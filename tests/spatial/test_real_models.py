@@ -17,7 +17,8 @@ from torch import nn
 
 from mpitrain.fit import fit
 from mpitrain.spatial import Distribution
-from mpitrain.spatial.models import CLASSIFIERS, VIDEO, no_dropout, suite_grids
+from mpitrain.spatial import tensor as spatial_tensor
+from mpitrain.spatial.models import CLASSIFIERS, DETECTION, VIDEO, no_dropout, suite_grids, torchvision_module
 from mpitrain.spatial.trainer import SpatialTrainer
 from tests.helpers import assert_all_ranks
 
@@ -159,3 +160,37 @@ def test_torchvision_video_model_trains_through_fit_on_a_3d_grid_as_one_process(
     # clips N x C x T x H x W: layer4 maps 32 (48 on 3 ranks) rows to 2 (3), one or more per rank
     batches = _batches((2, 3, 2, 48 if comm.size == 3 else 32, 32))
     check_update(comm, name, model, batches, nn.CrossEntropyLoss(), suite_grids(comm.size, video=True), via_fit=True)
+
+
+def _googlenet_loss(out, y: torch.Tensor) -> torch.Tensor:
+    """torchvision's recipe for GoogLeNet in training mode: the logits' loss plus 0.3 of each auxiliary's."""
+    ce = nn.functional.cross_entropy
+    return ce(out.logits, y) + 0.3 * (ce(out.aux_logits1, y) + ce(out.aux_logits2, y))
+
+
+def _features_loss(out: dict, y: torch.Tensor) -> torch.Tensor:
+    """A mean over rows: each sample's mean squared feature, summed over the FPN's levels, times its target."""
+    terms = [((v * v).mean((1, 2, 3)) * y.double()).mean() for v in out.values()]
+    return torch.stack(terms).sum()
+
+
+#: Models whose output is a namedtuple or a dict of blocks: (builder, loss, input side, at 3 ranks).
+MULTI_OUTPUT = {
+    "googlenet_aux": (lambda: torchvision_module("models.googlenet").googlenet(num_classes=10, init_weights=True),
+                      _googlenet_loss, 64, 96),
+    **{name: (build, _features_loss, 128, 192) for name, build in DETECTION.items()},
+}
+
+
+@pytest.mark.skipif(not hasattr(spatial_tensor, "BlockExtent"),
+                    reason="needs BatchNorm on replicated tensors (GoogLeNet's auxiliary heads) and block "
+                           "extents for F.interpolate(size=x.shape[-2:]) (the FPN): issue 26 items 1 and 4")
+@pytest.mark.parametrize("name", list(MULTI_OUTPUT))
+def test_models_with_tuple_or_dict_outputs_train_as_one_process(comm, name):
+    if comm.size == 3 and name != "googlenet_aux":
+        pytest.skip("3 ranks run GoogLeNet; the FPN backbones (192-row inputs there) run at 2 and 4 ranks")
+    build, loss_fn, side, side3 = MULTI_OUTPUT[name]
+    torch.manual_seed(0)
+    model = no_dropout(build().double())
+    batches = _batches((2, 3, side3 if comm.size == 3 else side, side))
+    check_update(comm, name, model, batches, loss_fn, layouts(comm.size, list(MULTI_OUTPUT).index(name)))

@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["torchvision_module", "UNet", "cosmoflow", "CLASSIFIERS", "VIDEO", "no_dropout", "suite_grids"]
+__all__ = ["torchvision_module", "UNet", "cosmoflow", "CLASSIFIERS", "VIDEO", "DETECTION", "no_dropout",
+           "suite_grids"]
 
 
 def torchvision_module(name: str) -> ModuleType:
@@ -157,6 +158,28 @@ CLASSIFIERS: dict[str, Callable[[], nn.Module]] = {
 #: Video classifiers of the conformance set (10 classes; clips N x 3 x T x H x W on a 3-D grid).
 VIDEO: dict[str, Callable[[], nn.Module]] = {name: _tv("models.video.resnet", name)
                                              for name in ("mc3_18", "r3d_18", "r2plus1d_18")}
+
+
+def _resnet_fpn() -> nn.Module:
+    """torchvision's ResNet-FPN detection backbone on ResNet-18 (FrozenBatchNorm, layers 2-4 trainable,
+    the extra max-pooled level): a dict of five feature maps."""
+    backbone: nn.Module = torchvision_module("models.detection.backbone_utils").resnet_fpn_backbone(
+        backbone_name="resnet18", weights=None)
+    return backbone
+
+
+def _mobilenet_fpn() -> nn.Module:
+    """The backbone of torchvision's ``fasterrcnn_mobilenet_v3_large_fpn`` (untrained: BatchNorm, every
+    layer trainable): MobileNetV3-large features and an FPN, a dict of three feature maps."""
+    detector = torchvision_module("models.detection.faster_rcnn").fasterrcnn_mobilenet_v3_large_fpn(
+        weights=None, weights_backbone=None, num_classes=10)
+    backbone: nn.Module = detector.backbone
+    return backbone
+
+
+#: Detection backbones of the conformance set (inputs N x 3 x H x W with H, W >= 64 x grid: their
+#: extra level pools the 1/32 map once more).
+DETECTION: dict[str, Callable[[], nn.Module]] = {"resnet18_fpn": _resnet_fpn, "mobilenet_v3_fpn": _mobilenet_fpn}
 
 
 def no_dropout(model: nn.Module) -> nn.Module:
