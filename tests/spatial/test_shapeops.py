@@ -66,3 +66,10 @@ def test_squeeze_is_decided_on_the_global_shape():
     out = local_rule("squeeze", x, (2, 1, 4, 10), HW, (x,), {})
     assert out is not None and out[0] == (1, 2) and out[1][1] == (1,)
     assert local_rule("squeeze", x, (2, 1, 4, 10), HW, (x, 2), {}) is not None  # no-op: the dim is not 1
+
+
+def test_size_one_spatial_dims_map_in_order():
+    x = torch.zeros(2, 8, 1, 1)  # a 1 x 1 block (a 2x2 grid over a 2x2 map)
+    out = local_rule("view", x, (2, 8, 2, 2), HW, (x, 2, 2, 4, 1, 1), {})
+    assert out is not None and out[0] == (3, 4)
+    assert map_view([2, 8, 1, 1], [2, 8, 1, 1, 1], (0, 2, 3)) == (0, 2, 3)

@@ -10,8 +10,8 @@ output's spatial positions, or None when the op mixes a split dim with another (
   sizes, as ``x.size()`` reports them — or the global sizes, mapped to the block's) keeps dim 0 and
   each spatial dim when the product of the dims before it is unchanged and its size is unchanged
   (channel shuffle's ``view(B, g, C/g, H, W)`` and back); merging or splitting a spatial dim is not
-  local (``flatten(2)``). With a local size of 1 and several size-1 target dims in the same place the
-  first is taken.
+  local (``flatten(2)``). Kept dims are matched in order, each to the first fitting place (a block 1 x 1
+  in H and W, viewed as N x g x C/g x 1 x 1, maps H and W to the last two dims).
 * ``permute``/``transpose``/``swapaxes``/``swapdims``/``movedim``/``moveaxis`` that keep dim 0: the
   spatial dims are tracked wherever they go (ConvNeXt's channels-last blocks).
 * ``squeeze``/``unsqueeze``, decided on the global shape (a block's size-1 dims are not the tensor's).
@@ -62,15 +62,18 @@ def _ints(v: Any) -> list[int]:
 
 def map_view(src: Sequence[int], dst: Sequence[int], keep: Sequence[int]) -> Dims | None:
     """The positions in `dst` of the `keep` dims of `src` (dim 0 and the spatial ones) under a row-major
-    reshape, or None when a kept dim would merge or split."""
-    out = []
-    for i in keep:
+    reshape, or None when a kept dim would merge or split. A kept dim keeps its size and the product of
+    the dims before it; kept dims of size 1 next to other size-1 dims are matched in order (a reshape
+    never reorders dims), the first free place each."""
+    out: dict[int, int] = {}
+    last = -1
+    for i in sorted(keep):
         before = math.prod(src[:i])
-        j = next((j for j in range(len(dst)) if dst[j] == src[i] and math.prod(dst[:j]) == before), None)
+        j = next((j for j in range(last + 1, len(dst)) if dst[j] == src[i] and math.prod(dst[:j]) == before), None)
         if j is None:
             return None
-        out.append(j)
-    return tuple(out) if len(set(out)) == len(out) else None
+        out[i], last = j, j
+    return tuple(out[i] for i in keep)
 
 
 def _target(name: str, x: torch.Tensor, args: tuple, kwargs: dict) -> list[int] | None:
