@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import warnings
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -17,7 +18,6 @@ from torch import nn
 
 from mpitrain.fit import fit
 from mpitrain.spatial import Distribution
-from mpitrain.spatial import tensor as spatial_tensor
 from mpitrain.spatial.models import CLASSIFIERS, DETECTION, VIDEO, no_dropout, suite_grids, torchvision_module
 from mpitrain.spatial.trainer import SpatialTrainer
 from tests.helpers import assert_all_ranks
@@ -41,7 +41,7 @@ def sgd(params):
 
 
 def _flat(model: nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()
 
 
 def _reference_update(comm, model: nn.Module, batches, loss_fn) -> torch.Tensor:
@@ -117,7 +117,7 @@ def criterion(inputs: dict[str, torch.Tensor], target: torch.Tensor) -> torch.Te
 @pytest.mark.parametrize("name", list(SEGMENTATION))
 def test_torchvision_segmentation_model_trains_as_one_process_with_ignored_pixels(comm, name):
     torch.manual_seed(0)
-    model = _no_dropout(SEGMENTATION[name]().double())
+    model = no_dropout(SEGMENTATION[name]().double())
     start = _flat(model)
     g = torch.Generator().manual_seed(1)
     # the deepest feature map (1/8 for FCN, 1/16 for MobileNetV3) must give every grid row a cell
@@ -138,12 +138,15 @@ def test_torchvision_segmentation_model_trains_as_one_process_with_ignored_pixel
     assert_all_ranks(comm, gap < RTOL and not moves and blocks,
                      f"{name} grid {grid} x{samples}: relative update gap {gap:.3g}, redistributed {moves}, "
                      f"loss on blocks {blocks}")
+
+
 @pytest.mark.parametrize("name", list(MODELS))
-def test_torchvision_model_trains_as_one_process_on_every_grid(comm, name):
+def test_torchvision_model_trains_as_one_process_on_every_grid(comm, device, name):
+    """On `device` (the CPU here; the GPU suite runs this test again on CUDA: tests/gpu)."""
     if comm.size == 3 and name not in AT_3:  # the same verdict on every rank
         pytest.skip("3 ranks (3x1, uneven blocks) run the cheaper models only; 2 and 4 ranks run all")
     torch.manual_seed(0)
-    model = no_dropout(MODELS[name]().double())
+    model = no_dropout(MODELS[name]().double()).to(device)
     # 64x64 (96x64 on 3 ranks): the last feature map (1/32) covers every grid with 2x2 cells or more
     batches = _batches((2, 3, 96 if comm.size == 3 else 64, 64))
     check_update(comm, name, model, batches, nn.CrossEntropyLoss(),
@@ -182,9 +185,6 @@ MULTI_OUTPUT = {
 }
 
 
-@pytest.mark.skipif(not hasattr(spatial_tensor, "BlockExtent"),
-                    reason="needs BatchNorm on replicated tensors (GoogLeNet's auxiliary heads) and block "
-                           "extents for F.interpolate(size=x.shape[-2:]) (the FPN): issue 26 items 1 and 4")
 @pytest.mark.parametrize("name", list(MULTI_OUTPUT))
 def test_models_with_tuple_or_dict_outputs_train_as_one_process(comm, name):
     if comm.size == 3 and name != "googlenet_aux":

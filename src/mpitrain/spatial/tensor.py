@@ -503,13 +503,13 @@ def _with_extents(func: Any, name: str, args: tuple, out: Any, kwargs: dict) -> 
     lay = layout_of(args[0])
     if lay is None or lay.kind != "block":
         return out
-    nd, k = len(lay.shape), len(lay.dist.grid)
+    nd, dims = len(lay.shape), lay.spatial_dims()
     if plain(args[0]).dim() != nd:
         return out
     if isinstance(out, int):
         d = kwargs.get("dim", args[1] if len(args) > 1 else 0) % nd
-        return BlockExtent(out, lay.shape[d]) if d >= nd - k else out
-    return torch.Size([*out[:nd - k], *(BlockExtent(v, w) for v, w in zip(out[nd - k:], lay.shape[nd - k:]))])
+        return BlockExtent(out, lay.shape[d]) if d in dims else out
+    return torch.Size([BlockExtent(v, lay.shape[d]) if d in dims else v for d, v in enumerate(out)])
 
 
 def whole_size(size: Any) -> Any:
