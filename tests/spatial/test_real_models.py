@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import copy
 import warnings
-from collections.abc import Callable
 
 import pytest
 import torch
 from torch import nn
 
 from mpitrain.fit import fit
-from mpitrain.spatial import Distribution
+from mpitrain.spatial import Distribution, models
 from mpitrain.spatial.models import CLASSIFIERS, DETECTION, VIDEO, no_dropout, suite_grids, torchvision_module
 from mpitrain.spatial.trainer import SpatialTrainer
 from tests.helpers import assert_all_ranks
@@ -90,28 +89,16 @@ def check_update(comm, name: str, model: nn.Module, batches, loss_fn, grids, via
                          f"{name} grid {grid} x{samples}: relative update gap {gap:.3g}, redistributed {moves}")
 
 
-def _segmentation(name: str) -> Callable[[], nn.Module]:
-    # torchvision's defaults (aux_loss too), random weights, no download; 3 classes keeps the heads small
-    return lambda: getattr(torchvision_module("models.segmentation"), name)(weights=None, weights_backbone=None,
-                                                                            num_classes=3)
-
-
-SEGMENTATION: dict[str, Callable[[], nn.Module]] = {
-    name: _segmentation(name) for name in ("fcn_resnet50", "deeplabv3_mobilenet_v3_large", "lraspp_mobilenet_v3_large")
-}
-IGNORE = 255
+#: The segmentation models the suite runs (DeepLabV3-ResNet50, 40M float64 parameters, runs in the bench).
+SEGMENTATION = {name: models.SEGMENTATION[name]
+                for name in ("fcn_resnet50", "deeplabv3_mobilenet_v3_large", "lraspp_mobilenet_v3_large")}
+IGNORE, criterion = models.IGNORE, models.segmentation_criterion
 
 
 def segmentation_layout(size: int, index: int) -> tuple[tuple[int, int], int]:
     """One (grid, samples) per world size, rotating by model `index`: 2 ranks 2x1 or 1x2, 3 ranks 3x1,
     4 ranks the sample x spatial hybrid 2 x (2x1) or 2 x (1x2)."""
     return {2: [((2, 1), 1), ((1, 2), 1)][index % 2], 3: ((3, 1), 1), 4: [((2, 1), 2), ((1, 2), 2)][index % 2]}[size]
-
-
-def criterion(inputs: dict[str, torch.Tensor], target: torch.Tensor) -> torch.Tensor:
-    """torchvision's references/segmentation/train.py criterion, as written there."""
-    losses = {name: nn.functional.cross_entropy(x, target, ignore_index=IGNORE) for name, x in inputs.items()}
-    return losses["out"] if len(losses) == 1 else losses["out"] + 0.5 * losses["aux"]
 
 
 @pytest.mark.parametrize("name", list(SEGMENTATION))

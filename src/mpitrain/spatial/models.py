@@ -1,6 +1,7 @@
 """Real CNNs for spatial tests and benchmarks: torchvision's models (imported without torchvision's
-package ``__init__``) and the conformance set built from them (:data:`CLASSIFIERS`, :data:`VIDEO`), a
-U-Net with skip concatenations and transposed convolutions, and a CosmoFlow-style 3-D network."""
+package ``__init__``) and the conformance set built from them (:data:`CLASSIFIERS`, :data:`VIDEO`,
+:data:`DETECTION`, :data:`SEGMENTATION`), a U-Net with skip concatenations and transposed convolutions,
+and a CosmoFlow-style 3-D network."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["torchvision_module", "UNet", "cosmoflow", "CLASSIFIERS", "VIDEO", "DETECTION", "no_dropout",
-           "suite_grids"]
+__all__ = ["torchvision_module", "UNet", "cosmoflow", "CLASSIFIERS", "VIDEO", "DETECTION", "SEGMENTATION",
+           "IGNORE", "segmentation_criterion", "no_dropout", "suite_grids"]
 
 
 def torchvision_module(name: str) -> ModuleType:
@@ -180,6 +181,26 @@ def _mobilenet_fpn() -> nn.Module:
 #: Detection backbones of the conformance set (inputs N x 3 x H x W with H, W >= 64 x grid: their
 #: extra level pools the 1/32 map once more).
 DETECTION: dict[str, Callable[[], nn.Module]] = {"resnet18_fpn": _resnet_fpn, "mobilenet_v3_fpn": _mobilenet_fpn}
+
+
+def _segmentation(name: str) -> Callable[[], nn.Module]:
+    # torchvision's defaults (aux_loss too), random weights, no download; 3 classes keeps the heads small
+    return lambda: getattr(torchvision_module("models.segmentation"), name)(weights=None, weights_backbone=None,
+                                                                            num_classes=3)
+
+
+#: Segmentation models of the conformance set (3 classes; inputs N x 3 x H x W, dense targets N x H x W
+#: with :data:`IGNORE` pixels; loss :func:`segmentation_criterion`).
+SEGMENTATION: dict[str, Callable[[], nn.Module]] = {
+    name: _segmentation(name) for name in ("lraspp_mobilenet_v3_large", "deeplabv3_mobilenet_v3_large",
+                                           "fcn_resnet50", "deeplabv3_resnet50")}
+IGNORE = 255
+
+
+def segmentation_criterion(inputs: dict[str, torch.Tensor], target: torch.Tensor) -> torch.Tensor:
+    """torchvision's references/segmentation/train.py criterion, as written there."""
+    losses = {name: F.cross_entropy(x, target, ignore_index=IGNORE) for name, x in inputs.items()}
+    return losses["out"] if len(losses) == 1 else losses["out"] + 0.5 * losses["aux"]
 
 
 def no_dropout(model: nn.Module) -> nn.Module:
