@@ -133,3 +133,15 @@ def test_shape_ops_that_mix_a_split_dim_redistribute_visibly_and_stay_exact(comm
     moved = dict(dist.redistributions)
     assert_all_ranks(comm, torch.equal(plain(got), whole) and moved == {"flatten": 1, "reshape": 1, "__getitem__": 1},
                      f"redistributed {moved}")
+
+
+def test_sizes_read_from_a_block_mean_the_whole_extent_after_a_redistribution(comm):
+    """Swin's window attention reads ``B, H, W, C = x.shape`` on a channels-last block, pads (a
+    redistribution to whole samples) and crops back with ``x[:, :H, :W]``: the crop keeps the whole map."""
+    dist = Distribution(comm, (comm.size, 1), 1)
+    x = torch.randn(2, 3, 2 * comm.size + 1, 4, dtype=torch.float64)
+    with pytest.warns(RuntimeWarning, match="not a spatial op"):
+        b = dist.scatter(x).permute(0, 2, 3, 1)
+        _, h, w, _ = b.shape
+        got = F.pad(b, (0, 0, 0, 1, 0, 1))[:, :h, :w, :] + b
+    assert_all_ranks(comm, torch.equal(plain(got), 2 * x.permute(0, 2, 3, 1)), "the crop lost rows")

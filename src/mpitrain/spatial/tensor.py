@@ -177,7 +177,7 @@ def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
     if name in _REDUCTIONS and _whole_reduction(args, kwargs):
         return _reduce_whole(func, name, args, kwargs, layouts[0])
     if not blocks:  # whole samples replicated over the group: any op applies
-        return _retag(_run(func, args, kwargs), layouts[0], "replicated")
+        return _retag(_run(func, *_whole_extents(args, kwargs)), layouts[0], "replicated")
     first = blocks[0]
     if nchw(first) and (name in ("adaptive_avg_pool2d", "adaptive_avg_pool3d")
                                   or (name == "mean" and _spatial_mean(args, kwargs))):
@@ -383,8 +383,25 @@ def _redistribute_then(func: Any, name: str, args: tuple, kwargs: dict, first: L
         canonical, restore = to_nchw(t)
         return restore(dist.replicate(canonical))
 
-    args, kwargs = pytree.tree_map(whole, (args, kwargs))
+    args, kwargs = pytree.tree_map(whole, _whole_extents(args, kwargs))
     return _retag(_run(func, args, kwargs), first, "replicated")
+
+
+def _whole_extents(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """`args`, `kwargs` with every :class:`BlockExtent` (also in slices and sizes) read as its whole extent:
+    an op on whole samples (replicated, or redistributed) means the whole tensor's sizes that the model
+    read from a block's ``x.shape`` (Swin's ``x[:, :H, :W]`` crop after its padding redistributed)."""
+    def one(v: Any) -> Any:
+        if isinstance(v, BlockExtent):
+            return v.whole
+        if isinstance(v, slice):
+            return slice(one(v.start), one(v.stop), one(v.step))
+        if isinstance(v, torch.Size):
+            return torch.Size(whole_size(v))
+        return v
+
+    out: tuple[tuple, dict] = pytree.tree_map(one, (args, kwargs))
+    return out
 
 
 def _local(t: Any) -> Any:
