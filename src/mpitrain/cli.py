@@ -21,6 +21,7 @@ BENCHMARKS = {
     "pipeline": "sequential vs model vs data vs hybrid img/s; pipeline efficiency vs M/(M+P-1)",
     "pipesgd": "Pipe-SGD timing model predicted vs measured; Fig. 4-style table",
     "spatial": "mesh model strong scaling and memory per rank",
+    "spatial_models": "the spatial conformance set: equal to one process?, redistributions/step, memory/rank",
     "planner": "the planner's predictions vs measured steps: error, regret, chosen plan per workload",
     "fit": "fit vs a hand-written loop on short epochs: ms/step, ratio, extra ms per epoch (--device cuda)",
     "horovod": "Horovod-style synthetic img/s: mpitrain.horovod DistributedOptimizer vs DataParallel vs DDP",

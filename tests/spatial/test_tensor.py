@@ -8,9 +8,11 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from mpitrain.spatial import Distribution, SpatialError, SpatialTensor, layout_of, parallelize
+from mpitrain.spatial.tensor import plain
 from tests.helpers import assert_all_ranks
 from tests.spatial.test_layers import compare, layouts
 
@@ -79,3 +81,67 @@ def test_unknown_in_place_op_on_a_block_is_refused(comm):
     except SpatialError as e:
         msg = str(e)
     assert_all_ranks(comm, "in-place" in msg, msg)
+
+
+class ShapeOps(nn.Module):
+    """Shape and per-cell ops that keep the split dims whole: a channel shuffle (view, transpose, view
+    back), chunk and cat on channels, a permute to channels-last with layer_norm and linear there, basic
+    indexing of channels, stack / unbind / softmax / a channel reduction, squeeze and unsqueeze, a view
+    naming the global spatial sizes, functional max and average pools, then a global pool and a head."""
+
+    def __init__(self, h: int, w: int) -> None:
+        super().__init__()
+        self.h, self.w = h, w
+        self.conv, self.norm, self.fc = nn.Conv2d(3, 8, 3, 1, 1), nn.LayerNorm(8), nn.Linear(8, 8)
+        self.head = nn.Linear(9, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv(x)
+        n, c, h, w = y.size()
+        y = y.view(n, 2, c // 2, h, w).transpose(1, 2).contiguous().view(n, -1, h, w)  # channel shuffle
+        a, b = y.chunk(2, dim=1)
+        y = torch.cat([torch.sin(b), a], dim=1)
+        z = self.fc(self.norm(y.permute(0, 2, 3, 1)))  # ConvNeXt's channels-last block
+        y = y + z.permute(0, 3, 1, 2)
+        first = y[:, :1] * y[:, 1].unsqueeze(1)
+        pair = torch.stack([y[:, 2:5], y[:, 5:]], dim=2)  # N x 3 x 2 x H x W
+        y = torch.cat([first, pair.sum(2), pair.unbind(2)[1], torch.softmax(y[:, :2], dim=1)], dim=1)
+        y = y * y.amax(1, keepdim=True)
+        y = y.reshape(n, 9, 1, self.h, self.w).squeeze(2)  # the global sizes, as a model may name them
+        y = F.max_pool2d(y, 3, 1, 1) + F.avg_pool2d(y, 3, 2, 1, ceil_mode=True).mean((2, 3), keepdim=True)
+        return self.head(y.mean((2, 3)))
+
+
+def test_shape_ops_keeping_the_split_dims_whole_run_on_the_block_and_equal_one_process(comm):
+    torch.manual_seed(0)
+    for grid, samples in layouts(comm.size):
+        h, w = 3 * grid[0] + 1, 2 * grid[1] + 3
+        model = ShapeOps(h, w).double()
+        x = torch.randn(max(2, samples), 3, h, w, dtype=torch.float64)
+        dist = Distribution(comm, grid, samples)
+        compare(comm, model, x, dist, f"shape ops grid {grid}x{samples}", rtol=1e-10)
+        assert_all_ranks(comm, dist.redistributions == {}, f"redistributed {dist.redistributions}")
+
+
+def test_shape_ops_that_mix_a_split_dim_redistribute_visibly_and_stay_exact(comm):
+    dist = Distribution(comm, (comm.size, 1), 1)
+    x = torch.randn(2, 3, 2 * comm.size + 1, 4, dtype=torch.float64)
+    whole = torch.cat([x.flatten(2), x.transpose(2, 3).reshape(2, 3, -1), x[:, :, ::2].reshape(2, 3, -1)], dim=2)
+    with pytest.warns(RuntimeWarning, match="not a spatial op"):
+        b = dist.scatter(x)
+        got = torch.cat([b.flatten(2), b.transpose(2, 3).reshape(2, 3, -1), b[:, :, ::2].reshape(2, 3, -1)], dim=2)
+    moved = dict(dist.redistributions)
+    assert_all_ranks(comm, torch.equal(plain(got), whole) and moved == {"flatten": 1, "reshape": 1, "__getitem__": 1},
+                     f"redistributed {moved}")
+
+
+def test_sizes_read_from_a_block_mean_the_whole_extent_after_a_redistribution(comm):
+    """Swin's window attention reads ``B, H, W, C = x.shape`` on a channels-last block, pads (a
+    redistribution to whole samples) and crops back with ``x[:, :H, :W]``: the crop keeps the whole map."""
+    dist = Distribution(comm, (comm.size, 1), 1)
+    x = torch.randn(2, 3, 2 * comm.size + 1, 4, dtype=torch.float64)
+    with pytest.warns(RuntimeWarning, match="not a spatial op"):
+        b = dist.scatter(x).permute(0, 2, 3, 1)
+        _, h, w, _ = b.shape
+        got = F.pad(b, (0, 0, 0, 1, 0, 1))[:, :h, :w, :] + b
+    assert_all_ranks(comm, torch.equal(plain(got), 2 * x.permute(0, 2, 3, 1)), "the crop lost rows")

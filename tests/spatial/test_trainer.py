@@ -72,6 +72,30 @@ def test_bad_spatial_options_are_refused_on_every_rank_before_any_message(comm, 
     assert_all_ranks(comm, bool(msg), f"{opts} was accepted")
 
 
+def test_a_volume_model_or_batch_on_a_2d_grid_is_refused_naming_the_3d_grid_to_pass(comm):
+    """A model with 3-D layers given a 2-D grid: FitError at make_trainer (before any message), naming the
+    grid it got and the one to pass; a 5-D batch for a model without 3-D layer modules: FitError at the
+    step, on every rank, before that step's messages."""
+    from mpitrain.fit import FitSpec
+
+    volume = nn.Sequential(nn.Conv3d(1, 2, 3, 1, 1), nn.AdaptiveAvgPool3d(1), nn.Flatten())
+    try:
+        make_trainer(volume, nn.MSELoss(), sgd, comm, FitSpec(strategy="spatial", options={"grid": (comm.size, 1)}))
+        msg = ""
+    except FitError as e:
+        msg = str(e)
+    wanted = f"grid=({comm.size}, 1) is 2-D; pass grid=(1, {comm.size}, 1)"
+    assert_all_ranks(comm, "(N, C, D, H, W)" in msg and wanted in msg, msg)
+    flat = nn.Sequential(nn.Flatten(), nn.Linear(4 * comm.size * 4 * 4, 2))  # no 3-D layer to tell
+    data = [(torch.randn(2, 1, 4, 4 * comm.size, 4), torch.randn(2, 2))]
+    try:
+        fit(flat, data, nn.MSELoss(), sgd, strategy="spatial", grid=(comm.size, 1), progress=False)
+        msg = ""
+    except FitError as e:
+        msg = str(e)
+    assert_all_ranks(comm, "batch of shape (2, 1, 4" in msg and wanted in msg, msg)
+
+
 def test_distribution_with_the_wrong_number_of_ranks_is_refused_on_every_rank(comm):
     try:
         Distribution(comm, (comm.size, 2), 1)

@@ -1,5 +1,6 @@
-"""3-D volumes on a (pd, ph, pw) grid: Conv3d, MaxPool3d, AvgPool3d, BatchNorm3d and a CosmoFlow-style
-net (conv3d/BN3d/pool stacks, then dense layers after an explicit redistribution) equal one process."""
+"""3-D volumes on a (pd, ph, pw) grid: Conv3d, MaxPool3d, AvgPool3d (modules and functional), BatchNorm3d
+and a CosmoFlow-style net (conv3d/BN3d/pool stacks, then dense layers after an explicit redistribution)
+equal one process."""
 
 from __future__ import annotations
 
@@ -35,11 +36,18 @@ def test_volume_halo_plans_cover_every_needed_cell_once():
             assert cells == inside.shape[0] * inside.shape[1] * inside.shape[2], f"{grid}: {p}"
 
 
+class FunctionalPools3d(nn.Module):
+    """``F.max_pool3d`` and ``F.avg_pool3d`` called in a forward (they route to the spatial 3-D pools)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.max_pool3d(x, 3, 1, 1) + torch.nn.functional.avg_pool3d(x, 3, 1, 1)
+
+
 @pytest.mark.mpi
 @pytest.mark.parametrize("ceil", [False, True])
 def test_conv3d_bn3d_and_pools_equal_single_process(comm, ceil):
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv3d(2, 3, 3, 1, 1), nn.BatchNorm3d(3), nn.ReLU(),
+    model = nn.Sequential(nn.Conv3d(2, 3, 3, 1, 1), nn.BatchNorm3d(3), nn.ReLU(), FunctionalPools3d(),
                           nn.MaxPool3d(3, 2, 1, ceil_mode=ceil), nn.Conv3d(3, 3, (3, 1, 3), 1, (1, 0, 1), bias=False),
                           nn.AvgPool3d(2, 2, ceil_mode=ceil, count_include_pad=False), nn.Conv3d(3, 2, 1)).double()
     for grid, samples in grids3(comm.size):

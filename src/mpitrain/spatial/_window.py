@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -11,9 +13,10 @@ from torch import nn
 from ._exchange import HaloStats
 from .distribution import Distribution
 from .halo import HaloPlan, plan_grid
-from .tensor import Layout, SpatialError, layout_of, plain, tag
+from .tensor import Layout, SpatialError, layout_of, nchw, plain, register_spatial_function, tag
 
-__all__ = ["WindowLayer", "input_layout", "pad_by_mode", "padding_mode_problem", "PADDING_MODES"]
+__all__ = ["WindowLayer", "input_layout", "pad_by_mode", "padding_mode_problem", "PADDING_MODES",
+           "register_functional", "register_functional_pools"]
 
 #: Conv ``padding_mode`` values with a spatial form ("circular" only along dimensions the grid does not split).
 PADDING_MODES = ("zeros", "reflect", "replicate", "circular")
@@ -60,6 +63,9 @@ def input_layout(layer: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, Layou
         raise SpatialError(f"{type(layer).__name__} received a tensor without a spatial layout "
                            f"(shape {tuple(x.shape)}); feed the parallelized model Distribution.scatter's "
                            f"blocks and build activations from them")
+    if layout.kind == "block" and not nchw(layout):
+        raise SpatialError(f"{type(layer).__name__} received a block of shape {tuple(layout.shape)} whose spatial "
+                           f"dims sit at {layout.spatial_dims()}; it takes N x C x (spatial) blocks")
     return plain(x), layout
 
 
@@ -106,3 +112,44 @@ class WindowLayer(nn.Module):
         size = tuple(layout.shape[2:])
         out = tuple(w.out_size(n) for w, n in zip(self.windows_for(size), size))
         return tag(y, Layout(layout.dist, "block", (layout.shape[0], y.shape[1], *out)))
+
+
+#: Per distribution, the window layers standing for functional calls, by the call's arguments.
+_FUNCTIONAL: weakref.WeakKeyDictionary[Distribution, dict[Any, nn.Module]] = weakref.WeakKeyDictionary()
+
+
+def register_functional(name: str, build: Callable[..., nn.Module]) -> None:
+    """Route ``F.<name>(block, *args, **kwargs)`` (e.g. ``F.max_pool2d(x, 1, 2, 0)`` in an FPN's extra
+    level) to the spatial layer ``build(dist, *args, **kwargs)`` returns, built once per distribution and
+    arguments (its halo plans are cached with it)."""
+
+    def run(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        layout = layout_of(x)
+        if layout is None:
+            raise SpatialError(f"F.{name} got a tensor without a spatial layout")
+        layers = _FUNCTIONAL.setdefault(layout.dist, {})
+        key = (name, args, tuple(sorted(kwargs.items())))
+        if key not in layers:
+            layers[key] = build(layout.dist, *args, **kwargs)
+        out: torch.Tensor = layers[key](x)
+        return out
+
+    register_spatial_function(name, run)
+
+
+def register_functional_pools(dims: int, max_layer: Callable[[Any, Distribution], nn.Module],
+                              avg_layer: Callable[[Any, Distribution], nn.Module]) -> None:
+    """Route ``F.max_pool{dims}d`` and ``F.avg_pool{dims}d`` on blocks to `max_layer` / `avg_layer` built
+    from the equivalent ``nn`` pool (:func:`register_functional`)."""
+    max_nn, avg_nn = (nn.MaxPool2d, nn.AvgPool2d) if dims == 2 else (nn.MaxPool3d, nn.AvgPool3d)
+
+    def max_pool(dist: Distribution, kernel_size: Any, stride: Any = None, padding: Any = 0, dilation: Any = 1,
+                 ceil_mode: bool = False, return_indices: bool = False) -> nn.Module:
+        return max_layer(max_nn(kernel_size, stride, padding, dilation, return_indices, ceil_mode), dist)
+
+    def avg_pool(dist: Distribution, kernel_size: Any, stride: Any = None, padding: Any = 0, ceil_mode: bool = False,
+                 count_include_pad: bool = True, divisor_override: int | None = None) -> nn.Module:
+        return avg_layer(avg_nn(kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override), dist)
+
+    register_functional(f"max_pool{dims}d", max_pool)
+    register_functional(f"avg_pool{dims}d", avg_pool)

@@ -11,7 +11,7 @@ from .._utils.flat import spans
 from .._utils.stall import DEFAULT_POLICY, StallPolicy
 from ..comm.base import Communicator, split_sizes
 from ._exchange import SendQueue
-from .tensor import Layout, SpatialError, layout_of, own_share, plain, tag
+from .tensor import Layout, SpatialError, layout_of, own_share, plain, tag, to_nchw
 
 __all__ = ["Distribution", "Layout", "SpatialError", "layout_of", "gather", "gather_group", "ranges"]
 
@@ -197,6 +197,9 @@ def gather(t: torch.Tensor, like: torch.Tensor | None = None) -> torch.Tensor:
     this rank's block of the (replicated) output gradient; for a tensor replicated inside the spatial
     group only spatial rank 0 keeps it (gradients of replicated tensors are shares summed by the group).
     """
+    restore = None
+    if like is None:
+        t, restore = to_nchw(t)  # a block whose spatial dims a shape op moved: gathered as N x C x (spatial)
     layout = layout_of(like if like is not None else t)
     if layout is None:
         raise SpatialError("gather needs a block produced by Distribution.scatter or a parallelized module "
@@ -204,7 +207,7 @@ def gather(t: torch.Tensor, like: torch.Tensor | None = None) -> torch.Tensor:
     if like is not None and like.shape != t.shape:
         raise SpatialError(f"gather: tensor shape {tuple(t.shape)} differs from like's {tuple(like.shape)}")
     out: torch.Tensor = _Gather.apply(plain(t), layout)
-    return out
+    return out if restore is None else restore(out)
 
 
 def gather_group(t: torch.Tensor) -> torch.Tensor:
@@ -216,11 +219,12 @@ def gather_group(t: torch.Tensor) -> torch.Tensor:
     same output gradient (each computes the same loss on the group's samples); the backward keeps this
     rank's block of it (a replicated tensor: spatial rank 0 keeps it, the others zero), so the
     gradients summed over the world are those of the sum of the groups' losses."""
+    t, restore = to_nchw(t)
     layout = layout_of(t)
     if layout is None:
         raise SpatialError("gather_group needs a block produced by Distribution.scatter or a parallelized module")
     out: torch.Tensor = _GatherGroup.apply(plain(t), layout)
-    return out
+    return restore(out)
 
 
 def _group_blocks(t: torch.Tensor, layout: Layout) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """Real CNNs for spatial tests and benchmarks: torchvision's models (imported without torchvision's
-package ``__init__``), a U-Net with skip concatenations and transposed convolutions, and a
-CosmoFlow-style 3-D network."""
+package ``__init__``) and the conformance set built from them (:data:`CLASSIFIERS`, :data:`VIDEO`,
+:data:`DETECTION`, :data:`SEGMENTATION`), a U-Net with skip concatenations and transposed convolutions,
+and a CosmoFlow-style 3-D network."""
 
 from __future__ import annotations
 
@@ -8,13 +9,15 @@ import importlib
 import importlib.machinery
 import sys
 import types
+from collections.abc import Callable
 from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["torchvision_module", "UNet", "cosmoflow"]
+__all__ = ["torchvision_module", "UNet", "cosmoflow", "CLASSIFIERS", "VIDEO", "DETECTION", "SEGMENTATION",
+           "IGNORE", "segmentation_criterion", "no_dropout", "suite_grids"]
 
 
 def torchvision_module(name: str) -> ModuleType:
@@ -88,3 +91,135 @@ def cosmoflow(side: int, in_channels: int = 4, widths: tuple[int, ...] = (8, 16)
     out = side // 2 ** len(widths)
     layers += [nn.Flatten(), nn.Linear(cin * out**3, dense), nn.LeakyReLU(0.01), nn.Linear(dense, outputs)]
     return nn.Sequential(*layers)
+
+
+# --- the conformance set: torchvision's classifiers and video models ---------------------------------
+# Built by torchvision's own constructors; where the stock widths make a float64 test costly, from the
+# model's own building blocks and stage tables at smaller widths (every block type kept).
+
+def _vgg11_bn() -> nn.Module:
+    model: nn.Module = torchvision_module("models.vgg").vgg11_bn(num_classes=10)
+    # the stock head is 120M parameters; a small one keeps the 7x7 adaptive pool, flatten and linears
+    model.classifier = nn.Sequential(nn.Linear(512 * 7 * 7, 16), nn.ReLU(True), nn.Linear(16, 10))
+    return model
+
+
+def _convnext() -> nn.Module:
+    """ConvNeXt's blocks (depthwise 7x7, channels-last LayerNorm and MLP, layer scale) at small widths."""
+    convnext = torchvision_module("models.convnext")
+    cfg = convnext.CNBlockConfig
+    model: nn.Module = convnext.ConvNeXt([cfg(8, 16, 1), cfg(16, 32, 1), cfg(32, 64, 1), cfg(64, None, 1)],
+                                         num_classes=10)
+    return model
+
+
+def _regnet() -> nn.Module:
+    """RegNet's X blocks (grouped bottlenecks) at small widths."""
+    regnet = torchvision_module("models.regnet")
+    params = regnet.BlockParams.from_init_params(depth=4, w_0=8, w_a=8.0, w_m=2.0, group_width=8)
+    model: nn.Module = regnet.RegNet(params, num_classes=10)
+    return model
+
+
+def _efficientnet() -> nn.Module:
+    """EfficientNet-B0's stage table (MBConv with squeeze-and-excitation, SiLU, stochastic depth) at width
+    0.25 and depth 0.5."""
+    effnet = torchvision_module("models.efficientnet")
+
+    def stage(*args: int) -> object:
+        return effnet.MBConvConfig(*args, width_mult=0.25, depth_mult=0.5)
+    table = [stage(1, 3, 1, 32, 16, 1), stage(6, 3, 2, 16, 24, 2), stage(6, 5, 2, 24, 40, 2),
+             stage(6, 3, 2, 40, 80, 3), stage(6, 5, 1, 80, 112, 3), stage(6, 5, 2, 112, 192, 4),
+             stage(6, 3, 1, 192, 320, 1)]
+    model: nn.Module = effnet.EfficientNet(table, dropout=0.2, num_classes=10)
+    return model
+
+
+def _tv(module: str, fn: str, **kwargs: object) -> Callable[[], nn.Module]:
+    return lambda: getattr(torchvision_module(module), fn)(num_classes=10, **kwargs)
+
+
+#: Image classifiers of the conformance set (10 classes; inputs N x 3 x H x W, H and W >= 2 x 32 x grid).
+CLASSIFIERS: dict[str, Callable[[], nn.Module]] = {
+    "resnet18": _tv("models.resnet", "resnet18"),
+    "resnet50": _tv("models.resnet", "resnet50"),
+    "mobilenet_v2": _tv("models.mobilenetv2", "mobilenet_v2"),
+    "densenet": lambda: torchvision_module("models.densenet").DenseNet(
+        growth_rate=8, block_config=(2, 2, 2, 2), num_init_features=16, bn_size=2, num_classes=10),
+    "vgg11_bn": _vgg11_bn,
+    "shufflenet_v2": _tv("models.shufflenetv2", "shufflenet_v2_x0_5"),
+    "mobilenet_v3": _tv("models.mobilenetv3", "mobilenet_v3_small"),
+    "efficientnet": _efficientnet,
+    "convnext": _convnext,
+    "regnet": _regnet,
+    "squeezenet": _tv("models.squeezenet", "squeezenet1_1"),
+    "mnasnet": _tv("models.mnasnet", "mnasnet0_5"),
+}
+
+#: Video classifiers of the conformance set (10 classes; clips N x 3 x T x H x W on a 3-D grid).
+VIDEO: dict[str, Callable[[], nn.Module]] = {name: _tv("models.video.resnet", name)
+                                             for name in ("mc3_18", "r3d_18", "r2plus1d_18")}
+
+
+def _resnet_fpn() -> nn.Module:
+    """torchvision's ResNet-FPN detection backbone on ResNet-18 (FrozenBatchNorm, layers 2-4 trainable,
+    the extra max-pooled level): a dict of five feature maps."""
+    backbone: nn.Module = torchvision_module("models.detection.backbone_utils").resnet_fpn_backbone(
+        backbone_name="resnet18", weights=None)
+    return backbone
+
+
+def _mobilenet_fpn() -> nn.Module:
+    """The backbone of torchvision's ``fasterrcnn_mobilenet_v3_large_fpn`` (untrained: BatchNorm, every
+    layer trainable): MobileNetV3-large features and an FPN, a dict of three feature maps."""
+    detector = torchvision_module("models.detection.faster_rcnn").fasterrcnn_mobilenet_v3_large_fpn(
+        weights=None, weights_backbone=None, num_classes=10)
+    backbone: nn.Module = detector.backbone
+    return backbone
+
+
+#: Detection backbones of the conformance set (inputs N x 3 x H x W with H, W >= 64 x grid: their
+#: extra level pools the 1/32 map once more).
+DETECTION: dict[str, Callable[[], nn.Module]] = {"resnet18_fpn": _resnet_fpn, "mobilenet_v3_fpn": _mobilenet_fpn}
+
+
+def _segmentation(name: str) -> Callable[[], nn.Module]:
+    # torchvision's defaults (aux_loss too), random weights, no download; 3 classes keeps the heads small
+    return lambda: getattr(torchvision_module("models.segmentation"), name)(weights=None, weights_backbone=None,
+                                                                            num_classes=3)
+
+
+#: Segmentation models of the conformance set (3 classes; inputs N x 3 x H x W, dense targets N x H x W
+#: with :data:`IGNORE` pixels; loss :func:`segmentation_criterion`).
+SEGMENTATION: dict[str, Callable[[], nn.Module]] = {
+    name: _segmentation(name) for name in ("lraspp_mobilenet_v3_large", "deeplabv3_mobilenet_v3_large",
+                                           "fcn_resnet50", "deeplabv3_resnet50")}
+IGNORE = 255
+
+
+def segmentation_criterion(inputs: dict[str, torch.Tensor], target: torch.Tensor) -> torch.Tensor:
+    """torchvision's references/segmentation/train.py criterion, as written there."""
+    losses = {name: F.cross_entropy(x, target, ignore_index=IGNORE) for name, x in inputs.items()}
+    return losses["out"] if len(losses) == 1 else losses["out"] + 0.5 * losses["aux"]
+
+
+def no_dropout(model: nn.Module) -> nn.Module:
+    """`model` with its dropout and stochastic depth probabilities set to 0 (in place), for comparisons
+    with one process: random masks (and dropped residual rows) differ between one process and a split run."""
+    for m in model.modules():
+        if isinstance(m, nn.Dropout) or type(m).__name__ == "StochasticDepth":
+            m.p = 0.0  # type: ignore[assignment]
+    return model
+
+
+def suite_grids(size: int, video: bool = False) -> list[tuple[tuple[int, ...], int]]:
+    """The (grid, samples) layouts the conformance set runs on `size` ranks: 2x1 and 1x2; 3x1; 2x2 and the
+    sample x spatial hybrids 2x1 x 2 and 1x2 x 2. Video: 1x2x1; 1x3x1; 1x2x2 and 1x2x1 x 2 (short clips
+    keep their frames whole)."""
+    if video:
+        volumes: dict[int, list[tuple[tuple[int, ...], int]]] = {
+            2: [((1, 2, 1), 1)], 3: [((1, 3, 1), 1)], 4: [((1, 2, 2), 1), ((1, 2, 1), 2)]}
+        return volumes.get(size, [])
+    images: dict[int, list[tuple[tuple[int, ...], int]]] = {
+        2: [((2, 1), 1), ((1, 2), 1)], 3: [((3, 1), 1)], 4: [((2, 2), 1), ((2, 1), 2), ((1, 2), 2)]}
+    return images.get(size, [])

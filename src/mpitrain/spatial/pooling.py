@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._window import WindowLayer, input_layout
+from ._window import WindowLayer, input_layout, register_functional_pools
 from .distribution import Distribution
 from .halo import Box, HaloPlan, halo_exchange, window_of
 from .tensor import SpatialError, global_avg_pool
@@ -102,3 +102,7 @@ class SpatialAdaptiveAvgPool2d(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         input_layout(self, x)  # refuses a tensor without a layout
         return global_avg_pool(x, self.output_size)
+
+
+
+register_functional_pools(2, SpatialMaxPool2d, SpatialAvgPool2d)

@@ -42,14 +42,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.utils._pytree as pytree
 
+from ._pointwise import is_pointwise
 from ._reduce import allreduce_once, allreduce_sum
+from ._shapeops import LOCAL_OPS, local_rule
 
 if TYPE_CHECKING:
     from .distribution import Distribution
 
 __all__ = ["SpatialTensor", "Layout", "SpatialError", "NonSpatialOpError", "BlockExtent", "layout_of", "tag",
            "plain", "global_avg_pool", "register_spatial_function", "own_share", "count_once", "sum_once",
-           "whole_size"]
+           "whole_size", "block_layout", "nchw", "to_nchw"]
 
 
 class SpatialError(ValueError):
@@ -70,6 +72,28 @@ class Layout:
     dist: Distribution
     kind: str
     shape: tuple[int, ...]
+    #: where a block's spatial dims sit (in grid order) when a shape op moved them (a permute to
+    #: channels-last); None: the trailing dims (N x C x H x W, a channel shuffle's N x g x C/g x H x W)
+    spatial: tuple[int, ...] | None = None
+
+    def spatial_dims(self) -> tuple[int, ...]:
+        """The positions of the spatial dims (the sample dim is always dim 0)."""
+        if self.spatial is not None:
+            return self.spatial
+        k, g = len(self.shape), len(self.dist.grid)
+        return tuple(range(k - g, k))
+
+
+def block_layout(dist: Distribution, shape: tuple[int, ...], spatial: tuple[int, ...]) -> Layout:
+    """A block layout of global `shape` with the spatial dims at `spatial` (stored as None when they are
+    the trailing dims: one representation per layout)."""
+    trailing = tuple(spatial) == tuple(range(len(shape) - len(dist.grid), len(shape)))
+    return Layout(dist, "block", shape, None if trailing else tuple(spatial))
+
+
+def nchw(layout: Layout) -> bool:
+    """Whether a block is N x C x (spatial): the form spatial layers and the gathers take."""
+    return layout.spatial is None and len(layout.shape) == 2 + len(layout.dist.grid)
 
 
 class SpatialTensor(torch.Tensor):
@@ -124,30 +148,16 @@ def register_spatial_function(name: str, fn: Callable[..., Any]) -> None:
 
 # --- op classes -------------------------------------------------------------------------------------
 
-_ELEMENTWISE = frozenset("""
-    add sub mul div true_divide floor_divide rsub neg negative abs pow exp log sqrt rsqrt reciprocal square
-    sigmoid tanh relu relu6 hardtanh silu gelu elu selu celu leaky_relu hardswish hardsigmoid mish softplus
-    softsign tanhshrink threshold clamp clip clamp_min clamp_max where maximum minimum lerp addcmul addcdiv
-    dropout alpha_dropout feature_alpha_dropout contiguous clone detach to float double half bfloat16
-    type_as zeros_like ones_like empty_like full_like rand_like randn_like copy_ fill_ zero_ masked_fill
-    cat concat concatenate requires_grad_ retain_grad
-    """.split())
-_DUNDER_ARITH = frozenset(f"__{p}{op}__" for op in ("add", "sub", "mul", "truediv", "pow", "neg", "abs")
-                          for p in ("", "r", "i"))
 _QUERIES = frozenset("""
     __get__ grad size dim ndimension numel nelement stride is_contiguous data_ptr element_size storage_offset
     is_floating_point is_complex get_device __len__ __format__ __bool__ backward register_hook
     __reduce_ex__ __deepcopy__ __setstate__ untyped_storage _typed_storage __set__ __delete__
     """.split())
-_CAT = frozenset(("cat", "concat", "concatenate"))
+_CAT = frozenset(("cat", "concat", "concatenate", "stack"))
 
 
 def _name(func: Any) -> str:
     return getattr(func, "__name__", "")
-
-
-def _elementwise(name: str) -> bool:
-    return name in _ELEMENTWISE or name in _DUNDER_ARITH or (name.endswith("_") and name[:-1] in _ELEMENTWISE)
 
 
 def _in_place(name: str) -> bool:
@@ -167,16 +177,40 @@ def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
     if name in _REDUCTIONS and _whole_reduction(args, kwargs):
         return _reduce_whole(func, name, args, kwargs, layouts[0])
     if not blocks:  # whole samples replicated over the group: any op applies
-        return _retag(_run(func, args, kwargs), layouts[0], "replicated")
+        return _retag(_run(func, *_whole_extents(args, kwargs)), layouts[0], "replicated")
     first = blocks[0]
-    if name in ("adaptive_avg_pool2d", "adaptive_avg_pool3d") or (name == "mean" and _spatial_mean(args, kwargs)):
+    if nchw(first) and (name in ("adaptive_avg_pool2d", "adaptive_avg_pool3d")
+                                  or (name == "mean" and _spatial_mean(args, kwargs))):
         return _global_pool_op(name, args, kwargs, first)
-    if _elementwise(name) and _compatible(name, flat, args, kwargs, first):
-        return _retag(_run(func, args, kwargs), first, "block")
+    out = _blockwise(func, name, args, kwargs, flat, first)
+    if out is not _NOT_LOCAL:
+        return out
     if _in_place(name):
         raise SpatialError(f"in-place {name} on a spatially split block has no spatial form (it would "
                            f"modify a redistributed copy); use an out-of-place op")
     return _redistribute_then(func, name, args, kwargs, first)
+
+
+_NOT_LOCAL = object()
+
+
+def _blockwise(func: Any, name: str, args: tuple, kwargs: dict, flat: list, first: Layout) -> Any:
+    """The op run on the local blocks when that is its exact blockwise form (a shape op keeping the
+    split dims whole, a per-cell op along other dims, a pointwise op); else ``_NOT_LOCAL``."""
+    spatial = first.spatial_dims()
+    if name in _CAT:
+        dims = _cat_rule(name, args, kwargs, first)
+        return _NOT_LOCAL if dims is None else _retag(_run(func, args, kwargs), first, "block", dims)
+    x = args[0] if args else None
+    if name in LOCAL_OPS and layout_of(x) is first:
+        with torch._C.DisableTorchFunctionSubclass():
+            rule = local_rule(name, x, first.shape, spatial, args, kwargs)  # type: ignore[arg-type]
+        if rule is not None:
+            dims, args, kwargs = rule
+            return _retag(_run(func, args, kwargs), first, "block", dims)
+    with torch._C.DisableTorchFunctionSubclass():
+        pointwise = is_pointwise(func, name, args, kwargs) and _compatible(flat, first)
+    return _retag(_run(func, args, kwargs), first, "block", spatial) if pointwise else _NOT_LOCAL
 
 
 def _run(func: Any, args: tuple, kwargs: dict) -> Any:
@@ -184,54 +218,84 @@ def _run(func: Any, args: tuple, kwargs: dict) -> Any:
         return func(*args, **kwargs)
 
 
-def _retag(out: Any, layout: Layout, kind: str) -> Any:
-    """Give every fresh tensor result the `kind` layout of `layout`'s samples; a result without the local
-    sample dimension (a scalar reduction) leaves the layout: a plain tensor, which for a replicated
-    result counts once (:func:`count_once`)."""
+def _retag(out: Any, layout: Layout, kind: str, spatial: tuple[int, ...] | None = None) -> Any:
+    """Give every fresh tensor result the `kind` layout of `layout`'s samples (a block: its spatial dims
+    at `spatial`, of `layout`'s global sizes); a result without the local sample dimension (a scalar
+    reduction) leaves the layout: a plain tensor, which for a replicated result counts once
+    (:func:`count_once`)."""
     local_n = layout.dist.local_samples(layout.shape[0])
-    k = len(layout.dist.grid)
+    sizes = [layout.shape[p] for p in layout.spatial_dims()] if kind == "block" else []
+    spatial = layout.spatial_dims() if spatial is None else spatial
 
     def one(t: Any) -> Any:
         if not isinstance(t, torch.Tensor):
             return t
-        if t.dim() == 0 or t.shape[0] != local_n or (kind == "block" and t.dim() <= k):
+        if t.dim() == 0 or t.shape[0] != local_n or (kind == "block" and t.dim() <= max(spatial)):
             t = plain(t) if isinstance(t, SpatialTensor) else t
             if kind == "replicated":
                 _refuse_group_value(layout.dist, "a value leaving a replicated tensor")
                 return count_once(t, layout)
             return t
         if kind == "block":
-            shape = (layout.shape[0], *t.shape[1:t.dim() - k], *layout.shape[len(layout.shape) - k:])
+            shape = [layout.shape[0], *t.shape[1:]]
+            for p, n in zip(spatial, sizes):
+                shape[p] = n
+            new = block_layout(layout.dist, tuple(shape), tuple(spatial))
         else:
-            shape = (layout.shape[0], *t.shape[1:])
-        if isinstance(t, SpatialTensor) and t.placement.kind == kind and t.placement.shape == shape:
+            new = Layout(layout.dist, kind, (layout.shape[0], *t.shape[1:]))
+        if isinstance(t, SpatialTensor) and t.placement == new:
             return t
-        return tag(t if type(t) is torch.Tensor else plain(t), Layout(layout.dist, kind, shape))
+        return tag(t if type(t) is torch.Tensor else plain(t), new)
 
     return pytree.tree_map(one, out)
 
 
-def _compatible(name: str, flat: list, args: tuple, kwargs: dict, first: Layout) -> bool:
-    """Whether an element-wise op keeps `first`'s block layout: every block shares it (but channels),
-    every other tensor broadcasts without extent along the split (sample and spatial) dimensions."""
-    if name in _CAT:
-        dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
-        if dim not in (1, 1 - len(first.shape)):
-            return False
-    local = None
+def _same_block(lay: Layout, first: Layout) -> bool:
+    """Whether block `lay` splits its tensor as `first` does (channels and other dims may differ)."""
+    dims = first.spatial_dims()
+    return (lay.dist is first.dist and lay.shape[0] == first.shape[0] and lay.spatial_dims() == dims
+            and len(lay.shape) == len(first.shape) and all(lay.shape[p] == first.shape[p] for p in dims))
+
+
+def _compatible(flat: list, first: Layout) -> bool:
+    """Whether a pointwise op keeps `first`'s block layout: every block shares it (but channels), every
+    replicated operand broadcasts without extent along the spatial dims; a plain tensor operand is
+    local data (a per-channel scale, a mask of this block)."""
+    k, dims = len(first.shape), first.spatial_dims()
     for t in flat:
         if not isinstance(t, torch.Tensor):
             continue
         lay = layout_of(t)
-        k = len(first.dist.grid)
-        if lay is not None and lay.kind == "block":
-            if lay.dist is not first.dist or lay.shape[0] != first.shape[0] or lay.shape[-k:] != first.shape[-k:]:
+        if t.dim() > k or (lay is not None and lay.kind == "block" and not _same_block(lay, first)):
+            return False
+        if lay is not None and lay.kind != "block":  # whole samples against a block: must be 1x1 there
+            offset = k - t.dim()
+            if any(p - offset >= 0 and t.shape[p - offset] != 1 for p in dims):
                 return False
-            local = tuple(t.shape)
-            continue
-        if lay is not None and any(s != 1 for s in t.shape[max(0, t.dim() - k):]):
-            return False  # whole samples against a block: the op must see the same cells
-    return local is not None
+    return True
+
+
+def _cat_rule(name: str, args: tuple, kwargs: dict, first: Layout) -> tuple[int, ...] | None:
+    """The spatial dims of ``cat``/``stack`` of blocks of one layout along another dim, or None."""
+    tensors = _first_arg(args, kwargs, "tensors")
+    dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
+    k = len(first.shape)
+    if not isinstance(tensors, (list, tuple)) or not isinstance(dim, int):
+        return None
+    for t in tensors:
+        lay = layout_of(t)
+        if not isinstance(t, torch.Tensor) or t.dim() != k or (lay is not None and not (
+                lay.kind == "block" and _same_block(lay, first))):
+            return None
+    spatial = first.spatial_dims()
+    if name != "stack":
+        return None if dim % k in (0, *spatial) or not -k <= dim < k else spatial
+    d = dim % (k + 1) if -(k + 1) <= dim <= k else 0
+    return None if d == 0 else tuple(p + (p >= d) for p in spatial)
+
+
+def _first_arg(args: tuple, kwargs: dict, name: str) -> Any:
+    return kwargs[name] if name in kwargs else args[0] if args else None
 
 
 def _spatial_mean(args: tuple, kwargs: dict) -> bool:
@@ -314,10 +378,30 @@ def _redistribute_then(func: Any, name: str, args: tuple, kwargs: dict, first: L
 
     def whole(t: Any) -> Any:
         lay = layout_of(t)
-        return dist.replicate(t) if lay is not None and lay.kind == "block" else t
+        if lay is None or lay.kind != "block":
+            return t
+        canonical, restore = to_nchw(t)
+        return restore(dist.replicate(canonical))
 
-    args, kwargs = pytree.tree_map(whole, (args, kwargs))
+    args, kwargs = pytree.tree_map(whole, _whole_extents(args, kwargs))
     return _retag(_run(func, args, kwargs), first, "replicated")
+
+
+def _whole_extents(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """`args`, `kwargs` with every :class:`BlockExtent` (also in slices and sizes) read as its whole extent:
+    an op on whole samples (replicated, or redistributed) means the whole tensor's sizes that the model
+    read from a block's ``x.shape`` (Swin's ``x[:, :H, :W]`` crop after its padding redistributed)."""
+    def one(v: Any) -> Any:
+        if isinstance(v, BlockExtent):
+            return v.whole
+        if isinstance(v, slice):
+            return slice(one(v.start), one(v.stop), one(v.step))
+        if isinstance(v, torch.Size):
+            return torch.Size(whole_size(v))
+        return v
+
+    out: tuple[tuple, dict] = pytree.tree_map(one, (args, kwargs))
+    return out
 
 
 def _local(t: Any) -> Any:
@@ -436,13 +520,13 @@ def _with_extents(func: Any, name: str, args: tuple, out: Any, kwargs: dict) -> 
     lay = layout_of(args[0])
     if lay is None or lay.kind != "block":
         return out
-    nd, k = len(lay.shape), len(lay.dist.grid)
+    nd, dims = len(lay.shape), lay.spatial_dims()
     if plain(args[0]).dim() != nd:
         return out
     if isinstance(out, int):
         d = kwargs.get("dim", args[1] if len(args) > 1 else 0) % nd
-        return BlockExtent(out, lay.shape[d]) if d >= nd - k else out
-    return torch.Size([*out[:nd - k], *(BlockExtent(v, w) for v, w in zip(out[nd - k:], lay.shape[nd - k:]))])
+        return BlockExtent(out, lay.shape[d]) if d in dims else out
+    return torch.Size([BlockExtent(v, lay.shape[d]) if d in dims else v for d, v in enumerate(out)])
 
 
 def whole_size(size: Any) -> Any:
@@ -452,3 +536,29 @@ def whole_size(size: Any) -> Any:
     if isinstance(size, (tuple, list)):
         return tuple(whole_size(v) for v in size)
     return size
+def to_nchw(t: torch.Tensor) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
+    """Block `t` as an N x C x (spatial) block (its other dims permuted before the spatial ones and
+    merged into C; `t` itself when already so) and the function that takes a tensor laid out like that
+    block — or whole samples of it — back to `t`'s dim order (a replicated result keeps its layout with
+    `t`'s other dims and global sizes). Local; differentiable."""
+    lay = layout_of(t)
+    if lay is None or lay.kind != "block" or nchw(lay):
+        return t, lambda y: y
+    spatial, k = lay.spatial_dims(), t.dim()
+    others = [d for d in range(1, k) if d not in spatial]
+    perm = [0, *others, *spatial]
+    inverse = [perm.index(d) for d in range(k)]
+    sizes = [int(t.shape[d]) for d in others]
+    channels = math.prod(sizes)
+    local = plain(t).permute(perm)
+    local = local.reshape(local.shape[0], channels, *local.shape[len(others) + 1:])
+    canonical = tag(local, Layout(lay.dist, "block", (lay.shape[0], channels, *(lay.shape[p] for p in spatial))))
+
+    def restore(y: torch.Tensor) -> torch.Tensor:
+        out = plain(y).reshape(y.shape[0], *sizes, *y.shape[2:]).permute(inverse)
+        ylay = layout_of(y)
+        if ylay is not None and ylay.kind == "replicated":
+            return tag(out, Layout(lay.dist, "replicated", (ylay.shape[0], *lay.shape[1:])))
+        return out
+
+    return canonical, restore

@@ -7,6 +7,7 @@ only its block of its group's samples)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -47,14 +48,15 @@ __all__ = ["SpatialTrainer", "SpatialOptions", "make_trainer", "FEATURES"]
 @dataclass(frozen=True)
 class SpatialOptions(StrategyOptions):
     """Options of ``fit(strategy="spatial", ...)``: ``grid=(ph, pw)`` ranks per sample (default: every
-    rank, ``(world size, 1)``), ``samples`` groups (default world size / (ph*pw)), ``bn_stats``
+    rank, ``(world size, 1)``) — ``(pd, ph, pw)`` for volumes and video clips (N, C, D, H, W): a model
+    with 3-D layers needs a 3-D grid —, ``samples`` groups (default world size / (ph*pw)), ``bn_stats``
     ("global" = exact, "spatial", "local"), ``overlap`` (conv interiors while halos fly) and
     ``nonspatial`` ("replicate": a non-spatial op redistributes its block to whole samples, warned;
     "error": it is refused) and ``switch_at`` (a submodule name: from its input on, the model runs
     sample-parallel over every rank, §V-C's per-layer distributions; see ``parallelize``)."""
 
     strategy: ClassVar[str] = "spatial"
-    grid: tuple[int, int] | None = None
+    grid: tuple[int, ...] | None = None
     samples: int | None = None
     bn_stats: str = "global"
     overlap: bool = True
@@ -64,8 +66,8 @@ class SpatialOptions(StrategyOptions):
     def __post_init__(self) -> None:
         if self.grid is not None:
             grid = tuple(self.grid) if isinstance(self.grid, (tuple, list)) else self.grid
-            self.require("grid", isinstance(grid, tuple) and len(grid) == 2 and all(is_int(g) and g >= 1 for g in grid),
-                         "two positive ints (ph, pw)")
+            ok = isinstance(grid, tuple) and len(grid) in (2, 3) and all(is_int(g) and g >= 1 for g in grid)
+            self.require("grid", ok, "two or three positive ints: (ph, pw), or (pd, ph, pw) for volumes")
             self.replace_value("grid", grid)
         self.require("samples", self.samples is None or (is_int(self.samples) and self.samples >= 1),
                      "a positive int")
@@ -75,15 +77,36 @@ class SpatialOptions(StrategyOptions):
         self.require("switch_at", self.switch_at is None or (isinstance(self.switch_at, str) and self.switch_at != ""),
                      "None or a submodule name")
 
-    def layout(self, comm: Communicator) -> tuple[tuple[int, int], int]:
+    def layout(self, comm: Communicator) -> tuple[tuple[int, ...], int]:
         """(grid, samples) for the ranks of `comm`, defaults filled in (FitError if they do not fit)."""
         grid = self.grid or (comm.size, 1)
-        per = grid[0] * grid[1]
+        per = math.prod(grid)
         samples = self.samples if self.samples is not None else comm.size // per
         if comm.size % per or samples * per != comm.size:
-            raise FitError(f"strategy 'spatial': samples x ph x pw = {samples} x {grid[0]} x {grid[1]} must "
+            raise FitError(f"strategy 'spatial': samples x grid = {samples} x {' x '.join(map(str, grid))} must "
                            f"equal the {comm.size} ranks")
         return grid, samples
+
+
+#: Layers that make a model volumetric (N, C, D, H, W): it needs a 3-D grid.
+_VOLUME_LAYERS = (nn.Conv3d, nn.BatchNorm3d, nn.MaxPool3d, nn.AvgPool3d, nn.AdaptiveAvgPool3d)
+
+
+def grid_for(dims: int, grid: tuple[int, ...]) -> tuple[int, ...]:
+    """The grid to suggest for `dims` spatial dims in place of `grid` (its splits kept, depth unsplit)."""
+    if dims == 3:
+        return (1, *grid) if len(grid) == 2 else grid
+    return grid[1:] if len(grid) == 3 and grid[0] == 1 else (grid[0] * grid[1], grid[2]) if len(grid) == 3 else grid
+
+
+def grid_problem(dims: int, grid: tuple[int, ...], what: str) -> str | None:
+    """Why a `what` with `dims` spatial dims cannot run on `grid` (None if it can): the FitError text."""
+    if dims == len(grid):
+        return None
+    shape = "(N, C, D, H, W)" if dims == 3 else "(N, C, H, W)"
+    axes = "(pd, ph, pw)" if dims == 3 else "(ph, pw)"
+    return (f"strategy 'spatial': {what} is {shape}, which needs a {dims}-D grid {axes}, but grid={grid} is "
+            f"{len(grid)}-D; pass grid={grid_for(dims, grid)}")
 
 
 def _broadcast_state(model: nn.Module, comm: Communicator) -> None:
@@ -152,25 +175,34 @@ class SpatialTrainer:
         x, dist = b.inputs, self.dist
         block: torch.Tensor | None = None
         shape: tuple[int, ...] | None = None
-        if isinstance(x, RegionBatch):  # an iterable of (RegionBatch, targets): read my rows' blocks
+        if isinstance(x, RegionBatch):
             shape = (b.n, *x.dataset.sample_shape)
-            region = region_of(dist, tuple(x.dataset.sample_shape))
-            block = torch.stack([x.dataset.read(i, region)
-                                 for i in x.indices[b.share.start:b.share.stop]])
         elif isinstance(x, torch.Tensor):
-            if blocks and self._sample_shape is not None:  # read by region already (rank_view)
-                shape, block = (b.n, *self._sample_shape), x
-            else:  # whole samples of my rows: crop (a view)
-                shape = (b.n, *x.shape[1:])
-                block = x[(slice(None), slice(None), *region_of(dist, shape[1:]))]
+            shape = (b.n, *(self._sample_shape if blocks and self._sample_shape is not None else x.shape[1:]))
         elif x is not None:
             raise SpatialError(f"strategy 'spatial' takes NCHW tensors or RegionBatch inputs, got {type(x).__name__}")
+        # a batch of the wrong rank for the grid is refused on every rank before any message (where some
+        # group has no sample, after the broadcast that tells it the shape)
+        problem = None if shape is None else self._grid_problem(shape)
+        if problem and b.n >= dist.samples:
+            raise FitError(problem)
+        if isinstance(x, RegionBatch) and not problem:  # an iterable of (RegionBatch, targets): read my rows' blocks
+            region = region_of(dist, tuple(x.dataset.sample_shape))
+            block = torch.stack([x.dataset.read(i, region) for i in x.indices[b.share.start:b.share.stop]])
+        elif isinstance(x, torch.Tensor) and not problem:
+            if blocks and self._sample_shape is not None:  # read by region already (rank_view)
+                block = x
+            else:  # whole samples of my rows: crop (a view)
+                block = x[(slice(None), slice(None), *region_of(dist, tuple(x.shape[1:])))]
         if block is not None:  # blocks read on the CPU (a RegionBatch's reader, the loader) go to the model
             block = to_device(block, self.device)
         info = self._target_info(b.targets, blocks)
         if b.n < dist.samples:  # some group has no sample: it learns the shapes from rank 0 (group 0 has one)
             shape, dtype, info = dist.comm.broadcast_object((shape, None if block is None else block.dtype, info)
                                                             if dist.comm.rank == 0 else None)
+            problem = self._grid_problem(shape)
+            if problem:
+                raise FitError(problem)
             if block is None:
                 block = torch.empty((0, *dist.local_shape(shape)[1:]), dtype=dtype, device=self.device)
         assert block is not None and shape is not None
@@ -183,6 +215,13 @@ class SpatialTrainer:
         if isinstance(targets, torch.Tensor):
             return TargetInfo(tuple(targets.shape[1:]), targets.dtype)
         return None
+
+    def _grid_problem(self, shape: tuple[int, ...]) -> str | None:
+        """Why a batch of global `shape` cannot run on this grid (a volume on a 2-D grid, an image on a 3-D
+        one), or None."""
+        if len(shape) not in (4, 5):
+            return None  # check_shape names other ranks' problems
+        return grid_problem(len(shape) - 2, self.dist.grid, f"the batch of shape {tuple(shape)}")
 
     def train_shares(self, batches: Sequence[BatchShare], total: int) -> float:
         """One optimizer step on this group's rows of `batches` (:class:`~mpitrain.strategies.base.ShardedTrainer`):
@@ -281,5 +320,11 @@ def make_trainer(model: nn.Module, loss_fn: LossFn, optimizer: OptimizerFactory,
         # split over several sample groups (the loss of each group needs its rows back): not built yet.
         raise FitError(f"strategy 'spatial': switch_at={opts.switch_at!r} needs samples=1 (one spatial group "
                        f"over all {comm.size} ranks), got samples={samples}; drop switch_at or use samples=1")
+    volume = any(isinstance(m, _VOLUME_LAYERS) for m in model.modules())
+    if volume and opts.grid is None:  # the default grid splits the first spatial dim: depth for volumes
+        grid = (math.prod(grid), 1, 1)
+    problem = grid_problem(3 if volume else 2, grid, f"the input of a model with {'3' if volume else '2'}-D layers")
+    if problem:
+        raise FitError(problem)
     dist = Distribution(comm, grid, samples, nonspatial=opts.nonspatial, stall=spec.stall)
     return SpatialTrainer(model, loss_fn, optimizer, dist, opts.bn_stats, opts.overlap, spec.loop, opts.switch_at)

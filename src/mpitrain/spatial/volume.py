@@ -14,7 +14,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._window import PADDING_MODES, WindowLayer, input_layout, pad_by_mode, padding_mode_problem
+from ._window import (
+    PADDING_MODES,
+    WindowLayer,
+    input_layout,
+    pad_by_mode,
+    padding_mode_problem,
+    register_functional_pools,
+)
 from .distribution import Distribution
 from .halo import Box, HaloPlan, halo_exchange, window_of
 from .tensor import SpatialError
@@ -107,3 +114,7 @@ class SpatialAvgPool3d(WindowLayer):
         sums = F.avg_pool3d(ext, [v.kernel for v in w], [v.stride for v in w], 0, divisor_override=1)
         y = sums / (p.divisor_override or self._count(plan, x))
         return self.tag_output(y, layout)
+
+
+
+register_functional_pools(3, SpatialMaxPool3d, SpatialAvgPool3d)
