@@ -39,6 +39,13 @@ def test_cpu_model_grows_by_its_partitions_gradients_with_either_balance(comm, m
 
     for module in (graph_module, pipe_module):
         monkeypatch.setattr(module, "measure", whole_graph, raising=False)
+    made, build = [], pipe_module.Pipeline.__init__
+
+    def remember(self, *args, **kwargs):  # the pipeline fit builds: the parameters this rank ends up with
+        build(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(pipe_module.Pipeline, "__init__", remember)
     torch.manual_seed(0)
     reference = Deep().double()
     full = 2 * _bytes(reference.parameters())  # one process's params + grads
@@ -56,10 +63,11 @@ def test_cpu_model_grows_by_its_partitions_gradients_with_either_balance(comm, m
         errors = [(a - b).abs().max().item() for a, b in zip(result["fit"].model.parameters(), want.parameters())]
         what = f"P={P}, R={R}, balance={balance!r}"
         assert_all_ranks(comm, max(errors) <= 1e-12, f"{what}: rank {comm.rank} errors {errors}")
-        # this rank's share of the gradients, one layer's more (a timed split on a busy machine), one
-        # layer's temporary weight gradient (the second micro-batch's, added into .grad) and activations
+        # the gradients of the partitions this rank holds (a timed split follows the machine's noise, so
+        # the share is read, not assumed 1/P), one layer's temporary weight gradient (the second
+        # micro-batch's, added into .grad), one layer's slack and activations
         layer = 0.5 / 8
-        bound = 0.5 / P + 2 * layer + 0.03
+        bound = _bytes(made[-1].parameters()) / full + 2 * layer + 0.03
         assert_all_ranks(comm, grown / full <= bound, f"{what}: rank {comm.rank} grew {grown} B = "
                                                       f"{grown / full:.3f}x params+grads ({full} B) > {bound:.3f}")
 
