@@ -40,11 +40,12 @@ def _transformers() -> Any:
 
 
 def build(name: str, seed: int = 0, meta: bool = False) -> nn.Module:
-    """The tiny model `name`, float64, eager attention, no cache (a cache object is not a tensor pytree);
-    with `meta`, built on the meta device (no storage: `seed` plays no part)."""
+    """The tiny model `name`, float64, from its default config (default attention, ``use_cache``
+    left as the config has it) but tiny sizes and dropout 0 (exactness comparisons); with `meta`,
+    built on the meta device (no storage: `seed` plays no part)."""
     tf = _transformers()
     model_cls, config_cls, kwargs = TRANSFORMERS[name]
-    config = getattr(tf, config_cls)(vocab_size=VOCAB, attn_implementation="eager", use_cache=False, **kwargs)
+    config = getattr(tf, config_cls)(vocab_size=VOCAB, **kwargs)
     torch.manual_seed(seed)
     with torch.device("meta" if meta else "cpu"):
         return getattr(tf, model_cls)(config).double()

@@ -211,8 +211,9 @@ def check_shapes(traced: Traced, inputs: Sequence[Any]) -> None:
         if a.dim() != val.dim():
             raise ValueError(f"input {ph.name!r} has {a.dim()} dimensions; the model was captured with "
                              f"{val.dim()} ({tuple(val.shape)})")
-        for d, (want, got) in enumerate(zip(val.shape, a.shape)):
-            if isinstance(want, int) and d > 0 and want != got:
+        for d, (size, got) in enumerate(zip(val.shape, a.shape)):
+            want = size if isinstance(size, int) else size.node.maybe_as_int()  # a SymInt that export fixed
+            if want is not None and d > 0 and want != got:
                 raise ValueError(
                     f"input {ph.name!r} has length {got} in dimension {d}, but torch.export specialised "
                     f"the captured model to {want} there (its code depends on that length, so one graph "
