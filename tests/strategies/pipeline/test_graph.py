@@ -270,6 +270,8 @@ class _FixedLength(nn.Module):
 
 
 def test_one_exported_graph_serves_other_lengths_and_a_length_the_model_fixes_is_refused():
+    """Llama captured on 8 tokens runs 12 and 3 exactly as the model does (the rotary tables and the
+    mask follow the length); a model whose code fixes a length refuses another, naming it."""
     from mpitrain.strategies.pipeline._graph import capture, check_shapes, export, model_args
 
     from .tiny_transformers import build, lm_batches
@@ -280,6 +282,8 @@ def test_one_exported_graph_serves_other_lengths_and_a_length_the_model_fixes_is
         x = {k: v[:, :1].repeat(3, length) for k, v in lm_batches(4, 1, seed=length)[0][0].items()}
         flat = model_args(traced, x)
         check_shapes(traced, flat)
+        # the metas of another length, propagated on fake tensors, are the real forward's
+        assert profile(traced, flat, grad=False, fake=True) == profile(traced, flat, grad=False)
         with torch.no_grad():
             got = pytree.tree_unflatten(traced.gm(*flat), traced.out_spec)
             assert torch.equal(got.logits, model(**x).logits)

@@ -367,14 +367,23 @@ class _Recorder(fx.Interpreter):
         return out
 
 
-def profile(traced: Traced, inputs: Sequence[Any], grad: bool = True) -> dict[str, ValueMeta | None]:
+def profile(traced: Traced, inputs: Sequence[Any], grad: bool = True, fake: bool = False) -> dict[str, ValueMeta | None]:
     """`inputs`: the flat placeholder values (:func:`model_args`).
 
     Per-value meta (None: not a tensor) of one forward on `inputs` in eval mode, so BatchNorm
-    statistics and the RNG are not touched; with `grad` the metas tell which values carry gradients."""
+    statistics and the RNG are not touched; with `grad` the metas tell which values carry gradients.
+    With `fake` the forward runs on fake tensors (``FakeTensorMode``: shapes and dtypes propagated,
+    nothing computed or allocated, the model's tensors read as fakes of themselves), so the metas of
+    another input shape cost no forward of the model."""
     with _undisturbed(traced.gm, train=False), torch.set_grad_enabled(grad):
         rec = _Recorder(traced.gm)
-        rec.run(*inputs)
+        if fake:
+            from torch._subclasses.fake_tensor import FakeTensorMode
+
+            with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+                rec.run(*[mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in inputs])
+        else:
+            rec.run(*inputs)
     return rec.meta
 
 

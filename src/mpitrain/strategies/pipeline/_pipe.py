@@ -620,7 +620,7 @@ class Pipeline:
         if key not in self._metas:
             try:
                 check_shapes(self._traced(), rows)
-                meta = self._profile(rows, grad=False)
+                meta = self._profile(rows, grad=False, fake=True)
             except (ValueError, RuntimeError) as e:
                 raise FitError(f"the model cannot run on inputs of shapes {list(key)}: {e}") from e
             if len(self._metas) >= SIGNATURES:
@@ -647,11 +647,18 @@ class Pipeline:
             lengths = lengths[d or 0:]
         return out
 
-    def _profile(self, sample: list[Any], grad: bool) -> dict[str, ValueMeta | None]:
-        """Value metas of one forward on `sample`; for a meta model on meta copies of the inputs."""
+    def _profile(self, sample: list[Any], grad: bool, fake: bool = False) -> dict[str, ValueMeta | None]:
+        """Value metas of one forward on `sample`; for a meta model on meta copies of the inputs. With
+        `fake` (another shape of a graph already profiled) on fake tensors: no compute, no memory;
+        a graph with an op that has no fake implementation is run for real."""
         if self.on_meta:
             sample = [a.to("meta") if isinstance(a, torch.Tensor) else a for a in sample]
         with autocast(self.autocast, self.device):  # bf16 messages are received into bf16 buffers
+            if fake and not self.on_meta:
+                try:
+                    return profile(self._shapes, sample, grad=grad, fake=True)
+                except Exception:  # noqa: BLE001 - any failure of fake propagation: the real forward decides
+                    pass
             return profile(self._shapes, sample, grad=grad)
 
     def _actions(self, count: int) -> list[Action]:
