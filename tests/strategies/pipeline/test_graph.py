@@ -258,6 +258,32 @@ def test_input_constants_are_recomputed_but_random_or_mutated_values_are_not():
     assert not any("rand" in targets[v] or "zeros" in targets[v] for v in local), sorted(local)
 
 
+class _Selected(nn.Module):
+    """`picked` has as many rows as `x` has positive entries: a shape no sample tells."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        picked = h[h > 0]
+        return self.b(torch.tanh(h)).sum() + (picked * 2).sum()
+
+
+def test_a_value_whose_shape_depends_on_the_data_never_crosses_a_boundary():
+    from mpitrain.strategies.pipeline._graph import export, model_args
+
+    traced = export(_Selected(), torch.randn(4, 4))
+    x = torch.randn(4, 4)
+    meta = profile(traced, model_args(traced, x))
+    names = [n.name for n in traced.nodes]
+    picked = next(i for i, n in enumerate(traced.nodes) if "index" in str(n.target))
+    reader = max(i for i, n in enumerate(traced.nodes) if any(a.name == names[picked] for a in n.all_input_nodes))
+    cuts = cut_points(traced, meta)
+    assert cuts and not any(picked < c <= reader for c in cuts)
+
+
 class _FixedLength(nn.Module):
     """Mixes the sequence dimension through a Linear(8, 8): its length is part of the model."""
 

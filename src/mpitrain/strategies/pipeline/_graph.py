@@ -525,16 +525,21 @@ def _last_use(traced: Traced, local: set[str]) -> dict[str, int]:
 def cut_points(traced: Traced, meta: dict[str, ValueMeta | None]) -> list[int]:
     """Positions c (1 <= c < len(nodes)) where the graph may be cut: every non-local value defined
     before c and read at or after c is a tensor (a shape such as ``h.size(0)`` of an activation never
-    crosses a boundary)."""
+    crosses a boundary) whose shape follows from the inputs' shapes alone (not the rows that
+    ``x[x > 0]`` selects: a receive buffer is sized from the shapes)."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
     local = local_nodes(traced, meta)
     last = _last_use(traced, local)
+    sized = {n.name for n in traced.nodes
+             if not (isinstance(n.meta.get("val"), torch.Tensor) and free_unbacked_symbols(n.meta["val"]))}
     live: set[str] = set()
     out = []
     for c, n in enumerate(traced.nodes[:-1], start=1):
         if n.name not in local:
             live.add(n.name)
         live = {v for v in live if last.get(v, -1) >= c}
-        if all(meta.get(v) is not None for v in live):
+        if all(meta.get(v) is not None and v in sized for v in live):
             out.append(c)
     return out
 
