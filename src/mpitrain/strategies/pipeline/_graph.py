@@ -38,8 +38,9 @@ from .._batching import call_args
 from .._device import model_device, to_device
 
 __all__ = ["TraceFailure", "ValueMeta", "Traced", "Partition", "capture", "trace", "export", "model_args",
-           "profile", "measure", "measure_module", "check_shapes", "training_kwargs", "reference_seconds", "param_counts", "cut_points", "split",
-           "mutated_placeholders", "local_nodes", "tied_groups", "set_training", "retarget"]
+           "profile", "measure", "measure_module", "check_shapes", "training_kwargs", "reference_seconds",
+           "param_counts", "cut_points", "split", "mutated_placeholders", "local_nodes", "tied_groups",
+           "set_training", "retarget"]
 
 
 class TraceFailure(ValueError):
@@ -367,7 +368,8 @@ class _Recorder(fx.Interpreter):
         return out
 
 
-def profile(traced: Traced, inputs: Sequence[Any], grad: bool = True, fake: bool = False) -> dict[str, ValueMeta | None]:
+def profile(traced: Traced, inputs: Sequence[Any], grad: bool = True,
+            fake: bool = False) -> dict[str, ValueMeta | None]:
     """`inputs`: the flat placeholder values (:func:`model_args`).
 
     Per-value meta (None: not a tensor) of one forward on `inputs` in eval mode, so BatchNorm

@@ -76,19 +76,23 @@ CHECKPOINTS = ("never", "except_last", "always")
 LossFn = Callable[[Any, Any], torch.Tensor]
 
 
+def _rowed(a: Any) -> bool:
+    """A tensor with a batch dimension (sliced into rows; other leaves are constants)."""
+    return isinstance(a, torch.Tensor) and a.dim() > 0
+
+
 def _rows(args: list[Any], start: int, stop: int) -> list[Any]:
-    return [a[start:stop] if isinstance(a, torch.Tensor) and a.dim() > 0 else a for a in args]
+    return [a[start:stop] if _rowed(a) else a for a in args]
 
 
 def _slice(tree: Any, start: int, stop: int) -> Any:
     """Rows start:stop of every tensor of a pytree (targets may be a tensor, tuple or dict)."""
-    return pytree.tree_map(lambda t: t[start:stop] if isinstance(t, torch.Tensor) and t.dim() > 0 else t, tree)
+    return pytree.tree_map(lambda t: t[start:stop] if _rowed(t) else t, tree)
 
 
 def _repeat(tree: Any, n: int) -> Any:
     """`n` rows made of every tensor's rows repeated in order (the shapes of a batch of `n` rows)."""
-    return pytree.tree_map(lambda t: _tile(t, (n, *t.shape[1:])) if isinstance(t, torch.Tensor) and t.dim() > 0
-                           else t, tree)
+    return pytree.tree_map(lambda t: _tile(t, (n, *t.shape[1:])) if _rowed(t) else t, tree)
 
 
 def _tile(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
@@ -110,13 +114,9 @@ def _signature(flat: list[Any]) -> tuple[Any, ...]:
 SIGNATURES = 64
 
 
-def _rowed(a: Any) -> bool:
-    return isinstance(a, torch.Tensor) and a.dim() > 0
-
-
 def _batch(flat: list[Any]) -> int:
     for a in flat:
-        if isinstance(a, torch.Tensor) and a.dim() > 0:
+        if _rowed(a):
             return int(a.shape[0])
     raise FitError("the inputs hold no tensor with a batch dimension to split into micro-batches")
 
