@@ -144,7 +144,7 @@ def export(model: nn.Module, sample: Any) -> Traced:
         except Exception:  # where a dynamic length fails outright, the batch dimension alone
             ep = _export(copy.deepcopy(model) if on_meta else model, args, kwargs, every_dim=False)
     except Exception as e:
-        hint = ("set config.use_cache=False (a cache object is not a tensor pytree)"
+        hint = ("leave use_cache out of the batch or set it False (a cache object is no tensor to send)"
                 if "not a known type" in str(e) or "pytree" in str(e) else
                 "make the forward traceable by torch.export or use strategy='data'")
         raise TraceFailure(f"cannot split {type(model).__name__} into partitions: torch.export could not "
