@@ -85,23 +85,24 @@ def runs(name: str, size: int) -> list[tuple[str, int, str, str]]:
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("name", CONFORMANCE)
-def test_default_config_transformer_trains_like_one_process_under_every_strategy_and_schedule(comm, name):
+def test_default_config_transformer_trains_like_one_process_under_every_strategy_and_schedule(comm, device, name):
+    """On `device` (the CPU here; the GPU suite runs this test again on CUDA: tests/gpu)."""
     size = comm.size
     decoder = name in ENCODER_DECODER
     data = {loss: lm_batches(size * ROWS, STEPS, seed=size, lengths=LENGTHS, decoder=decoder, labels=loss == "own")
             for loss in ("ce", "own")}
     losses = {"ce": lm_loss, "own": own_loss}
-    model = build(name)
+    model = build(name).to(device)
     want = {loss: reference_train(model, data[loss], sgd, size, losses[loss]) for loss in losses}
     (x16, y16), = lm_batches(size * ROWS + 1, 1, seed=7, lengths=(16,), decoder=decoder)  # eval: another length
     with torch.no_grad():
-        eval_want = lm_loss(want["ce"].eval()(**x16), y16).item()
+        eval_want = lm_loss(want["ce"].eval()(**{k: v.to(device) for k, v in x16.items()}), y16.to(device)).item()
     for strategy, P, schedule, loss in runs(name, size):
         options = {} if strategy == "data" else {"partitions": P, "micro_batches": size // (size // P),
                                                  "schedule": schedule, "balance": "params"}
         evaluate = {"eval_data": [(x16, y16)]} if strategy != "data" and loss == "ce" else {}
-        result = fit(build(name), data[loss], losses[loss], sgd, strategy=strategy, progress=False, **options,
-                     **evaluate)
+        result = fit(build(name).to(device), data[loss], losses[loss], sgd, strategy=strategy, progress=False,
+                     **options, **evaluate)
         what = f"{name} {strategy} P={P} {schedule} loss={loss} on {size} ranks"
         # a causal LM's own loss is computed in float32 (transformers' `logits.float()`), so the
         # 1/M (or rows/total) scale of each micro-batch's loss is rounded in float32 before backward
