@@ -25,9 +25,10 @@ def sgd(params):
 
 
 def micro_slices(inputs: dict, labels: torch.Tensor, slices: int):
-    n = len(labels) // slices
+    """`slices` equal pieces of the inputs' rows, and of the labels' (``(B, T)`` or flattened ``(B*T,)``)."""
+    n, k = len(inputs["input_ids"]) // slices, len(labels) // slices
     for i in range(slices):
-        yield {k: v[i * n:(i + 1) * n] for k, v in inputs.items()}, labels[i * n:(i + 1) * n]
+        yield {key: v[i * n:(i + 1) * n] for key, v in inputs.items()}, labels[i * k:(i + 1) * k]
 
 
 def backward_in_slices(model, inputs: dict, labels: torch.Tensor, slices: int, loss_fn=lm_loss) -> None:
@@ -63,7 +64,8 @@ def layouts(size: int) -> list[tuple[int, int]]:
 
 # The conformance suite: every family of tiny_transformers from its default config (dropout 0 only for
 # the comparison), under data, model and hybrid, over batches whose length changes (12 then 8 tokens),
-# with the external cross-entropy on the logits and the model's own loss (labels among the inputs).
+# with the external cross-entropy on the logits against targets flattened to (B*T,) (the sharding rule
+# of strategies/_batching: k target rows per sample) and the model's own loss (labels among the inputs).
 # One process runs the same `size` micro-batches: data shares (R = size), a pipeline of P = size with
 # M = size, and hybrid 2 x 2 with M = 2 all cut a batch of size x ROWS rows that way. Under `make test`
 # each model runs one pipeline schedule per world size, rotating, so that over 2, 3 and 4 ranks it runs
@@ -91,10 +93,12 @@ def test_default_config_transformer_trains_like_one_process_under_every_strategy
     decoder = name in ENCODER_DECODER
     data = {loss: lm_batches(size * ROWS, STEPS, seed=size, lengths=LENGTHS, decoder=decoder, labels=loss == "own")
             for loss in ("ce", "own")}
+    data["ce"] = [(x, y.reshape(-1)) for x, y in data["ce"]]  # LM targets flattened to (B*T,), as HF's losses do
     losses = {"ce": lm_loss, "own": own_loss}
     model = build(name).to(device)
     want = {loss: reference_train(model, data[loss], sgd, size, losses[loss]) for loss in losses}
     (x16, y16), = lm_batches(size * ROWS + 1, 1, seed=7, lengths=(16,), decoder=decoder)  # eval: another length
+    y16 = y16.reshape(-1)
     with torch.no_grad():
         eval_want = lm_loss(want["ce"].eval()(**{k: v.to(device) for k, v in x16.items()}), y16.to(device)).item()
     for strategy, P, schedule, loss in runs(name, size):

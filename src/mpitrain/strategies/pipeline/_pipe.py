@@ -546,12 +546,15 @@ class Pipeline:
         return mine
 
     def _measure_mine(self, bounds: list[int], meta: dict[str, ValueMeta | None],
-                      sample: list[Any]) -> list[float | None]:
+                      sample: list[Any]) -> list[float | None] | None:
         """Forward + backward time of the nodes of this rank's partitions (None for the others'), each
         partition run alone on the sample's inputs it reads and stand-ins for the activations it
         receives (random floats, zero integers: valid indices). In units of :func:`reference_seconds`
         timed around the measurement: ranks time different nodes at different moments, and a rank
-        slowed by its neighbours meanwhile must not see its nodes as costlier."""
+        slowed by its neighbours meanwhile must not see its nodes as costlier. None where a partition
+        cannot run on stand-ins (a received index computed from the data, e.g. a mixture of experts'
+        token permutation: zeros leave its inverse partly uninitialised); then every rank keeps the
+        split by parameters (:meth:`_agree`)."""
         traced = self._traced()
         index = {n.name: i for i, n in enumerate(traced.nodes)}
         parts = split(traced, bounds, meta, self._place)
@@ -561,8 +564,11 @@ class Pipeline:
         for part in self._mine(parts):
             k = part.index
             args = [sample[i] for i in part.data_inputs] + [_stand_in(meta[v], self.device) for v in part.recv_inputs]
-            with autocast(self.autocast, self.device):
-                timed = measure_module(part.module, args, self.profile_passes)
+            try:
+                with autocast(self.autocast, self.device):
+                    timed = measure_module(part.module, args, self.profile_passes)
+            except (IndexError, RuntimeError):
+                return None
             for name, seconds in timed.items():
                 i = index.get(name)
                 if i is not None and bounds[k] <= i < bounds[k + 1]:
@@ -589,7 +595,8 @@ class Pipeline:
                error: str | None = None) -> list[float] | None:
         """The setup message: check every rank got the same arguments and data shapes, raise any
         rank's `error` on every rank, and average each node's measured times over the ranks that
-        measured it (None: not measured here) so that every rank computes the same partition."""
+        measured it (None: not measured here) so that every rank computes the same partition; None
+        (the split stays by parameters) where any rank has no costs."""
         traced = self._traced()
         key = (self.P, self.R, self.M, self.V, self.schedule, self.checkpoint, repr(self.balance),
                [n.name for n in traced.nodes], [tuple(a.shape) for a in sample if hasattr(a, "shape")])
@@ -599,7 +606,7 @@ class Pipeline:
             raise FitError(f"ranks {bad} set up the pipeline with a different model, data or arguments "
                            f"than rank 0")
         _raise_first([e for _, _, e in seen])
-        if costs is None:
+        if costs is None or any(c is None for _, c, _ in seen):
             return None
         out = []
         for i in range(len(costs)):
