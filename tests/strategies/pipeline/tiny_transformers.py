@@ -13,7 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["TRANSFORMERS", "DROPOUT", "FLOAT32", "ENCODER_DECODER", "build", "lm_batches", "lm_loss", "own_loss"]
+__all__ = ["TRANSFORMERS", "DROPOUT", "FLOAT32", "NORM_IN_FLOAT32", "ENCODER_DECODER", "build", "lm_batches", "lm_loss",
+           "own_loss"]
 
 VOCAB, SEQ = 100, 8
 
@@ -58,6 +59,12 @@ DROPOUT: dict[str, tuple[str, ...]] = {
 #: models compared in float32: transformers' default mixture-of-experts kernel (grouped matmul) refuses
 #: float64 on the CPU, in one process too; every other model runs in float64
 FLOAT32 = {"mixtral"}
+
+#: float64 models that normalise in float32 (RMSNorm's ``hidden_states.to(torch.float32)``; T5's
+#: variance): the backward rounds their gradients to float32 there, so a loss scale applied before it
+#: (one process: each of M micro-batches' losses / M) and one applied after it (data parallelism: the
+#: allreduce's average over R) round differently unless the scale is a power of two (3 ranks: 1/3)
+NORM_IN_FLOAT32 = {"llama", "mistral", "qwen3", "mixtral", "t5"}
 
 #: models whose forward takes decoder inputs (``decoder_input_ids``; or ``labels``, shifted right)
 ENCODER_DECODER = {"t5"}
