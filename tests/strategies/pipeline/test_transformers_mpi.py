@@ -16,6 +16,7 @@ from mpitrain.strategies.pipeline._materialize import materialize
 from tests.helpers import assert_all_ranks, assert_close_all_ranks
 
 from .tiny_transformers import (
+    DROPOUT,
     ENCODER_DECODER,
     FLOAT32,
     NORM_IN_FLOAT32,
@@ -128,11 +129,17 @@ def test_default_config_transformer_trains_like_one_process_under_every_strategy
             assert_all_ranks(comm, abs(got - eval_want) < tol, f"{what}: eval loss {got} vs {eval_want}")
 
 
+# the models whose default config has dropout, and Mixtral: the one with data-dependent routing, whose
+# default balance="time" cannot time a partition on stand-ins (the split stays by parameters); the
+# others' default configs differ from the conformance's only in float32 and the balance
+DEFAULT_CONFIG = sorted([name for name in CONFORMANCE if DROPOUT[name]] + ["mixtral"])
+
+
 @pytest.mark.mpi(sizes=(2,))
-@pytest.mark.parametrize("name", CONFORMANCE)
+@pytest.mark.parametrize("name", DEFAULT_CONFIG)
 def test_fully_default_config_transformer_trains_with_dropout_under_the_pipeline(comm, name):
-    """The config exactly as transformers makes it (dropout on, float32) trains through the pipeline
-    over changing lengths: a finite loss, and every rank's parameters moved."""
+    """The config exactly as transformers makes it (dropout on, float32, default balance) trains
+    through the pipeline over changing lengths: a finite loss, and every rank's parameters moved."""
     model = build(name, dropout=True, dtype=torch.float32)
     before = [q.detach().clone() for q in model.parameters()]
     data = lm_batches(4, 2, lengths=LENGTHS, decoder=name in ENCODER_DECODER)
