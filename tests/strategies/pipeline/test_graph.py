@@ -213,8 +213,7 @@ def test_exported_transformer_partitions_in_sequence_give_its_output_and_grads_e
 def test_a_forward_taking_use_cache_is_captured_without_a_cache_unless_the_batch_asks():
     """A default Hugging Face config says use_cache=True: the capture calls the forward with
     use_cache=False (no cache object in the outputs), and every batch's inputs get the same; a
-    model without that argument (nor **kwargs and a config saying use_cache), or a batch that sets
-    it, is left as it is."""
+    model without that argument, or a batch that sets it, is left as it is."""
     from mpitrain.strategies.pipeline._graph import capture, model_args, training_kwargs
 
     from .tiny_transformers import build, lm_batches
@@ -227,10 +226,7 @@ def test_a_forward_taking_use_cache_is_captured_without_a_cache_unless_the_batch
     out = pytree.tree_unflatten(traced.gm(*model_args(traced, inputs)), traced.out_spec)
     assert out.past_key_values is None and out.logits.shape == (4, 8, 100)
     assert training_kwargs(model, (), {**inputs, "use_cache": True}) == {}
-    assert training_kwargs(build("distilbert"), (), inputs) == {}  # neither use_cache nor a config saying it
-    # BertForMaskedLM passes **kwargs on to BertModel, whose config says use_cache=True (GraniteMoe's
-    # causal LM likewise, and returned a cache)
-    assert training_kwargs(build("bert"), (), inputs) == {"use_cache": False}
+    assert training_kwargs(build("bert"), (), inputs) == {}  # BertForMaskedLM takes no use_cache
 
 
 class _InputConstants(nn.Module):

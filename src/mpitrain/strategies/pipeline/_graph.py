@@ -189,22 +189,16 @@ def _export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], eve
 
 def training_kwargs(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
     """Keyword arguments the pipeline adds to every call of `model`: ``use_cache=False`` when its
-    forward takes ``use_cache`` (by name, or through ``**kwargs`` that it passes on to an inner model,
-    as GraniteMoe's does, when its config says ``use_cache=True``) and the batch does not give it. A
-    Hugging Face model's config defaults to ``use_cache=True``, which makes its forward return a
-    key/value cache object: of no use in training (nobody generates from a training step), no tensor to
-    send between partitions, and more memory; so the pipeline trains as a user who never asked for a
-    cache expects."""
+    forward takes ``use_cache`` and the batch does not give it. A Hugging Face model's config defaults
+    to ``use_cache=True``, which makes its forward return a key/value cache object: of no use in
+    training (nobody generates from a training step), no tensor to send between partitions, and more
+    memory; so the pipeline trains as a user who never asked for a cache expects."""
     try:
         signature = inspect.signature(model.forward)
         given = signature.bind_partial(*args, **kwargs).arguments
     except (TypeError, ValueError):
         return {}
-    params = signature.parameters
-    passes_on = (any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-                 and getattr(getattr(model, "config", None), "use_cache", False) is True)
-    takes = "use_cache" in params or passes_on
-    return {"use_cache": False} if takes and "use_cache" not in given and "use_cache" not in kwargs else {}
+    return {"use_cache": False} if "use_cache" in signature.parameters and "use_cache" not in given else {}
 
 
 def check_shapes(traced: Traced, inputs: Sequence[Any]) -> None:
