@@ -78,13 +78,14 @@ def layouts(size: int) -> list[tuple[int, int]]:
 # of strategies/_batching: k target rows per sample) and the model's own loss (labels among the inputs).
 # One process runs the same `size` micro-batches: data shares (R = size), a pipeline of P = size with
 # M = size, and hybrid 2 x 2 with M = 2 all cut a batch of size x ROWS rows that way. Under `make test`
-# each model runs one pipeline schedule per world size, rotating, so that over 2, 3 and 4 ranks it runs
-# every schedule once (a capture per schedule costs seconds); MPITRAIN_CONFORMANCE=full runs every
-# schedule at every size (the table of docs/transformers.md).
+# each model runs one pipeline schedule per world size, rotating (model i at size s: schedule (i + s) mod 5),
+# so that at every size every schedule runs for two models and each model runs three schedules over 2, 3
+# and 4 ranks (a capture per schedule costs seconds); MPITRAIN_CONFORMANCE=full runs every schedule at
+# every size (the table of docs/transformers.md).
 CONFORMANCE = sorted(TRANSFORMERS)
 LENGTHS = (12, 8)
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
-LOSS = {"gpipe": "ce", "1f1b": "own", "interleaved-1f1b": "ce"}  # both losses for every model
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb1p", "zbv")
+LOSS = {"gpipe": "ce", "1f1b": "own", "interleaved-1f1b": "ce", "zb1p": "own", "zbv": "ce"}
 
 
 def runs(name: str, size: int) -> list[tuple[str, int, str, str]]:
