@@ -12,7 +12,7 @@ import pytest
 from tests.gpu._cuda import needs_cuda
 from tests.spatial.test_real_models import test_torchvision_model_trains_as_one_process_on_every_grid  # noqa: F401
 from tests.strategies.pipeline.test_transformers_mpi import (  # noqa: F401
-    test_transformer_parameters_after_2_steps_equal_one_process,
+    test_default_config_transformer_trains_like_one_process_under_every_strategy_and_schedule,
 )
 
 pytestmark = [pytest.mark.mpi, *needs_cuda]

@@ -85,7 +85,7 @@ def test_a_cuda_transformer_is_exported_on_cuda_from_a_loaders_cpu_rows(name):
 def test_model_fit_of_a_cuda_transformer_on_one_rank_equals_one_process(name):
     """The conformance test of tests/strategies/pipeline at world size 1 (one partition), on CUDA."""
     from tests.strategies.pipeline.test_transformers_mpi import (
-        test_transformer_parameters_after_2_steps_equal_one_process as conformance,
+        test_default_config_transformer_trains_like_one_process_under_every_strategy_and_schedule as conformance,
     )
 
-    conformance(mpitrain.init(), CUDA, name, "1f1b")
+    conformance(mpitrain.init(), CUDA, name)

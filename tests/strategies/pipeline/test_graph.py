@@ -205,6 +205,118 @@ def test_exported_transformer_partitions_in_sequence_give_its_output_and_grads_e
     _partitions_give_the_models_logits_and_grads(model, traced, parts, flat, inputs, labels)
     tied = [holders for holders, _ in tied_groups(parts)]
     assert tied == ([] if name == "llama" else [(0, 2)])  # embedding and LM head: first and last partition
+    # the default (sdpa) attention's boolean mask, position ids, rotary tables: recomputed, never sent
+    crossing = {v: meta[v] for p in parts for v in p.recv_inputs}
+    assert crossing and all(m is not None and m.requires_grad for m in crossing.values()), crossing
+
+
+def test_a_forward_taking_use_cache_is_captured_without_a_cache_unless_the_batch_asks():
+    """A default Hugging Face config says use_cache=True: the capture calls the forward with
+    use_cache=False (no cache object in the outputs), and every batch's inputs get the same; a
+    model without that argument, or a batch that sets it, is left as it is."""
+    from mpitrain.strategies.pipeline._graph import capture, model_args, training_kwargs
+
+    from .tiny_transformers import build, lm_batches
+
+    model = build("gpt2")
+    assert model.config.use_cache
+    (inputs, _), = lm_batches(4, 1)
+    traced = capture(model, inputs)
+    assert traced.fixed_kwargs == {"use_cache": False}
+    out = pytree.tree_unflatten(traced.gm(*model_args(traced, inputs)), traced.out_spec)
+    assert out.past_key_values is None and out.logits.shape == (4, 8, 100)
+    assert training_kwargs(model, (), {**inputs, "use_cache": True}) == {}
+    assert training_kwargs(build("bert"), (), inputs) == {}  # BertForMaskedLM takes no use_cache
+
+
+class _InputConstants(nn.Module):
+    """Values computed from the input alone: a pure mask (recomputed where read), random noise and a
+    tensor later written in place (both must cross, computed once)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mask = x > 0
+        noise = torch.rand_like(x)
+        count = torch.zeros_like(x)
+        h = torch.tanh(self.a(x))
+        count.add_(1.0)
+        return self.b(h).masked_fill(mask, 0.0) + noise + count
+
+
+def test_input_constants_are_recomputed_but_random_or_mutated_values_are_not():
+    from mpitrain.strategies.pipeline._graph import export, local_nodes, model_args
+
+    traced = export(_InputConstants(), torch.randn(4, 4))  # ATen ops: purity is known
+    x = torch.randn(4, 4)
+    meta = profile(traced, model_args(traced, x))
+    local = local_nodes(traced, meta)
+    targets = {n.name: str(n.target) for n in traced.nodes}
+    assert any("gt" in targets[v] for v in local)  # the mask
+    assert not any("rand" in targets[v] or "zeros" in targets[v] for v in local), sorted(local)
+
+
+class _Selected(nn.Module):
+    """`picked` has as many rows as `x` has positive entries: a shape no sample tells."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        picked = h[h > 0]
+        return self.b(torch.tanh(h)).sum() + (picked * 2).sum()
+
+
+def test_a_value_whose_shape_depends_on_the_data_never_crosses_a_boundary():
+    from mpitrain.strategies.pipeline._graph import export, model_args
+
+    traced = export(_Selected(), torch.randn(4, 4))
+    x = torch.randn(4, 4)
+    meta = profile(traced, model_args(traced, x))
+    names = [n.name for n in traced.nodes]
+    picked = next(i for i, n in enumerate(traced.nodes) if "index" in str(n.target))
+    reader = max(i for i, n in enumerate(traced.nodes) if any(a.name == names[picked] for a in n.all_input_nodes))
+    cuts = cut_points(traced, meta)
+    assert cuts and not any(picked < c <= reader for c in cuts)
+
+
+class _FixedLength(nn.Module):
+    """Mixes the sequence dimension through a Linear(8, 8): its length is part of the model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mix = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mix(x.transpose(1, 2)).transpose(1, 2).sum(-1)
+
+
+def test_one_exported_graph_serves_other_lengths_and_a_length_the_model_fixes_is_refused():
+    """Llama captured on 8 tokens runs 12 and 3 exactly as the model does (the rotary tables and the
+    mask follow the length); a model whose code fixes a length refuses another, naming it."""
+    from mpitrain.strategies.pipeline._graph import capture, check_shapes, export, model_args
+
+    from .tiny_transformers import build, lm_batches
+
+    model = build("llama").eval()
+    traced = capture(model, lm_batches(4, 1)[0][0])  # 8 tokens
+    for length in (12, 3):
+        x = {k: v[:, :1].repeat(3, length) for k, v in lm_batches(4, 1, seed=length)[0][0].items()}
+        flat = model_args(traced, x)
+        check_shapes(traced, flat)
+        # the metas of another length, propagated on fake tensors, are the real forward's
+        assert profile(traced, flat, grad=False, fake=True) == profile(traced, flat, grad=False)
+        with torch.no_grad():
+            got = pytree.tree_unflatten(traced.gm(*flat), traced.out_spec)
+            assert torch.equal(got.logits, model(**x).logits)
+    fixed = export(_FixedLength(), torch.randn(2, 8, 3))
+    check_shapes(fixed, [torch.randn(5, 8, 7)])  # batch and features are free
+    with pytest.raises(ValueError, match="length 6 in dimension 1.*specialised the captured model to 8"):
+        check_shapes(fixed, [torch.randn(2, 6, 3)])
 
 
 class _ModeDependent(nn.Module):
@@ -258,7 +370,7 @@ def test_a_meta_transformer_is_exported_on_its_own_tensors_and_its_partitions_ru
     mine = {id(t) for t in [*model.parameters(), *model.buffers()]}
     assert all(id(t) in mine for t in [*traced.gm.parameters(), *traced.gm.buffers()])
     flat = model_args(traced, inputs)
-    meta = profile(traced, [a.to("meta") for a in flat])
+    meta = profile(traced, [a.to("meta") if isinstance(a, torch.Tensor) else a for a in flat])  # use_cache=False
     materialize(model, init_fn=model._init_weights)  # swap_tensors: no weak reference left by export
     parts = split(traced, balanced_bounds(param_counts(traced), cut_points(traced, meta), 3), meta,
                   torch.device("cpu"))

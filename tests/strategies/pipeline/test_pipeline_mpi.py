@@ -190,3 +190,23 @@ def test_optimizer_built_right_after_construction_trains_like_one_process(comm):
         assert_all_ranks(comm, max(errors.values()) <= 1e-5, f"{name} P={P}: rank {comm.rank} errors {errors}")
         assert_all_ranks(comm, name != "meta" or any(a.is_meta for a in got.parameters()),
                          f"{name}: rank {comm.rank} holds the whole meta model")
+
+
+@pytest.mark.mpi
+def test_torchvision_cnn_over_changing_image_sizes_trains_like_one_process(comm):
+    """A torchvision ResNet (BasicBlock, one block per stage) on batches of 16, 24 and 20 pixel images
+    under model and hybrid: one captured graph, receive buffers per image size, the split fixed;
+    float64 parameters (and, with one replica, BatchNorm statistics) equal one process's."""
+    from mpitrain.spatial.models import torchvision_module
+
+    resnet = torchvision_module("models.resnet")
+    g = torch.Generator().manual_seed(0)
+    for P, R in layouts(comm.size):
+        torch.manual_seed(0)
+        model = resnet.ResNet(resnet.BasicBlock, [1, 1, 1, 1], num_classes=5).double()
+        data = [(torch.randn(4 * R, 3, s, s, generator=g, dtype=torch.float64), torch.randint(0, 5, (4 * R,)))
+                for s in (16, 24, 20)]
+        want = reference_train(model, data, sgd, 2 * R)
+        result = fit(model, data, nn.CrossEntropyLoss(), sgd, strategy="model" if R == 1 else "hybrid",
+                     partitions=P, micro_batches=2, progress=False, balance="params")
+        compare_parameters(comm, result.model, want, buffers=R == 1)

@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import copy
 import inspect
+import operator
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -37,8 +38,9 @@ from .._batching import call_args
 from .._device import model_device, to_device
 
 __all__ = ["TraceFailure", "ValueMeta", "Traced", "Partition", "capture", "trace", "export", "model_args",
-           "profile", "measure", "measure_module", "reference_seconds", "param_counts", "cut_points", "split",
-           "mutated_placeholders", "local_nodes", "tied_groups", "set_training", "retarget"]
+           "profile", "measure", "measure_module", "check_shapes", "training_kwargs", "reference_seconds",
+           "param_counts", "cut_points", "split", "mutated_placeholders", "local_nodes", "tied_groups",
+           "set_training", "retarget"]
 
 
 class TraceFailure(ValueError):
@@ -60,7 +62,8 @@ class Traced:
 
     `how` is "fx" or "export". `outputs` are the flat output leaves (nodes or constants) and `out_spec`
     their pytree structure. `in_spec` (export only) is the pytree structure of ``(args, kwargs)`` the
-    graph was captured with; fx graphs take positional inputs (or a dict by argument name)."""
+    graph was captured with; fx graphs take positional inputs (or a dict by argument name).
+    `fixed_kwargs` are added to every batch's keyword inputs (:func:`training_kwargs`)."""
 
     gm: fx.GraphModule
     placeholders: list[fx.Node]
@@ -70,6 +73,7 @@ class Traced:
     out_spec: pytree.TreeSpec
     in_spec: pytree.TreeSpec | None = None
     how: str = "fx"
+    fixed_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -122,26 +126,25 @@ def trace(model: nn.Module) -> Traced:
 
 
 def export(model: nn.Module, sample: Any) -> Traced:
-    """Capture `model` with ``torch.export.export(strict=False)`` on `sample`, the batch dimension of
-    every tensor input dynamic (``Dim.AUTO``: it stays static where the model forces it)."""
-    from torch.export import Dim
-
+    """Capture `model` with ``torch.export.export(strict=False)`` on `sample`, every dimension of every
+    tensor input dynamic (``Dim.AUTO``: it stays static where the model forces it, see
+    :func:`check_shapes`), so one graph serves batches of other sizes, sequence lengths and image
+    sizes. A forward that takes ``use_cache`` is called with ``use_cache=False`` unless the batch sets
+    it (:func:`training_kwargs`)."""
     args, kwargs = call_args(sample)
-    batch_dim = lambda t: {0: Dim.AUTO} if isinstance(t, torch.Tensor) and t.dim() > 0 else None  # noqa: E731
-    try:  # torch.export wants the specs keyed by the forward's parameter names
-        bound = inspect.signature(model.forward).bind(*args, **kwargs).arguments
-        dynamic: dict[str, Any] | None = {k: pytree.tree_map(batch_dim, v) for k, v in bound.items()}
-    except (TypeError, ValueError):
-        dynamic = None  # no signature to bind: shapes as in the sample
+    fixed = training_kwargs(model, args, kwargs)
+    kwargs = {**kwargs, **fixed}
     # torch.export leaves a weak reference on every tensor it traces, and torch.utils.swap_tensors
     # (how a meta model gains storage in place) refuses such a tensor: trace a copy (free on meta) and
     # point the graph at the model's own tensors afterwards
     on_meta = any(t.is_meta for t in [*model.parameters(), *model.buffers()])
     try:
-        ep = torch.export.export(copy.deepcopy(model) if on_meta else model, args, kwargs, strict=False,
-                                 dynamic_shapes=dynamic)
+        try:
+            ep = _export(copy.deepcopy(model) if on_meta else model, args, kwargs, every_dim=True)
+        except Exception:  # where a dynamic length fails outright, the batch dimension alone
+            ep = _export(copy.deepcopy(model) if on_meta else model, args, kwargs, every_dim=False)
     except Exception as e:
-        hint = ("set config.use_cache=False (a cache object is not a tensor pytree)"
+        hint = ("leave use_cache out of the batch or set it False (a cache object is no tensor to send)"
                 if "not a known type" in str(e) or "pytree" in str(e) else
                 "make the forward traceable by torch.export or use strategy='data'")
         raise TraceFailure(f"cannot split {type(model).__name__} into partitions: torch.export could not "
@@ -161,7 +164,62 @@ def export(model: nn.Module, sample: Any) -> Traced:
     if on_meta:
         _rebind(gm, model)
     output = next(n for n in gm.graph.nodes if n.op == "output")
-    return _traced(model, gm, list(output.args[0]), ep.call_spec.out_spec, ep.call_spec.in_spec, "export")
+    traced = _traced(model, gm, list(output.args[0]), ep.call_spec.out_spec, ep.call_spec.in_spec, "export")
+    traced.fixed_kwargs = fixed
+    return traced
+
+
+def _export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], every_dim: bool) -> Any:
+    """``torch.export.export`` with every dimension (or only the batch dimension) of every tensor input
+    dynamic; ``Dim.AUTO`` lets the model keep a dimension static where its code needs it."""
+    from torch.export import Dim
+
+    def dims(t: Any) -> dict[int, Any] | None:
+        if not isinstance(t, torch.Tensor) or t.dim() == 0:
+            return None
+        return {d: Dim.AUTO for d in range(t.dim() if every_dim else 1)}
+
+    try:  # torch.export wants the specs keyed by the forward's parameter names
+        bound = inspect.signature(model.forward).bind(*args, **kwargs).arguments
+        dynamic: dict[str, Any] | None = {k: pytree.tree_map(dims, v) for k, v in bound.items()}
+    except (TypeError, ValueError):
+        dynamic = None  # no signature to bind: shapes as in the sample
+    return torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=dynamic)
+
+
+def training_kwargs(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Keyword arguments the pipeline adds to every call of `model`: ``use_cache=False`` when its
+    forward takes ``use_cache`` and the batch does not give it. A Hugging Face model's config defaults
+    to ``use_cache=True``, which makes its forward return a key/value cache object: of no use in
+    training (nobody generates from a training step), no tensor to send between partitions, and more
+    memory; so the pipeline trains as a user who never asked for a cache expects."""
+    try:
+        signature = inspect.signature(model.forward)
+        given = signature.bind_partial(*args, **kwargs).arguments
+    except (TypeError, ValueError):
+        return {}
+    return {"use_cache": False} if "use_cache" in signature.parameters and "use_cache" not in given else {}
+
+
+def check_shapes(traced: Traced, inputs: Sequence[Any]) -> None:
+    """Refuse (ValueError naming the input, the dimension and both lengths) flat `inputs` whose shape
+    differs from the captured one in a dimension that torch.export kept static because the model's
+    code depends on its length (a dynamic dimension may take any length)."""
+    for ph, a in zip(traced.placeholders, inputs):
+        val = ph.meta.get("val")
+        if not isinstance(val, torch.Tensor) or not isinstance(a, torch.Tensor):
+            continue
+        if a.dim() != val.dim():
+            raise ValueError(f"input {ph.name!r} has {a.dim()} dimensions; the model was captured with "
+                             f"{val.dim()} ({tuple(val.shape)})")
+        for d, (size, got) in enumerate(zip(val.shape, a.shape)):
+            want = size if isinstance(size, int) else size.node.maybe_as_int()  # a SymInt that export fixed
+            if want is not None and d > 0 and want != got:
+                raise ValueError(
+                    f"input {ph.name!r} has length {got} in dimension {d}, but torch.export specialised "
+                    f"the captured model to {want} there (its code depends on that length, so one graph "
+                    f"cannot serve both); give every batch length {want} in dimension {d} (pad), or train "
+                    f"with strategy='data'")
 
 
 def _rebind(gm: fx.GraphModule, model: nn.Module) -> None:
@@ -198,14 +256,58 @@ def _traced(model: nn.Module, gm: fx.GraphModule, outputs: list[Any], out_spec: 
 
 def local_nodes(traced: Traced, meta: dict[str, ValueMeta | None]) -> set[str]:
     """Nodes every partition computes for itself instead of receiving them: parameter/buffer reads,
-    and non-tensor values (shapes) computed by functions of the model inputs and local nodes only."""
+    non-tensor values (shapes) computed by functions of the model inputs and local nodes only, and
+    *input constants*: tensors without gradient that pure ATen ops compute from the model inputs,
+    buffers and other input constants (no parameter) -- the attention masks, position ids and rotary
+    tables of a transformer. An input constant is recomputed by each partition that reads it (from the
+    inputs it reads: a later partition receives those, e.g. an integer attention mask, instead of the
+    mask itself), which measured faster than sending it (docs/pipeline.md) and lets a boolean mask
+    stay where it is used. Not local: random ops (each partition would draw its own numbers), ops that
+    mutate, tensors that a later op mutates in place, and uninitialised memory (``empty``)."""
     ph = {n.name for n in traced.placeholders}
     local: set[str] = set()
+    constant: set[str] = set(ph)  # values that depend on no parameter: inputs, buffers, input constants
     for n in traced.nodes:
-        if n.op == "get_attr" or (n.op in ("call_function", "call_method") and meta.get(n.name) is None
-                                  and all(a.name in ph or a.name in local for a in n.all_input_nodes)):
+        m = meta.get(n.name)
+        reads_local = all(a.name in ph or a.name in local for a in n.all_input_nodes)
+        if n.op == "get_attr":
             local.add(n.name)
+            if not isinstance(_get_attr(traced.gm, str(n.target)), nn.Parameter):
+                constant.add(n.name)
+        elif n.op in ("call_function", "call_method") and m is None and reads_local:
+            local.add(n.name)
+            constant.add(n.name)  # a shape: it depends on no parameter's value
+        elif (m is not None and not m.requires_grad and _pure(n) and not _mutated(n)
+              and all(a.name in constant for a in n.all_input_nodes)):
+            local.add(n.name)
+            constant.add(n.name)
     return local
+
+
+def _pure(n: fx.Node) -> bool:
+    """An ATen op (an exported graph's) whose result is a function of its arguments alone: no
+    mutation, no random numbers, no uninitialised memory; or ``getitem`` of such a result."""
+    if n.op != "call_function":
+        return False
+    if n.target is operator.getitem:
+        return True
+    if not isinstance(n.target, torch._ops.OpOverload):
+        return False  # a Python function of an fx graph: purity unknown, its result is sent
+    op = n.target
+    return (not op._schema.is_mutable and torch.Tag.nondeterministic_seeded not in op.tags
+            and "empty" not in op._schema.name)
+
+
+def _mutated(n: fx.Node) -> bool:
+    """Some user of `n` writes into it in place (its copy in another partition would not see that)."""
+    for u in n.users:
+        if u.op == "call_function" and isinstance(u.target, torch._ops.OpOverload):
+            for a, arg in zip(u.args, u.target._schema.arguments):
+                if a is n and arg.alias_info is not None and arg.alias_info.is_write:
+                    return True
+        elif u.op == "call_method" and str(u.target).endswith("_") and u.args and u.args[0] is n:
+            return True
+    return False
 
 
 def model_args(traced: Traced, inputs: Any) -> list[Any]:
@@ -213,6 +315,7 @@ def model_args(traced: Traced, inputs: Any) -> list[Any]:
     positional inputs (or keywords by argument name) and the forward's defaults; exported graphs take
     the leaves of ``(args, kwargs)`` in the structure they were captured with."""
     args, kwargs = call_args(inputs)
+    kwargs = {**kwargs, **{k: v for k, v in traced.fixed_kwargs.items() if k not in kwargs}}
     if traced.in_spec is not None:
         want = traced.in_spec.child(1).context if traced.in_spec.num_children == 2 else []
         if kwargs and set(kwargs) == set(want):
@@ -265,14 +368,24 @@ class _Recorder(fx.Interpreter):
         return out
 
 
-def profile(traced: Traced, inputs: Sequence[Any], grad: bool = True) -> dict[str, ValueMeta | None]:
+def profile(traced: Traced, inputs: Sequence[Any], grad: bool = True,
+            fake: bool = False) -> dict[str, ValueMeta | None]:
     """`inputs`: the flat placeholder values (:func:`model_args`).
 
     Per-value meta (None: not a tensor) of one forward on `inputs` in eval mode, so BatchNorm
-    statistics and the RNG are not touched; with `grad` the metas tell which values carry gradients."""
+    statistics and the RNG are not touched; with `grad` the metas tell which values carry gradients.
+    With `fake` the forward runs on fake tensors (``FakeTensorMode``: shapes and dtypes propagated,
+    nothing computed or allocated, the model's tensors read as fakes of themselves), so the metas of
+    another input shape cost no forward of the model."""
     with _undisturbed(traced.gm, train=False), torch.set_grad_enabled(grad):
         rec = _Recorder(traced.gm)
-        rec.run(*inputs)
+        if fake:
+            from torch._subclasses.fake_tensor import FakeTensorMode
+
+            with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+                rec.run(*[mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in inputs])
+        else:
+            rec.run(*inputs)
     return rec.meta
 
 
@@ -414,16 +527,21 @@ def _last_use(traced: Traced, local: set[str]) -> dict[str, int]:
 def cut_points(traced: Traced, meta: dict[str, ValueMeta | None]) -> list[int]:
     """Positions c (1 <= c < len(nodes)) where the graph may be cut: every non-local value defined
     before c and read at or after c is a tensor (a shape such as ``h.size(0)`` of an activation never
-    crosses a boundary)."""
+    crosses a boundary) whose shape follows from the inputs' shapes alone (not the rows that
+    ``x[x > 0]`` selects: a receive buffer is sized from the shapes)."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
     local = local_nodes(traced, meta)
     last = _last_use(traced, local)
+    sized = {n.name for n in traced.nodes
+             if not (isinstance(n.meta.get("val"), torch.Tensor) and free_unbacked_symbols(n.meta["val"]))}
     live: set[str] = set()
     out = []
     for c, n in enumerate(traced.nodes[:-1], start=1):
         if n.name not in local:
             live.add(n.name)
         live = {v for v in live if last.get(v, -1) >= c}
-        if all(meta.get(v) is not None for v in live):
+        if all(meta.get(v) is not None and v in sized for v in live):
             out.append(c)
     return out
 

@@ -49,6 +49,7 @@ from ._graph import (
     TraceFailure,
     ValueMeta,
     capture,
+    check_shapes,
     cut_points,
     measure_module,
     model_args,
@@ -75,24 +76,47 @@ CHECKPOINTS = ("never", "except_last", "always")
 LossFn = Callable[[Any, Any], torch.Tensor]
 
 
+def _rowed(a: Any) -> bool:
+    """A tensor with a batch dimension (sliced into rows; other leaves are constants)."""
+    return isinstance(a, torch.Tensor) and a.dim() > 0
+
+
 def _rows(args: list[Any], start: int, stop: int) -> list[Any]:
-    return [a[start:stop] if isinstance(a, torch.Tensor) and a.dim() > 0 else a for a in args]
+    return [a[start:stop] if _rowed(a) else a for a in args]
 
 
 def _slice(tree: Any, start: int, stop: int) -> Any:
     """Rows start:stop of every tensor of a pytree (targets may be a tensor, tuple or dict)."""
-    return pytree.tree_map(lambda t: t[start:stop] if isinstance(t, torch.Tensor) and t.dim() > 0 else t, tree)
+    return pytree.tree_map(lambda t: t[start:stop] if _rowed(t) else t, tree)
 
 
 def _repeat(tree: Any, n: int) -> Any:
     """`n` rows made of every tensor's rows repeated in order (the shapes of a batch of `n` rows)."""
-    return pytree.tree_map(lambda t: t[torch.arange(n) % len(t)] if isinstance(t, torch.Tensor) and t.dim() > 0
-                           else t, tree)
+    return pytree.tree_map(lambda t: _tile(t, (n, *t.shape[1:])) if _rowed(t) else t, tree)
+
+
+def _tile(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """A tensor of `shape` made of `t`'s elements repeated cyclically along every dimension: another
+    batch's shapes with the sample's values (valid token ids, masks of zeros and ones)."""
+    for d, size in enumerate(shape):
+        if size != t.shape[d]:
+            t = t.index_select(d, torch.arange(size, device=t.device) % max(t.shape[d], 1))
+    return t
+
+
+def _signature(flat: list[Any]) -> tuple[Any, ...]:
+    """The shapes of a micro-batch's flat inputs (None for a non-tensor): the key of its value metas."""
+    return tuple(tuple(a.shape) if isinstance(a, torch.Tensor) else None for a in flat)
+
+
+#: value metas kept per pipeline: distinct input shape signatures (micro-batch sizes x lengths); the
+#: oldest is dropped beyond it (profiled again if it comes back)
+SIGNATURES = 64
 
 
 def _batch(flat: list[Any]) -> int:
     for a in flat:
-        if isinstance(a, torch.Tensor) and a.dim() > 0:
+        if _rowed(a):
             return int(a.shape[0])
     raise FitError("the inputs hold no tensor with a batch dimension to split into micro-batches")
 
@@ -160,7 +184,7 @@ class Pipeline:
         self.group = _split(comm, self.p, self.replica)
         self.traced: Traced | None = None
         self.stages: list[Stage] = []
-        self._metas: dict[int, dict[str, ValueMeta | None]] = {}
+        self._metas: dict[tuple[Any, ...], dict[str, ValueMeta | None]] = {}  # by _signature
         self._sample: list[Any] = []  # a micro-batch of the set-up sample: the shapes of other sizes
         if example is not None:
             flat = self._flat(example)
@@ -269,7 +293,8 @@ class Pipeline:
         self._mode(train=True)
         # shapes from the set-up sample when ranks differ in what they hold: the same on every rank
         shared = inputs is None or self.inputs_on_first
-        metas = [self._meta(None if shared else micro_args[m], s) for m, s in enumerate(sizes)]
+        trailing = self._trailing(micro_args[0] if inputs is not None else None) if shared else None
+        metas = [self._meta(None if shared else micro_args[m], s, trailing) for m, s in enumerate(sizes)]
         # each gradient lands in its bucket view; only for this pass: the user's parameters keep no hook
         hooks = [q.register_post_accumulate_grad_hook(self._land) for q in self._params if id(q) in self._views]
         try:
@@ -437,7 +462,7 @@ class Pipeline:
         # shapes of a meta model come from a meta copy of its graph (no storage), before and after
         # this rank materialises its own partition
         self._shapes = dataclasses.replace(traced, gm=copy.deepcopy(traced.gm)) if self.on_meta else traced
-        meta = self._metas[micro] = self._profile(sample, grad=True)
+        meta = self._metas[_signature(sample)] = self._profile(sample, grad=True)
         cuts = cut_points(traced, meta)
         if isinstance(self.balance, str) and len(cuts) + 1 < parts_n:
             raise FitError(f"the graph can only be cut at {len(cuts)} places (where every crossing value "
@@ -521,12 +546,15 @@ class Pipeline:
         return mine
 
     def _measure_mine(self, bounds: list[int], meta: dict[str, ValueMeta | None],
-                      sample: list[Any]) -> list[float | None]:
+                      sample: list[Any]) -> list[float | None] | None:
         """Forward + backward time of the nodes of this rank's partitions (None for the others'), each
         partition run alone on the sample's inputs it reads and stand-ins for the activations it
         receives (random floats, zero integers: valid indices). In units of :func:`reference_seconds`
         timed around the measurement: ranks time different nodes at different moments, and a rank
-        slowed by its neighbours meanwhile must not see its nodes as costlier."""
+        slowed by its neighbours meanwhile must not see its nodes as costlier. None where a partition
+        cannot run on stand-ins (a received index computed from the data, e.g. a mixture of experts'
+        token permutation: zeros leave its inverse partly uninitialised); then every rank keeps the
+        split by parameters (:meth:`_agree`)."""
         traced = self._traced()
         index = {n.name: i for i, n in enumerate(traced.nodes)}
         parts = split(traced, bounds, meta, self._place)
@@ -536,8 +564,11 @@ class Pipeline:
         for part in self._mine(parts):
             k = part.index
             args = [sample[i] for i in part.data_inputs] + [_stand_in(meta[v], self.device) for v in part.recv_inputs]
-            with autocast(self.autocast, self.device):
-                timed = measure_module(part.module, args, self.profile_passes)
+            try:
+                with autocast(self.autocast, self.device):
+                    timed = measure_module(part.module, args, self.profile_passes)
+            except (IndexError, RuntimeError):
+                return None
             for name, seconds in timed.items():
                 i = index.get(name)
                 if i is not None and bounds[k] <= i < bounds[k + 1]:
@@ -564,7 +595,8 @@ class Pipeline:
                error: str | None = None) -> list[float] | None:
         """The setup message: check every rank got the same arguments and data shapes, raise any
         rank's `error` on every rank, and average each node's measured times over the ranks that
-        measured it (None: not measured here) so that every rank computes the same partition."""
+        measured it (None: not measured here) so that every rank computes the same partition; None
+        (the split stays by parameters) where any rank has no costs."""
         traced = self._traced()
         key = (self.P, self.R, self.M, self.V, self.schedule, self.checkpoint, repr(self.balance),
                [n.name for n in traced.nodes], [tuple(a.shape) for a in sample if hasattr(a, "shape")])
@@ -574,7 +606,7 @@ class Pipeline:
             raise FitError(f"ranks {bad} set up the pipeline with a different model, data or arguments "
                            f"than rank 0")
         _raise_first([e for _, _, e in seen])
-        if costs is None:
+        if costs is None or any(c is None for _, c, _ in seen):
             return None
         out = []
         for i in range(len(costs)):
@@ -582,19 +614,58 @@ class Pipeline:
             out.append(sum(got) / len(got) if got else 0.0)
         return out
 
-    def _meta(self, flat: list[Any] | None, n: int) -> dict[str, ValueMeta | None]:
+    def _meta(self, flat: list[Any] | None, n: int,
+              trailing: list[tuple[int, ...] | None] | None = None) -> dict[str, ValueMeta | None]:
         """Value metas of a micro-batch of `n` rows: profiled on `flat`'s first rows, or (None: this
-        rank has no inputs) on the set-up sample's rows repeated to `n`; the same shapes on every rank."""
-        if n not in self._metas:
-            rows = _rows(flat, 0, n) if flat is not None else _repeat(self._sample, n)
-            self._metas[n] = self._profile(rows, grad=False)
-        return self._metas[n]
+        rank has no inputs) on the set-up sample's values tiled to `n` rows and the `trailing` shapes
+        (:meth:`_trailing`); the same shapes on every rank. Profiled once per shape signature (at most
+        :data:`SIGNATURES` kept); a signature the captured graph cannot run raises FitError."""
+        rows = (_rows(flat, 0, n) if flat is not None else
+                [_tile(a, (n, *(shape if shape is not None else a.shape[1:]))) if _rowed(a) else a
+                 for a, shape in zip(self._sample, trailing or [None] * len(self._sample))])
+        key = _signature(rows)
+        if key not in self._metas:
+            try:
+                check_shapes(self._traced(), rows)
+                meta = self._profile(rows, grad=False, fake=True)
+            except (ValueError, RuntimeError) as e:
+                raise FitError(f"the model cannot run on inputs of shapes {list(key)}: {e}") from e
+            if len(self._metas) >= SIGNATURES:
+                del self._metas[next(iter(self._metas))]
+            self._metas[key] = meta
+        return self._metas[key]
 
-    def _profile(self, sample: list[Any], grad: bool) -> dict[str, ValueMeta | None]:
-        """Value metas of one forward on `sample`; for a meta model on meta copies of the inputs."""
+    def _trailing(self, rows: list[Any] | None) -> list[tuple[int, ...] | None]:
+        """The shape beyond the batch dimension of every flat input of this pass (None: not a tensor
+        with a batch dimension), the same on every rank of the pipeline: pipeline rank 0, which holds
+        the inputs, broadcasts them over the pipeline (one message of a few integers per pass) when
+        any input has such dimensions (sequence lengths, image sizes), which may change between
+        batches."""
+        dims = [a.dim() - 1 if _rowed(a) else None for a in self._sample]
+        count = sum(d for d in dims if d is not None)
+        held = rows if rows is not None else self._sample  # the sample: overwritten by the broadcast
+        lengths = [int(s) for a, d in zip(held, dims) if d is not None for s in a.shape[1:]]
+        if count and self.P > 1:
+            with self._watched("the broadcast of the batch's input shapes"):
+                lengths = self.pipe.broadcast(torch.tensor(lengths, dtype=torch.int64), root=0).tolist()
+        out: list[tuple[int, ...] | None] = []
+        for d in dims:
+            out.append(None if d is None else tuple(lengths[:d]))
+            lengths = lengths[d or 0:]
+        return out
+
+    def _profile(self, sample: list[Any], grad: bool, fake: bool = False) -> dict[str, ValueMeta | None]:
+        """Value metas of one forward on `sample`; for a meta model on meta copies of the inputs. With
+        `fake` (another shape of a graph already profiled) on fake tensors: no compute, no memory;
+        a graph with an op that has no fake implementation is run for real."""
         if self.on_meta:
             sample = [a.to("meta") if isinstance(a, torch.Tensor) else a for a in sample]
         with autocast(self.autocast, self.device):  # bf16 messages are received into bf16 buffers
+            if fake and not self.on_meta:
+                try:
+                    return profile(self._shapes, sample, grad=grad, fake=True)
+                except Exception:  # noqa: BLE001 - any failure of fake propagation: the real forward decides
+                    pass
             return profile(self._shapes, sample, grad=grad)
 
     def _actions(self, count: int) -> list[Action]:
