@@ -226,11 +226,16 @@ def _retag(out: Any, layout: Layout, kind: str, spatial: tuple[int, ...] | None 
     local_n = layout.dist.local_samples(layout.shape[0])
     sizes = [layout.shape[p] for p in layout.spatial_dims()] if kind == "block" else []
     spatial = layout.spatial_dims() if spatial is None else spatial
+    # One sample group: every rank of the world holds the whole tensor, so a replicated result stays
+    # replicated whatever its dim 0 (Swin's windows ``reshape(B * nW, ...)``): later ops keep reading
+    # sizes as whole extents and meet blocks as whole samples, never as a block's local data.
+    any_rows = kind == "replicated" and layout.dist.samples == 1
 
     def one(t: Any) -> Any:
         if not isinstance(t, torch.Tensor):
             return t
-        if t.dim() == 0 or t.shape[0] != local_n or (kind == "block" and t.dim() <= max(spatial)):
+        if t.dim() == 0 or (t.shape[0] != local_n and not any_rows) or (
+                kind == "block" and t.dim() <= max(spatial)):
             t = plain(t) if isinstance(t, SpatialTensor) else t
             if kind == "replicated":
                 _refuse_group_value(layout.dist, "a value leaving a replicated tensor")
@@ -242,7 +247,7 @@ def _retag(out: Any, layout: Layout, kind: str, spatial: tuple[int, ...] | None 
                 shape[p] = n
             new = block_layout(layout.dist, tuple(shape), tuple(spatial))
         else:
-            new = Layout(layout.dist, kind, (layout.shape[0], *t.shape[1:]))
+            new = Layout(layout.dist, kind, (t.shape[0] if any_rows else layout.shape[0], *t.shape[1:]))
         if isinstance(t, SpatialTensor) and t.placement == new:
             return t
         return tag(t if type(t) is torch.Tensor else plain(t), new)
