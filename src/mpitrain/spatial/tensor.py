@@ -67,7 +67,10 @@ class NonSpatialOpError(SpatialError):
 class Layout:
     """How a local tensor sits in the global one. ``kind="block"``: the N x C x (spatial) block of
     `dist`; ``kind="replicated"``: samples split over the groups, the rest replicated in each spatial
-    group (e.g. after a global pool). `shape` is the global shape."""
+    group (e.g. after a global pool). `shape` is the global shape. ``kind="group"`` (a sample x spatial
+    grid only): a value computed from one group's whole samples whose sample dim a shape op merged (Swin's
+    window partition): a plain value counted once that must not meet a block as its local data; `shape`
+    is its local shape."""
 
     dist: Distribution
     kind: str
@@ -172,6 +175,9 @@ def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
     if name in _QUERIES or not layouts:
         out = _run(func, args, kwargs)
         return _with_extents(func, name, args, out, kwargs) if blocks else out
+    groups = [lay for lay in layouts if lay.kind == "group"]
+    if groups:
+        return _group_op(func, name, args, kwargs, groups[0], blocks[0] if blocks else None)
     if name in _SPATIAL_FUNCTIONS:  # F.interpolate, the dense losses: they take replicated tensors too
         return _SPATIAL_FUNCTIONS[name](*args, **kwargs)
     if name in _REDUCTIONS and _whole_reduction(args, kwargs):
@@ -239,7 +245,8 @@ def _retag(out: Any, layout: Layout, kind: str, spatial: tuple[int, ...] | None 
             t = plain(t) if isinstance(t, SpatialTensor) else t
             if kind == "replicated":
                 _refuse_group_value(layout.dist, "a value leaving a replicated tensor")
-                return count_once(t, layout)
+                t = count_once(t, layout)
+                return t if t.dim() == 0 else tag(t, Layout(layout.dist, "group", tuple(t.shape)))
             return t
         if kind == "block":
             shape = [layout.shape[0], *t.shape[1:]]
@@ -252,6 +259,41 @@ def _retag(out: Any, layout: Layout, kind: str, spatial: tuple[int, ...] | None 
             return t
         return tag(t if type(t) is torch.Tensor else plain(t), new)
 
+    return pytree.tree_map(one, out)
+
+
+def _group_op(func: Any, name: str, args: tuple, kwargs: dict, group: Layout, block: Layout | None) -> Any:
+    """An op on a ``"group"`` value (whole samples of one sample group whose sample dim a shape op merged,
+    under a sample x spatial grid: Swin's windows ``reshape(B * nW, ...)``): it runs as on a plain tensor
+    (which it is, counted once) and its tensor results stay group values. Against a block, such a value
+    is whole data, not the block's: it may only broadcast without extent along the split dims; anything
+    else has no exact form (it cannot be matched to the block's cells) and is refused, never silently
+    taken as the block's local data."""
+    flat, _ = pytree.tree_flatten((args, kwargs))
+    if block is not None:
+        k, dims = len(block.shape), block.spatial_dims()
+        for t in flat:
+            lay = layout_of(t)
+            if lay is not None and lay.kind == "group" and (t.dim() > k or any(
+                    p - (k - t.dim()) >= 0 and t.shape[p - (k - t.dim())] != 1 for p in dims)):
+                raise SpatialError(
+                    f"spatial: {name} combines a block split over grid {block.dist.grid} with a "
+                    f"{tuple(t.shape)} value computed from whole samples after a reshape merged their sample "
+                    f"dim (e.g. window attention's reshape(B * windows, ...)); under {block.dist.samples} "
+                    f"sample groups it has no exact spatial form. Train it with samples=1 (a spatial grid "
+                    f"over all ranks) or on whole samples (strategy='data')")
+    def ungroup(t: Any) -> Any:
+        lay = layout_of(t)
+        return plain(t) if lay is not None and lay.kind == "group" else t
+
+    args, kwargs = pytree.tree_map(ungroup, (args, kwargs))
+    others = any(layout_of(t) is not None for t in pytree.tree_flatten((args, kwargs))[0])
+    out = _dispatch(func, args, kwargs) if others else _run(func, args, kwargs)
+
+    def one(t: Any) -> Any:
+        if type(t) is torch.Tensor and t.dim() > 0:
+            return tag(t, Layout(group.dist, "group", tuple(t.shape)))
+        return t
     return pytree.tree_map(one, out)
 
 
