@@ -15,7 +15,11 @@ over the spatial grid (``"block"``) or holds whole samples replicated over the s
   (:mod:`mpitrain.spatial.resample`, :mod:`mpitrain.spatial.loss`), on blocks and replicated tensors;
 * a whole reduction (``x.sum()``, ``x.mean()``: no dim) reduces the whole global tensor: each rank its
   cells, one scalar allreduce; the plain result is the same on every rank;
-* any op on a replicated tensor runs as it is (every rank of the group computes the same result);
+* any op on a replicated tensor runs as it is (every rank of the group computes the same result); with
+  one sample group its result stays replicated whatever its dim 0 (Swin's windows ``reshape(B * nW, ...)``
+  stay whole samples). Under a sample x spatial grid a result whose dim 0 is no longer the group's
+  samples becomes a ``"group"`` value: computed as a plain tensor, but refused (:class:`SpatialError`)
+  where it meets a block with extent along the split dims, never taken as the block's local data;
 * any other op on a block is not spatial (flatten, linear, reductions over H or W, ...): the block is
   redistributed to whole samples first, explicitly — a ``RuntimeWarning`` names the op once and
   ``Distribution.redistributions`` counts it — or, with ``Distribution(nonspatial="error")``, refused
@@ -274,8 +278,7 @@ def _group_op(func: Any, name: str, args: tuple, kwargs: dict, group: Layout, bl
         k, dims = len(block.shape), block.spatial_dims()
         for t in flat:
             lay = layout_of(t)
-            if lay is not None and lay.kind == "group" and (t.dim() > k or any(
-                    p - (k - t.dim()) >= 0 and t.shape[p - (k - t.dim())] != 1 for p in dims)):
+            if lay is not None and lay.kind == "group" and not _no_extent(t, k, dims):
                 raise SpatialError(
                     f"spatial: {name} combines a block split over grid {block.dist.grid} with a "
                     f"{tuple(t.shape)} value computed from whole samples after a reshape merged their sample "
@@ -315,11 +318,16 @@ def _compatible(flat: list, first: Layout) -> bool:
         lay = layout_of(t)
         if t.dim() > k or (lay is not None and lay.kind == "block" and not _same_block(lay, first)):
             return False
-        if lay is not None and lay.kind != "block":  # whole samples against a block: must be 1x1 there
-            offset = k - t.dim()
-            if any(p - offset >= 0 and t.shape[p - offset] != 1 for p in dims):
-                return False
+        if lay is not None and lay.kind != "block" and not _no_extent(t, k, dims):
+            return False  # whole samples against a block: must be 1x1 there
     return True
+
+
+def _no_extent(t: torch.Tensor, k: int, dims: tuple[int, ...]) -> bool:
+    """Whether `t`, broadcast against a `k`-dim block with spatial dims `dims`, has size 1 (or no dim)
+    along every one of them."""
+    offset = k - t.dim()
+    return t.dim() <= k and all(p - offset < 0 or t.shape[p - offset] == 1 for p in dims)
 
 
 def _cat_rule(name: str, args: tuple, kwargs: dict, first: Layout) -> tuple[int, ...] | None:
