@@ -201,6 +201,8 @@ def gather(t: torch.Tensor, like: torch.Tensor | None = None) -> torch.Tensor:
     if like is None:
         t, restore = to_nchw(t)  # a block whose spatial dims a shape op moved: gathered as N x C x (spatial)
     layout = layout_of(like if like is not None else t)
+    if layout is not None and layout.kind == "group":  # one sample group's value, as a plain tensor
+        return plain(t)
     if layout is None:
         raise SpatialError("gather needs a block produced by Distribution.scatter or a parallelized module "
                            "(or pass like=<such a block> for a tensor shaped like one, e.g. its .grad)")
@@ -221,6 +223,8 @@ def gather_group(t: torch.Tensor) -> torch.Tensor:
     gradients summed over the world are those of the sum of the groups' losses."""
     t, restore = to_nchw(t)
     layout = layout_of(t)
+    if layout is not None and layout.kind == "group":  # already this group's value
+        return plain(t)
     if layout is None:
         raise SpatialError("gather_group needs a block produced by Distribution.scatter or a parallelized module")
     out: torch.Tensor = _GatherGroup.apply(plain(t), layout)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["torchvision_module", "UNet", "cosmoflow", "CLASSIFIERS", "VIDEO", "DETECTION", "SEGMENTATION",
-           "IGNORE", "segmentation_criterion", "no_dropout", "suite_grids"]
+           "IGNORE", "segmentation_criterion", "no_dropout", "suite_grids", "swin"]
 
 
 def torchvision_module(name: str) -> ModuleType:
@@ -132,6 +132,14 @@ def _efficientnet() -> nn.Module:
              stage(6, 3, 2, 40, 80, 3), stage(6, 5, 1, 80, 112, 3), stage(6, 5, 2, 112, 192, 4),
              stage(6, 3, 1, 192, 320, 1)]
     model: nn.Module = effnet.EfficientNet(table, dropout=0.2, num_classes=10)
+    return model
+
+
+def swin() -> nn.Module:
+    """torchvision's SwinTransformer (shifted-window attention, padded windows, patch merging) at small
+    sizes: patch 4, embed 16, depths (1, 1), heads (1, 2), window 4; inputs N x 3 x H x W."""
+    model: nn.Module = torchvision_module("models.swin_transformer").SwinTransformer(
+        patch_size=[4, 4], embed_dim=16, depths=[1, 1], num_heads=[1, 2], window_size=[4, 4], num_classes=10)
     return model
 
 

@@ -15,7 +15,11 @@ over the spatial grid (``"block"``) or holds whole samples replicated over the s
   (:mod:`mpitrain.spatial.resample`, :mod:`mpitrain.spatial.loss`), on blocks and replicated tensors;
 * a whole reduction (``x.sum()``, ``x.mean()``: no dim) reduces the whole global tensor: each rank its
   cells, one scalar allreduce; the plain result is the same on every rank;
-* any op on a replicated tensor runs as it is (every rank of the group computes the same result);
+* any op on a replicated tensor runs as it is (every rank of the group computes the same result); with
+  one sample group its result stays replicated whatever its dim 0 (Swin's windows ``reshape(B * nW, ...)``
+  stay whole samples). Under a sample x spatial grid a result whose dim 0 is no longer the group's
+  samples becomes a ``"group"`` value: computed as a plain tensor, but refused (:class:`SpatialError`)
+  where it meets a block with extent along the split dims, never taken as the block's local data;
 * any other op on a block is not spatial (flatten, linear, reductions over H or W, ...): the block is
   redistributed to whole samples first, explicitly — a ``RuntimeWarning`` names the op once and
   ``Distribution.redistributions`` counts it — or, with ``Distribution(nonspatial="error")``, refused
@@ -67,7 +71,10 @@ class NonSpatialOpError(SpatialError):
 class Layout:
     """How a local tensor sits in the global one. ``kind="block"``: the N x C x (spatial) block of
     `dist`; ``kind="replicated"``: samples split over the groups, the rest replicated in each spatial
-    group (e.g. after a global pool). `shape` is the global shape."""
+    group (e.g. after a global pool). `shape` is the global shape. ``kind="group"`` (a sample x spatial
+    grid only): a value computed from one group's whole samples whose sample dim a shape op merged (Swin's
+    window partition): a plain value counted once that must not meet a block as its local data; `shape`
+    is its local shape."""
 
     dist: Distribution
     kind: str
@@ -172,6 +179,9 @@ def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
     if name in _QUERIES or not layouts:
         out = _run(func, args, kwargs)
         return _with_extents(func, name, args, out, kwargs) if blocks else out
+    groups = [lay for lay in layouts if lay.kind == "group"]
+    if groups:
+        return _group_op(func, name, args, kwargs, groups[0], blocks[0] if blocks else None)
     if name in _SPATIAL_FUNCTIONS:  # F.interpolate, the dense losses: they take replicated tensors too
         return _SPATIAL_FUNCTIONS[name](*args, **kwargs)
     if name in _REDUCTIONS and _whole_reduction(args, kwargs):
@@ -226,15 +236,21 @@ def _retag(out: Any, layout: Layout, kind: str, spatial: tuple[int, ...] | None 
     local_n = layout.dist.local_samples(layout.shape[0])
     sizes = [layout.shape[p] for p in layout.spatial_dims()] if kind == "block" else []
     spatial = layout.spatial_dims() if spatial is None else spatial
+    # One sample group: every rank of the world holds the whole tensor, so a replicated result stays
+    # replicated whatever its dim 0 (Swin's windows ``reshape(B * nW, ...)``): later ops keep reading
+    # sizes as whole extents and meet blocks as whole samples, never as a block's local data.
+    any_rows = kind == "replicated" and layout.dist.samples == 1
 
     def one(t: Any) -> Any:
         if not isinstance(t, torch.Tensor):
             return t
-        if t.dim() == 0 or t.shape[0] != local_n or (kind == "block" and t.dim() <= max(spatial)):
+        if t.dim() == 0 or (t.shape[0] != local_n and not any_rows) or (
+                kind == "block" and t.dim() <= max(spatial)):
             t = plain(t) if isinstance(t, SpatialTensor) else t
             if kind == "replicated":
                 _refuse_group_value(layout.dist, "a value leaving a replicated tensor")
-                return count_once(t, layout)
+                t = count_once(t, layout)
+                return t if t.dim() == 0 else tag(t, Layout(layout.dist, "group", tuple(t.shape)))
             return t
         if kind == "block":
             shape = [layout.shape[0], *t.shape[1:]]
@@ -242,11 +258,45 @@ def _retag(out: Any, layout: Layout, kind: str, spatial: tuple[int, ...] | None 
                 shape[p] = n
             new = block_layout(layout.dist, tuple(shape), tuple(spatial))
         else:
-            new = Layout(layout.dist, kind, (layout.shape[0], *t.shape[1:]))
+            new = Layout(layout.dist, kind, (t.shape[0] if any_rows else layout.shape[0], *t.shape[1:]))
         if isinstance(t, SpatialTensor) and t.placement == new:
             return t
         return tag(t if type(t) is torch.Tensor else plain(t), new)
 
+    return pytree.tree_map(one, out)
+
+
+def _group_op(func: Any, name: str, args: tuple, kwargs: dict, group: Layout, block: Layout | None) -> Any:
+    """An op on a ``"group"`` value (whole samples of one sample group whose sample dim a shape op merged,
+    under a sample x spatial grid: Swin's windows ``reshape(B * nW, ...)``): it runs as on a plain tensor
+    (which it is, counted once) and its tensor results stay group values. Against a block, such a value
+    is whole data, not the block's: it may only broadcast without extent along the split dims; anything
+    else has no exact form (it cannot be matched to the block's cells) and is refused, never silently
+    taken as the block's local data."""
+    flat, _ = pytree.tree_flatten((args, kwargs))
+    if block is not None:
+        k, dims = len(block.shape), block.spatial_dims()
+        for t in flat:
+            lay = layout_of(t)
+            if lay is not None and lay.kind == "group" and not _no_extent(t, k, dims):
+                raise SpatialError(
+                    f"spatial: {name} combines a block split over grid {block.dist.grid} with a "
+                    f"{tuple(t.shape)} value computed from whole samples after a reshape merged their sample "
+                    f"dim (e.g. window attention's reshape(B * windows, ...)); under {block.dist.samples} "
+                    f"sample groups it has no exact spatial form. Train it with samples=1 (a spatial grid "
+                    f"over all ranks) or on whole samples (strategy='data')")
+    def ungroup(t: Any) -> Any:
+        lay = layout_of(t)
+        return plain(t) if lay is not None and lay.kind == "group" else t
+
+    args, kwargs = pytree.tree_map(ungroup, (args, kwargs))
+    others = any(layout_of(t) is not None for t in pytree.tree_flatten((args, kwargs))[0])
+    out = _dispatch(func, args, kwargs) if others else _run(func, args, kwargs)
+
+    def one(t: Any) -> Any:
+        if type(t) is torch.Tensor and t.dim() > 0:
+            return tag(t, Layout(group.dist, "group", tuple(t.shape)))
+        return t
     return pytree.tree_map(one, out)
 
 
@@ -268,11 +318,16 @@ def _compatible(flat: list, first: Layout) -> bool:
         lay = layout_of(t)
         if t.dim() > k or (lay is not None and lay.kind == "block" and not _same_block(lay, first)):
             return False
-        if lay is not None and lay.kind != "block":  # whole samples against a block: must be 1x1 there
-            offset = k - t.dim()
-            if any(p - offset >= 0 and t.shape[p - offset] != 1 for p in dims):
-                return False
+        if lay is not None and lay.kind != "block" and not _no_extent(t, k, dims):
+            return False  # whole samples against a block: must be 1x1 there
     return True
+
+
+def _no_extent(t: torch.Tensor, k: int, dims: tuple[int, ...]) -> bool:
+    """Whether `t`, broadcast against a `k`-dim block with spatial dims `dims`, has size 1 (or no dim)
+    along every one of them."""
+    offset = k - t.dim()
+    return t.dim() <= k and all(p - offset < 0 or t.shape[p - offset] == 1 for p in dims)
 
 
 def _cat_rule(name: str, args: tuple, kwargs: dict, first: Layout) -> tuple[int, ...] | None:
