@@ -18,7 +18,7 @@ from .._utils.flat import offsets
 from ._cuda import host_wait, mpi_cuda_aware
 from ._hierarchical import HIERARCHY_ABOVE, Hierarchy
 from ._staged_sends import StagedSends
-from ._staging import Staging
+from ._staging import Staging, copy_bits
 from .base import CommError, Communicator, Request, _CallbackRequest, _DoneRequest, split_sizes
 
 __all__ = ["MPICommunicator"]
@@ -219,10 +219,15 @@ class MPICommunicator(Communicator):
     def allgather(self, t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         self._check(t, "t")
         src = t.reshape(1) if t.dim() == 0 else t
-        out = self._gather_out(src, out)
+        given = None if out is None else self._gather_out(src, out)  # checked before any message
         if (not t.is_cpu or self._stage_cpu) and self._staged_call(t):
             host, staging = self._stage(t, "t")
-            return out.copy_(staging.out(src.clone(), host.allgather))
+            got = staging.out(src, host.allgather)  # `src` is mirrored to the host before `out` is written
+            if given is None:
+                return got
+            copy_bits(given, got)  # as bytes: int1 ... uint7 have no copy kernel
+            return given
+        out = given if given is not None else self._gather_out(src, None)
         if out.numel():
             own = out[self._rank * src.shape[0]:(self._rank + 1) * src.shape[0]]
             if src.data_ptr() == own.data_ptr():  # block `rank` of out itself: MPI's in-place allgather
