@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Literal, NamedTuple, cast
+from typing import Literal, NamedTuple
 
 from .base import Communicator
 
@@ -242,7 +242,7 @@ class Groups:
 def _axis(axis: str) -> Axis:
     if axis not in AXES:
         raise PlaceError(f"axis must be one of {AXES}, got {axis!r}")
-    return cast(Axis, axis)
+    return axis
 
 
 def _show(grid: tuple[int, ...]) -> str:
