@@ -60,6 +60,7 @@ def test_each_axis_partitions_the_world_into_groups_that_vary_only_along_it(worl
         for axis in AXES:
             groups = {place.members(axis, r) for r in range(world)}
             assert sorted(r for g in groups for r in g) == list(range(world))  # disjoint, covering
+            assert place.all_members(axis) == sorted(groups)
             for g in groups:
                 assert len(g) == sizes[axis] and list(g) == sorted(g)
                 assert [place.coordinate(axis, r) for r in g] == list(range(sizes[axis]))

@@ -194,6 +194,10 @@ class Place:
         base = self.rank_of(c.replica, c.partition)
         return tuple(range(base, base + self.cells))
 
+    def all_members(self, axis: Axis) -> list[tuple[int, ...]]:
+        """Every group along `axis` (:meth:`members`), by lowest world rank: a partition of the world."""
+        return sorted({self.members(axis, r) for r in range(self.world)})
+
     def split(self, comm: Communicator, axes: Iterable[Axis] = AXES) -> Groups:
         """The sub-communicators of `axes` (collective over `comm`, the world this place was made for:
         every rank must pass the same `axes`). They are split in the order of :data:`AXES`, one

@@ -407,7 +407,7 @@ class Pipeline:
                 begin = sum(per_replica[:r])
                 for t in leaves:
                     if isinstance(t, torch.Tensor):
-                        self.comm.broadcast(t[begin:begin + size], root=r * self.P + self.last_rank)
+                        self.comm.broadcast(t[begin:begin + size], root=self.place.rank_of(r, self.last_rank))
         return pytree.tree_unflatten(leaves, traced.out_spec)
 
     def trained_model(self) -> nn.Module:
