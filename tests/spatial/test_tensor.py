@@ -19,6 +19,22 @@ from tests.spatial.test_layers import compare, layouts
 pytestmark = pytest.mark.mpi
 
 
+def test_spatial_and_sample_groups_hold_the_world_ranks_of_the_documented_layout(comm):
+    """Rank r is cell r % (ph*pw) of sample group r // (ph*pw): the spatial communicator holds its group's
+    ranks, the sample communicator the ranks at its cell in every group, in that order (an allgather of
+    world ranks over each), for every sample count the world allows and a 2-D and a 3-D grid."""
+    for samples in [d for d in range(1, comm.size + 1) if comm.size % d == 0]:
+        per = comm.size // samples
+        for grid in ((1, per), (per, 1, 1)):
+            dist = Distribution(comm, grid, samples)
+            me = torch.tensor([comm.rank], dtype=torch.int64)
+            got = (dist.spatial_comm.allgather(me).tolist(), dist.sample_comm.allgather(me).tolist(),
+                   dist.group, dist.spatial_rank)
+            g, s = divmod(comm.rank, per)
+            want = (list(range(g * per, (g + 1) * per)), list(range(s, comm.size, per)), g, s)
+            assert_all_ranks(comm, got == want, f"samples={samples}, grid={grid}: {got} != {want}")
+
+
 class SqueezeExcite(nn.Module):
     """conv, then x * sigmoid(fc(mean over H, W)) (the scale is replicated, 1x1), a residual add, a cat
     along channels, then mean over H, W and a linear head."""

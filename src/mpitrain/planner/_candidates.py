@@ -10,6 +10,7 @@ import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
+from ..comm.place import Place
 from ..perf.calibrate import Calibration, Network
 from ..perf.pipeline import micro_batch_candidates, pipeline_step
 from ..perf.spatial import ConvShape, halo_messages, layer_path
@@ -142,8 +143,8 @@ def _pipelines(m: Measured) -> Iterator[Plan | Dropped]:
         if B % R:
             yield Dropped(strategy, base, f"the batch of {B} does not split over {R} replicas")
             continue
-        pipes = m.level([range(r * P, (r + 1) * P) for r in range(R)])  # rank r*P + p: replica r, stage p
-        groups = m.level([range(p, W, P) for p in range(P)])
+        layout = Place(W, 0, R, P)  # the places fit would give: rank r*P + p runs stage p of replica r
+        pipes, groups = m.level(layout.all_members("partition")), m.level(layout.all_members("replica"))
         best: Plan | None = None
         for M in micro_batch_candidates(B // R):
             n = B // (R * M)
@@ -216,9 +217,8 @@ def _link(m: Measured, net: Network) -> tuple[float, float]:
     return (m.cal.alpha * net.p2p.alpha / m.net.p2p.alpha, m.cal.beta * net.p2p.beta / m.net.p2p.beta)
 
 
-def _spatial_groups(m: Measured, grid: tuple[int, int], samples: int) -> list[range]:
-    per = grid[0] * grid[1]
-    return [range(g * per, (g + 1) * per) for g in range(samples)]
+def _spatial_groups(m: Measured, grid: tuple[int, int], samples: int) -> list[tuple[int, ...]]:
+    return Place(m.world, 0, samples, 1, grid).all_members("spatial")
 
 
 def _halo_s(m: Measured, grid: tuple[int, int], samples: int) -> float:

@@ -10,6 +10,7 @@ import torch
 from .._utils.flat import spans
 from .._utils.stall import DEFAULT_POLICY, StallPolicy
 from ..comm.base import Communicator, split_sizes
+from ..comm.place import Place, PlaceError
 from ._exchange import SendQueue
 from .tensor import Layout, SpatialError, layout_of, own_share, plain, tag, to_nchw
 
@@ -27,10 +28,12 @@ class Distribution:
     height over the grid rows and its width over the grid columns (blocked, uneven sizes allowed). A
     3-D grid ``(pd, ph, pw)`` splits volumes (N, C, D, H, W) the same way, depth first.
 
-    World rank ``r`` is in group ``r // (ph*pw)`` at the row-major grid position of ``r % (ph*pw)``.
-    Constructing one sends nothing; the spatial and sample communicators are split from `comm` once,
-    collectively, by :meth:`connect` (which :func:`~mpitrain.spatial.parallelize` calls after it has
-    checked the model, so a model it refuses is refused before any message) or at their first use.
+    World rank ``r`` is in group ``r // (ph*pw)`` at the row-major grid position of ``r % (ph*pw)``
+    (:attr:`place`: the project's one placement rule, :class:`~mpitrain.comm.place.Place`, whose replicas
+    are the sample groups). Constructing one sends nothing; the spatial and sample communicators (the
+    place's spatial and replica groups) are split from `comm` once, collectively, by :meth:`connect`
+    (which :func:`~mpitrain.spatial.parallelize` calls after it has checked the model, so a model it
+    refuses is refused before any message) or at their first use.
 
     `nonspatial` says what a non-spatial op (flatten, linear, ...) does to a block split over the grid
     (see :mod:`mpitrain.spatial.tensor`): ``"replicate"`` redistributes it to whole samples first (one
@@ -48,10 +51,12 @@ class Distribution:
             raise SpatialError(f"grid must be two or three positive ints ((pd,) ph, pw), got {grid!r}")
         if not isinstance(samples, int) or samples < 1:
             raise SpatialError(f"samples must be a positive int, got {samples!r}")
-        per_sample = math.prod(grid)
-        if per_sample * samples != comm.size:
-            raise SpatialError(f"samples x grid = {samples} x {'x'.join(map(str, grid))} = "
-                               f"{samples * per_sample} ranks, but the communicator has {comm.size}")
+        try:
+            #: this rank's place: `samples` replicas (sample groups) of one `grid`
+            self.place = Place(comm.size, comm.rank, samples, 1, grid)
+        except PlaceError as e:
+            raise SpatialError(f"samples x grid = {samples} x {'x'.join(map(str, grid))} = {samples * math.prod(grid)} "
+                               f"ranks, but the communicator has {comm.size} ({e})") from None
         if nonspatial not in NONSPATIAL:
             raise SpatialError(f"nonspatial must be one of {NONSPATIAL}, got {nonspatial!r}")
         self.comm, self.grid, self.samples, self.nonspatial = comm, grid, samples, nonspatial
@@ -60,18 +65,16 @@ class Distribution:
         #: (a non-spatial op on a block, a replicated value leaving the layout) raises NonSpatialOpError
         self.loss_on_blocks = False
         self.sends = SendQueue(stall, comm.abort)
-        self.per_sample = per_sample
-        self.group, self.spatial_rank = divmod(comm.rank, self.per_sample)
-        self.coords = self.grid_coords(self.spatial_rank)
+        self.per_sample = self.place.cells
+        self.group, self.spatial_rank = self.place.replica, self.place.cell_index
+        self.coords = self.place.cell
         self._comms: tuple[Communicator, Communicator] | None = None
 
     def connect(self) -> None:
         """Split the spatial and sample communicators (collective over `comm`; later calls do nothing)."""
         if self._comms is None:
-            spatial = self.comm.split(self.group, self.spatial_rank)
-            sample = self.comm.split(self.spatial_rank, self.group)
-            assert spatial is not None and sample is not None  # every rank passes a colour
-            self._comms = (spatial, sample)
+            groups = self.place.split(self.comm, ("replica", "spatial"))
+            self._comms = (groups.of("spatial"), groups.of("replica"))
 
     @property
     def spatial_comm(self) -> Communicator:
@@ -94,15 +97,11 @@ class Distribution:
         return self  # a handle on communicators: copies of a model share it
 
     def world_rank(self, group: int, spatial_rank: int) -> int:
-        return group * self.per_sample + spatial_rank
+        return self.place.rank_of(group, 0, self.place.cell_of(spatial_rank))
 
     def grid_coords(self, spatial_rank: int) -> tuple[int, ...]:
         """The row-major grid position of a spatial rank."""
-        out = []
-        for g in reversed(self.grid):
-            spatial_rank, c = divmod(spatial_rank, g)
-            out.append(c)
-        return tuple(reversed(out))
+        return self.place.cell_of(spatial_rank)
 
     def check_shape(self, shape: tuple[int, ...], what: str = "tensor", *, dense: bool = False) -> None:
         """Refuse a global shape that is not N x C x (grid's dimensions) — with `dense`, also N x (grid's
@@ -122,9 +121,7 @@ class Distribution:
         """``((n0, n1), (h0, h1), (w0, w1))`` — with a 3-D grid ``((n0, n1), (d0, d1), (h0, h1),
         (w0, w1))`` — of world rank `rank` (default: this rank) for global `shape`: samples are dim 0,
         the grid splits the last ``len(grid)`` dims (N x C x H x W activations, N x H x W dense targets)."""
-        rank = self.comm.rank if rank is None else rank
-        group, s = divmod(rank, self.per_sample)
-        coords = self.grid_coords(s)
+        group, _, coords = self.place.coords_of(self.comm.rank if rank is None else rank)
         return (ranges(shape[0], self.samples)[group],
                 *(ranges(n, g)[c] for n, g, c in zip(shape[len(shape) - len(self.grid):], self.grid, coords)))
 
@@ -234,7 +231,7 @@ def gather_group(t: torch.Tensor) -> torch.Tensor:
 def _group_blocks(t: torch.Tensor, layout: Layout) -> torch.Tensor:
     """The group's whole samples from every spatial rank's block (one allgather over the spatial group)."""
     dist, shape = layout.dist, layout.shape
-    ranks = [dist.world_rank(dist.group, s) for s in range(dist.per_sample)]
+    ranks = dist.place.members("spatial")
     shapes = [dist.local_shape(shape, r) for r in ranks]
     rows = _padded_allgather(dist.spatial_comm, t.contiguous(), max(math.prod(s) for s in shapes))
     out = t.new_empty((dist.local_samples(shape[0]), *shape[1:]))

@@ -19,6 +19,7 @@ from torch.utils.data import Dataset
 
 from ..comm._inflight import settle_on_error
 from ..comm.base import Communicator
+from ..comm.place import Place, PlaceError
 from ..strategies._batching import samples, slice_share
 from ..strategies._broadcast import broadcast_tensors
 from ..strategies._device import autocast, model_device, to_device
@@ -80,12 +81,13 @@ class SpatialOptions(StrategyOptions):
     def layout(self, comm: Communicator) -> tuple[tuple[int, ...], int]:
         """(grid, samples) for the ranks of `comm`, defaults filled in (FitError if they do not fit)."""
         grid = self.grid or (comm.size, 1)
-        per = math.prod(grid)
-        samples = self.samples if self.samples is not None else comm.size // per
-        if comm.size % per or samples * per != comm.size:
+        try:
+            place = Place.of(comm.size, comm.rank, replicas=self.samples, grid=grid)
+        except PlaceError as e:
+            samples = self.samples if self.samples is not None else comm.size // math.prod(grid)
             raise FitError(f"strategy 'spatial': samples x grid = {samples} x {' x '.join(map(str, grid))} must "
-                           f"equal the {comm.size} ranks")
-        return grid, samples
+                           f"equal the {comm.size} ranks ({e})") from None
+        return grid, place.replicas
 
 
 #: Layers that make a model volumetric (N, C, D, H, W): it needs a 3-D grid.

@@ -230,7 +230,9 @@ def _segments(a: int, b: int, block: int, row: int) -> list[tuple[int, int, int]
 
 
 class Zero:
-    """The shards of `buckets` (lists of parameters, in the order every rank reduces them) over `comm`.
+    """The shards of `buckets` (lists of parameters, in the order every rank reduces them) over `comm`:
+    the replica group of the ranks' :class:`~mpitrain.comm.place.Place` (the world for data parallel,
+    a partition's replicas for a pipeline).
 
     Construction is collective (it splits a private communicator). Every method that communicates is
     collective over `comm` and must be called in the same order on every rank; each queues its

@@ -12,6 +12,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from ..comm.base import Communicator
+from ..comm.place import Place
 from ..runtime import world
 from ._batching import batch_size, call_model, call_rows, even_share, gather_outputs, samples, slice_share, split_pairs
 from ._broadcast import (
@@ -492,11 +493,13 @@ class DataTrainer:
         self.dp.broadcast_buffers = False
         self._buffers = [b for _, b in model.named_buffers()] if opts.broadcast_buffers else []
         self.loss_fn, self.comm, self.micro_batches, self.loop = loss_fn, comm, micro_batches, loop
+        #: every rank a replica of the whole model (ZeRO's shard group, when sharding, is the world)
+        self.place = Place.of(comm.size, comm.rank, replicas=comm.size)
         self.device = self.dp.device
         self.optimizer = self.dp.shard_optimizer(built)
 
     def share(self, n: int) -> Share:
-        return even_share(n, self.comm.size, self.comm.rank)
+        return even_share(n, self.place.replicas, self.place.replica)
 
     def train_step(self, inputs: Batch, targets: torch.Tensor) -> float:
         """One step on a global batch every rank holds in full (any size)."""
@@ -553,7 +556,7 @@ class DataTrainer:
         s = self.share(n)
         with autocast(self.loop.precision, self.device):
             out = call_rows(self.dp.module, inputs, s.start, s.stop, self.device)
-        sizes = [even_share(n, self.comm.size, r).rows for r in range(self.comm.size)]
+        sizes = [even_share(n, self.place.replicas, r).rows for r in range(self.place.replicas)]
         return gather_outputs(self.comm, out, sizes)
 
     # -- checkpoints (CheckpointTrainer) ---------------------------------------------------------------

@@ -33,6 +33,7 @@ from ..comm._cuda import after, ready_event
 from ..comm._staging import Staging
 from ..comm.base import CommError, Communicator
 from ..comm.codecs import Codec, get_codec
+from ..comm.place import Place
 from ..comm.ring import DEFAULT_CHUNK_BYTES, ring_allreduce
 from ..timeline import span
 from ._batching import call_model, call_rows, even_share, gather_outputs, samples, slice_share
@@ -236,6 +237,8 @@ class PipeSGDTrainer:
     def __init__(self, model: nn.Module, loss_fn: LossFn, optimizer: OptimizerFactory, comm: Communicator,
                  opts: PipeSGDOptions, stall: StallPolicy = DEFAULT_POLICY, loop: LoopSpec = DEFAULT_LOOP) -> None:
         self.model, self.loss_fn, self.comm, self.loop = model, loss_fn, comm, loop
+        #: every rank a replica of the whole model
+        self.place = Place.of(comm.size, comm.rank, replicas=comm.size)
         self.K, self.warmup, self.error_feedback = opts.staleness, opts.warmup_steps, opts.error_feedback
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.device = model_device(model)  # batches go here; the flat gradients live here
@@ -291,7 +294,7 @@ class PipeSGDTrainer:
         return local, self.comm_thread.submit(flat, self.t + 1)
 
     def share(self, n: int) -> Share:
-        return even_share(n, self.comm.size, self.comm.rank)
+        return even_share(n, self.place.replicas, self.place.replica)
 
     def train_step(self, inputs: Batch, targets: torch.Tensor) -> float:
         """One iteration on a global batch every rank holds in full (any size)."""
@@ -320,7 +323,8 @@ class PipeSGDTrainer:
         n = samples(inputs, targets)
         s = self.share(n)
         out = call_rows(self.model, inputs, s.start, s.stop, self.device)
-        return gather_outputs(self.comm, out, [even_share(n, self.comm.size, r).rows for r in range(self.comm.size)])
+        sizes = [even_share(n, self.place.replicas, r).rows for r in range(self.place.replicas)]
+        return gather_outputs(self.comm, out, sizes)
 
     # -- checkpoints (CheckpointTrainer) ---------------------------------------------------------------
     def layout(self) -> dict[str, object]:

@@ -117,6 +117,19 @@ def test_bad_arguments_are_refused_on_every_rank_before_any_message(comm, kwargs
 
 
 @pytest.mark.mpi
+def test_pipe_and_replica_groups_hold_world_ranks_r_times_p_plus_p(comm):
+    """World rank r * P + p runs pipeline rank p of replica r: `pipe` holds its replica's P ranks, `group`
+    the R ranks of pipeline rank p, each in that order (an allgather of world ranks over each)."""
+    for P in [d for d in range(1, comm.size + 1) if comm.size % d == 0]:
+        pipe = mpitrain.Pipeline(nn.Linear(2, 2), partitions=P, comm=comm)
+        r, p = divmod(comm.rank, P)
+        me = torch.tensor([comm.rank], dtype=torch.int64)
+        got = (pipe.pipe.allgather(me).tolist(), pipe.group.allgather(me).tolist(), pipe.replica, pipe.p)
+        want = (list(range(r * P, (r + 1) * P)), list(range(p, comm.size, P)), r, p)
+        assert_all_ranks(comm, got == want, f"P={P}: {got} != {want}")
+
+
+@pytest.mark.mpi
 def test_more_partitions_than_graph_nodes_is_refused(comm):
     with pytest.raises(ValueError, match="exceed the 1 nodes"):
         fit(nn.Sequential(nn.Linear(3, 2)), [(torch.ones(4, 3), torch.zeros(4, dtype=torch.long))],

@@ -1,10 +1,11 @@
 """`Pipeline`: R replicas of a pipeline of P partitions of an unmodified model, for the user's own loop.
 
-World rank ``r * P + p`` runs pipeline rank p of replica r (a replica's partitions are consecutive
-ranks, so a pipeline fills a node and replicas span nodes, as in HyPar-Flow §6.5). Sub-communicators:
-``pipe`` (the P ranks of one replica: activations and partial errors), ``group`` (the R ranks holding
-pipeline rank p: the gradient average) and one per set of pipeline ranks sharing a tied parameter
-(the sum of its copies' gradients). Replica r takes slice r of R of each global batch and splits it
+World rank ``r * P + p`` runs pipeline rank p of replica r (:class:`~mpitrain.comm.place.Place`, the
+project's one placement rule: a replica's partitions are consecutive ranks, so a pipeline fills a node and
+replicas span nodes, as in HyPar-Flow §6.5). Sub-communicators: ``pipe`` (the place's partition group: the
+P ranks of one replica, activations and partial errors), ``group`` (its replica group: the R ranks holding
+pipeline rank p, the gradient average and ZeRO's shards) and one per set of pipeline ranks sharing a tied
+parameter (the sum of its copies' gradients). Replica r takes slice r of R of each global batch and splits it
 into M micro-batches; the last partition back-propagates ``loss(micro) / M``, so after :meth:`step`
 the gradients equal one process's gradients of the mean loss over the whole batch.
 
@@ -37,6 +38,7 @@ from ..._utils.malloc import lower_mmap_threshold
 from ..._utils.stall import DEFAULT_POLICY, StallPolicy, watched
 from ...comm._inflight import settle_on_error
 from ...comm.base import Communicator, Request, split_sizes
+from ...comm.place import Place, PlaceError
 from .._batching import check_divisible, per_sample, target_rows
 from .._buckets import Bucket, adopt, gradient_buckets
 from .._device import model_device, to_device
@@ -157,7 +159,9 @@ class Pipeline:
 
             comm = init()
         self.model, self.comm = model, comm
-        self.P, self.R = _layout(partitions, replicas, comm.size)
+        #: this rank's place: replicas x partitions (the grid is one cell)
+        self.place = _place(partitions, replicas, comm)
+        self.P, self.R = self.place.partitions, self.place.replicas
         self.M, self.schedule, self.checkpoint, self.balance = micro_batches, schedule, checkpoint, balance
         self.stall, self.profile_passes, self.seed, self.init_fn = stall, profile_passes, seed, init_fn
         self.inputs_on_first, self.autocast = inputs_on_first, autocast
@@ -179,9 +183,9 @@ class Pipeline:
         #: the pipeline rank running the model's last partition (it computes the loss)
         self.last_rank = self._rank_of[self.P * self.V - 1]
         self.placement_name = "v" if schedule == "zbv" else "loop"
-        self.replica, self.p = divmod(comm.rank, self.P)
-        self.pipe = _split(comm, self.replica, self.p)
-        self.group = _split(comm, self.p, self.replica)
+        self.replica, self.p = self.place.replica, self.place.partition
+        groups = self.place.split(comm, ("replica", "partition"))
+        self.pipe, self.group = groups.of("partition"), groups.of("replica")
         self.traced: Traced | None = None
         self.stages: list[Stage] = []
         self._metas: dict[tuple[Any, ...], dict[str, ValueMeta | None]] = {}  # by _signature
@@ -403,7 +407,7 @@ class Pipeline:
                 begin = sum(per_replica[:r])
                 for t in leaves:
                     if isinstance(t, torch.Tensor):
-                        self.comm.broadcast(t[begin:begin + size], root=r * self.P + self.last_rank)
+                        self.comm.broadcast(t[begin:begin + size], root=self.place.rank_of(r, self.last_rank))
         return pytree.tree_unflatten(leaves, traced.out_spec)
 
     def trained_model(self) -> nn.Module:
@@ -776,24 +780,13 @@ def _stand_in(meta: ValueMeta | None, device: torch.device) -> torch.Tensor:
     return x.clone() if meta.requires_grad else x
 
 
-def _split(comm: Communicator, color: int, key: int) -> Communicator:
-    sub = comm.split(color, key)
-    assert sub is not None
-    return sub
-
-
-def _layout(partitions: int | None, replicas: int | None, size: int) -> tuple[int, int]:
-    """(P, R) with P * R == size, or a FitError saying what to change."""
-    for name, v in (("partitions", partitions), ("replicas", replicas)):
-        if v is not None and (not isinstance(v, int) or v < 1):
-            raise FitError(f"{name} must be a positive int, got {v!r}")
-    if partitions is None:
-        partitions = size // (replicas or 1)
-    replicas = size // partitions if replicas is None else replicas
-    if replicas < 1 or partitions * replicas != size:
-        raise FitError(f"partitions x replicas must equal the {size} ranks; got partitions={partitions}, "
-                       f"replicas={replicas}: choose partitions dividing {size}")
-    return partitions, replicas
+def _place(partitions: int | None, replicas: int | None, comm: Communicator) -> Place:
+    """This rank's place, P x R == comm.size (either may be left out), or a FitError saying what to change."""
+    try:
+        return Place.of(comm.size, comm.rank, replicas=replicas, partitions=partitions)
+    except PlaceError as e:
+        raise FitError(f"partitions x replicas must equal the {comm.size} ranks; got partitions={partitions}, "
+                       f"replicas={replicas}: {e}") from None
 
 
 def _check_options(P: int, M: int, schedule: str, checkpoint: str, balance: Any, virtual: int) -> None:

@@ -275,7 +275,7 @@ class PipelineTrainer:
         world = int(saved["world_size"])  # type: ignore[call-overload]
         if self._same_cut():  # same layout: this rank's own shard; other replicas: pipeline rank p's
             same = saved.get("replicas") == self.pipe.R and world == self.comm.size
-            first = self.comm.rank if same else self.pipe.p
+            first = self.comm.rank if same else self.pipe.place.rank_of(0, self.pipe.p)  # replica 0's copy
         else:
             first = 0
         tensors, names = self._held()
