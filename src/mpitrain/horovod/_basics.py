@@ -83,7 +83,7 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
         if world.backend != "mpi":  # mpitrain runs on torch.distributed here; Horovod's engine needs MPI
             from mpi4py import MPI
 
-            from ..comm._mpi import MPICommunicator
+            from ..comm import MPICommunicator
 
             world = MPICommunicator(MPI.COMM_WORLD)
         layout = _layout(world)

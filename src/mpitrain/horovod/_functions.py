@@ -8,8 +8,8 @@ from typing import Any
 import torch
 
 from ..comm.base import Communicator
-from ..strategies._broadcast import broadcast_optimizer_state as _broadcast_optimizer_state
-from ..strategies._broadcast import broadcast_tensors
+from ..strategies import broadcast_optimizer_state as _broadcast_optimizer_state
+from ..strategies import broadcast_tensors
 from ._basics import state
 from ._engine import Key, Op
 from ._mpi_ops import _check_tensor, _devices, _on_device, _specs, _submit, synchronize

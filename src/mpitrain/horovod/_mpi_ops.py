@@ -38,7 +38,7 @@ from torch.utils._pytree import tree_leaves
 
 from .._utils.flat import copy_from_flat, flatten, group_by
 from .._utils.stall import StallPolicy, wait_until
-from ..comm._cuda import after, ready_event
+from ..comm import after, ready_event
 from ..comm.base import Communicator
 from ._basics import OP_NAMES, Adasum, Average, HorovodInternalError, Max, Min, Product, Sum, state
 from ._engine import JOIN_HANDLERS, Key, Op

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..strategies._buckets import MB, Bucket, plan_buckets
+from ..strategies import MB, Bucket, plan_buckets
 from ._basics import Adasum, Average, rank
 from ._compression import Compression, Compressor
 from ._engine import Key, Op

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..comm._inflight import settle_on_error
+from ..comm import settle_on_error
 from ..comm.base import Communicator
 from ._exchange import (
     BACKWARD_TAG,
