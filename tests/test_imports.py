@@ -23,6 +23,7 @@ The rules, each failure naming the file, the line and the rule:
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from collections import defaultdict
 from dataclasses import dataclass
@@ -64,6 +65,7 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+@functools.cache
 def modules() -> dict[str, Path]:
     return {module_name(p): p for p in sorted((SRC / PACKAGE).rglob("*.py"))}
 
@@ -121,12 +123,13 @@ def imports_of(name: str, path: Path, source: str, known: dict[str, Path]) -> li
     return found
 
 
-def all_imports() -> list[Import]:
-    """Every import in src/mpitrain, one per (importer, target, line)."""
+@functools.cache
+def all_imports() -> tuple[Import, ...]:
+    """Every import in src/mpitrain, one per (importer, target, line); parsed once per test session."""
     known = modules()
     found = {(i.importer, i.target, i.line): i for name, path in known.items()
              for i in imports_of(name, path, path.read_text(), known)}
-    return list(found.values())
+    return tuple(found.values())
 
 
 def checked_imports() -> list[Import]:
@@ -289,7 +292,7 @@ def test_the_import_parser_sees_every_kind_of_import() -> None:
               "def f():\n    import mpitrain.planner._plan\n"
               "TABLE = {'x': 'mpitrain.spatial.trainer:make_trainer', 'doc': 'mpitrain.fit is a function'}\n")
     path = SRC / PACKAGE / "strategies" / "probe.py"  # never written: only `source` is parsed
-    known = {**modules(), "mpitrain.strategies.probe": path}
+    known = {**modules(), "mpitrain.strategies.probe": path}  # a copy: modules() is cached
     found = {(i.target, i.kind) for i in imports_of("mpitrain.strategies.probe", path, source, known)}
     assert found == {("mpitrain.comm.base", "module level"), ("mpitrain._utils.stall", "module level"),
                      ("mpitrain.fit", "TYPE_CHECKING"), ("mpitrain.planner._plan", "lazy"),
