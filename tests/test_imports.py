@@ -1,5 +1,5 @@
 """The import rules of docs/ARCHITECTURE.md ("Layers", "Import rules"), checked on the source with `ast`:
-nothing of mpitrain (nor torch) is imported, so this runs in well under a second.
+nothing of mpitrain (nor torch) is imported, and the tree is parsed once: about a second.
 
 What counts as an import of module B by module A (every one counts the same for every rule):
 - ``import B`` / ``from B import name`` (``from P import b`` where ``P.b`` is a module imports ``P.b``),
