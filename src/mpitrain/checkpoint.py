@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from .comm.base import Communicator
-from .strategies._reshard import assemble
+from .strategies import assemble
 
 __all__ = ["load_checkpoint", "latest", "save", "read_manifest", "read_shard", "rng_state", "set_rng_state",
            "CheckpointError", "FORMAT"]

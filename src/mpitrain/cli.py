@@ -90,8 +90,8 @@ def _launch_args(p: argparse.ArgumentParser, np_default: int | None,
 
 
 def _plan(args: argparse.Namespace, rest: list[str]) -> int:
-    """``mpitrain plan``: the planner's command (mpitrain.planner._command) on N ranks (or in place)."""
-    module = "mpitrain.planner._command"
+    """``mpitrain plan``: the planner's command (mpitrain.planner.command) on N ranks (or in place)."""
+    module = "mpitrain.planner.command"
     if in_mpi_job():
         return int(importlib.import_module(module).main(rest) or 0)
     return _launched("plan", lambda: run_module(_spec(args, args.n, []), module, rest, dry_run=args.dry_run))

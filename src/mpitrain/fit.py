@@ -14,16 +14,14 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from . import checkpoint
+from . import _registry, checkpoint
 from . import timeline as _timeline
 from ._data import DataPlan, check_plan, check_same_first_batch, is_map_dataset, read_global, read_shares, skip, take
 from ._utils.deprecation import renamed_options
 from ._utils.stall import StallPolicy
 from .comm.base import Communicator
 from .runtime import world
-from .strategies._batching import samples, slice_share
-from .strategies._registry import STRATEGIES, features, make_trainer
-from .strategies._reshard import NAMED
+from .strategies import NAMED, samples, slice_share
 from .strategies.base import (
     Balance,
     Batch,
@@ -40,6 +38,18 @@ from .strategies.base import (
 
 __all__ = ["fit", "make_trainer", "FitResult", "FitSpec", "Trainer", "STRATEGIES", "FitError", "StopTraining",
            "LoopState"]
+
+#: strategy name -> "module:factory": the concrete strategies of the strategy table (`mpitrain._registry`) and
+#: "auto", the planner's, which sits between fit and that table (docs/ARCHITECTURE.md, Layers).
+STRATEGIES: dict[str, str] = {**_registry.STRATEGIES, "auto": "mpitrain.planner:make_trainer"}
+
+
+def make_trainer(model: nn.Module, loss_fn: LossFn, optimizer: OptimizerFactory, comm: Communicator,
+                 spec: FitSpec) -> Trainer:
+    """The Trainer of `spec.strategy` as :data:`STRATEGIES` names it (what `fit` drives); FitError for an
+    unknown name, and the strategy's own FitErrors, on every rank before any message."""
+    return _registry.make_trainer(model, loss_fn, optimizer, comm, spec, STRATEGIES)
+
 
 #: Deprecated spellings of fit's stall keywords (kept for one release, with a DeprecationWarning).
 STALL_ALIASES = {"stall_timeout": "warn_after", "stall_abort": "abort_after", "stall_warning_s": "warn_after"}
@@ -203,7 +213,7 @@ _FEATURE_WORDS = {"checkpoint": "checkpointing (checkpoint_dir=)", "lr_scheduler
 def _require(strategy: str, s: _Settings, data: object) -> bool:
     """FitError (local, every rank alike) for a feature `s` needs that the strategy lacks; returns
     whether the strategy reads its own shares."""
-    have = features(strategy)
+    have = _registry.features(strategy, STRATEGIES)
     need = {"checkpoint": s.checkpoint_dir is not None, "lr_scheduler": s.lr_scheduler is not None,
             "grad_clip": s.loop.grad_clip is not None, "bf16": s.loop.precision == "bf16",
             "shares": s.accumulate > 1}
@@ -531,7 +541,7 @@ def fit(model: nn.Module, data: Any, loss_fn: LossFn,
     trainer = make_trainer(model, loss_fn, optimizer, comm, spec)
     with _timeline.recording(timeline, comm):  # fit(timeline="trace.json"): written when the loop ends
         loop = _Loop(trainer, comm, data, s, sharded, strategy, model_keys, progress and comm.rank == 0,
-                     "lr_scheduler" in features(strategy))
+                     "lr_scheduler" in _registry.features(strategy, STRATEGIES))
         try:
             if resume_from is not None:
                 loop.restore(*resume_from)

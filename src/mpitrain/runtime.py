@@ -64,13 +64,13 @@ def init(backend: str | None = None, *, bind_device: bool = True) -> Communicato
         _device = _bind(bind_device)
         from mpi4py import MPI
 
-        from .comm._mpi import MPICommunicator
+        from .comm import MPICommunicator
 
         mpi_world = MPICommunicator(MPI.COMM_WORLD)
         if wanted == "mpi":
             _world = mpi_world
         else:
-            from .comm._torchdist import init_torch_world
+            from .comm import init_torch_world
 
             _world = init_torch_world(mpi_world.rank, mpi_world.size, mpi_world)
         _install_abort_hook(_world)

@@ -60,7 +60,7 @@ class _Step:
 def _ddp(model: nn.Module, dev: torch.device, bucket_mb: float) -> nn.Module:
     import torch.distributed as dist
 
-    from mpitrain.comm._torchdist import init_torch_world
+    from mpitrain.comm import init_torch_world
 
     if not dist.is_initialized():
         init_torch_world(mpitrain.rank(), mpitrain.size(), mpitrain.init())

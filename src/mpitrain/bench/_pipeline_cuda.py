@@ -28,7 +28,7 @@ import mpitrain
 
 from ..comm.base import Communicator
 from ..fit import FitSpec, make_trainer
-from ..strategies._device import autocast
+from ..strategies import autocast
 from ..strategies.base import LoopSpec
 from .common import (
     device_alone_timer,

@@ -31,7 +31,7 @@ from ..comm.base import Communicator
 from ..perf.memory import step_memory
 from ..spatial.distribution import Distribution
 from ..spatial.trainer import SpatialTrainer
-from ..strategies._device import autocast
+from ..strategies import autocast
 from ..strategies.base import LoopSpec
 from .common import (
     device_alone_timer,

@@ -99,7 +99,7 @@ def _fmt_size(b: int) -> str:
 
 def _hosts(comm: Any) -> list[int]:
     """Ranks per host (MPI's shared-memory split), hosts in order of their lowest rank."""
-    from ..comm._rendezvous import host_leaders
+    from ..comm import host_leaders
 
     leaders = host_leaders(comm.mpi_comm)
     return [leaders.count(r) for r in sorted(set(leaders))]
@@ -118,7 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_outputs(p)
     args = p.parse_args(argv)
 
-    from ..comm._torchdist import init_torch_world
+    from ..comm import init_torch_world
     from ..runtime import world
 
     comm = world()

@@ -201,7 +201,7 @@ def device_line(comm: Communicator, device: torch.device) -> str:
     TF32, and the torch and CUDA versions."""
     if device.type != "cuda":
         return f"# device: {device}"
-    from ..comm._cuda import mpi_cuda_aware
+    from ..comm import mpi_cuda_aware
 
     count = torch.cuda.device_count()
     if comm.backend != "mpi":

@@ -40,7 +40,7 @@ from mpitrain.bench.common import (
     without_cuda,
 )
 from mpitrain.comm.base import Communicator
-from mpitrain.kvstore._interface import Key
+from mpitrain.kvstore import Key
 from mpitrain.strategies.data_parallel import DataParallel
 
 __all__ = ["main", "MODELS"]
@@ -207,7 +207,7 @@ def _dp_runner(comm: Communicator, module: nn.Module, kv: str, bucket_mb: float,
 def _ddp(model: nn.Module, bucket_mb: float) -> nn.Module:
     import torch.distributed as dist
 
-    from mpitrain.comm._torchdist import init_torch_world
+    from mpitrain.comm import init_torch_world
 
     if not dist.is_initialized():
         init_torch_world(mpitrain.rank(), mpitrain.size(), mpitrain.init())

@@ -29,7 +29,7 @@ from mpitrain import kvstore
 from mpitrain._utils.stall import StallPolicy, wait_until
 from mpitrain.bench.common import add_outputs, header, print_table, save_outputs, slowest_rank_times
 from mpitrain.comm.base import Communicator
-from mpitrain.kvstore._server import ServerStore
+from mpitrain.kvstore import ServerStore
 
 __all__ = ["main"]
 

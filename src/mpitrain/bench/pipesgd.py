@@ -174,7 +174,7 @@ def run_ps(comm: Communicator, model_fn: Callable[[], nn.Module], data: tuple, l
            target: float, epochs: int) -> Run | None:
     """PS-Sync: workers push gradients to the dist_sync server (the last rank) and pull the sum."""
     from mpitrain import kvstore
-    from mpitrain.kvstore._server import ServerStore
+    from mpitrain.kvstore import ServerStore
 
     kv = kvstore.create("dist_sync", comm, num_servers=1)
     assert isinstance(kv, ServerStore)
@@ -249,7 +249,7 @@ def _ranks_per_host() -> list[int]:
     rank), whatever the backend. Collective over the world."""
     from mpi4py import MPI
 
-    from mpitrain.comm._rendezvous import host_leaders
+    from mpitrain.comm import host_leaders
 
     leaders = host_leaders(MPI.COMM_WORLD)
     return [leaders.count(r) for r in sorted(set(leaders))]

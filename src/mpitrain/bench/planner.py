@@ -18,8 +18,7 @@ import torch
 from torch import nn
 
 from ..comm.base import Communicator
-from ..planner import Plan, plan
-from ..planner._measure import measure_plan
+from ..planner import Plan, measure_plan, plan
 from ..runtime import init
 from ..spatial.mesh import mesh_batch, mesh_model
 from .common import header, print_table

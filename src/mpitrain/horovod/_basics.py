@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import socket
 import threading
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 from ..comm.base import Communicator
 from ..runtime import init as _mpitrain_init
-
-if TYPE_CHECKING:
-    from ._engine import Engine
+from ._engine import Engine, HorovodInternalError
 
 __all__ = ["init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank", "cross_size",
            "cross_rank", "is_homogeneous", "mpi_threads_supported", "mpi_enabled", "mpi_built", "gloo_enabled",
@@ -28,11 +27,6 @@ Average, Sum, Adasum, Min, Max, Product = 0, 1, 2, 3, 4, 5
 OP_NAMES = {Average: "Average", Sum: "Sum", Adasum: "Adasum", Min: "Min", Max: "Max", Product: "Product"}
 
 
-class HorovodInternalError(RuntimeError):
-    """A collective failed on every rank that took part: ranks disagreed on it (shape, dtype, root,
-    kind), it is not allowed while a rank has joined, or the transport failed. The library stays usable."""
-
-
 class _State:
     """Everything :func:`init` sets up: the world, the per-host layout and the engine thread."""
 
@@ -43,6 +37,12 @@ class _State:
 
 _state: _State | None = None
 _lock = threading.Lock()
+
+#: What the modules above this one do at :func:`init` (given its `process_sets`) and at :func:`shutdown`,
+#: in registration order: they register when imported (``mpitrain.horovod`` imports them all), so this
+#: module, which they all use, imports none of them (docs/ARCHITECTURE.md, Import rules).
+ON_INIT: list[Callable[[Any], None]] = []
+ON_SHUTDOWN: list[Callable[[], None]] = []
 
 
 def _layout(world: Communicator) -> tuple[int, int, int, int, bool]:
@@ -77,20 +77,17 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
     with _lock:
         if _state is not None:
             return
-        from ._engine import Engine
-
         world = _mpitrain_init()
         if world.backend != "mpi":  # mpitrain runs on torch.distributed here; Horovod's engine needs MPI
             from mpi4py import MPI
 
-            from ..comm._mpi import MPICommunicator
+            from ..comm import MPICommunicator
 
             world = MPICommunicator(MPI.COMM_WORLD)
         layout = _layout(world)
         _state = _State(world, Engine(world), layout)
-    from ._process_sets import _on_init
-
-    _on_init(process_sets)
+    for hook in ON_INIT:
+        hook(process_sets)
 
 
 def shutdown() -> None:
@@ -103,11 +100,8 @@ def shutdown() -> None:
         st, _state = _state, None
     if st is not None:
         st.engine.stop()
-        from ._mpi_ops import _handle_map
-        from ._process_sets import _on_shutdown
-
-        _handle_map.clear()  # handles of the old engine are void, as Horovod's after shutdown
-        _on_shutdown()
+        for hook in ON_SHUTDOWN:
+            hook()
 
 
 def is_initialized() -> bool:

@@ -37,9 +37,14 @@ import torch
 
 from .._utils.stall import DEFAULT_POLICY, StallPolicy, wait_until, watched
 from ..comm.base import Communicator
-from ._basics import HorovodInternalError
 
-__all__ = ["Op", "Engine", "JOIN_HANDLERS", "Key"]
+__all__ = ["Op", "Engine", "JOIN_HANDLERS", "Key", "HorovodInternalError"]
+
+
+class HorovodInternalError(RuntimeError):
+    """A collective failed on every rank that took part: ranks disagreed on it (shape, dtype, root,
+    kind), it is not allowed while a rank has joined, or the transport failed. The library stays usable."""
+
 
 #: What a joined rank sends in a negotiation round.
 JOIN = "__join__"

@@ -8,11 +8,12 @@ from typing import Any
 import torch
 
 from ..comm.base import Communicator
-from ..strategies._broadcast import broadcast_optimizer_state as _broadcast_optimizer_state
-from ..strategies._broadcast import broadcast_tensors
+from ..strategies import broadcast_optimizer_state as _broadcast_optimizer_state
+from ..strategies import broadcast_tensors
 from ._basics import state
 from ._engine import Key, Op
-from ._mpi_ops import _check_tensor, _devices, _on_device, _specs, _submit, synchronize
+from ._handles import submit, synchronize
+from ._mpi_ops import _check_tensor, _devices, _on_device, _specs
 from ._process_sets import ProcessSet, _resolve, global_process_set
 
 __all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allgather_object"]
@@ -46,7 +47,7 @@ def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[Any], roo
     def execute(comm: Communicator, infos: list[Any]) -> None:
         broadcast_tensors(tensors, comm, root)  # every dtype moves as it is (8/16-bit ints too)
 
-    synchronize(_submit(Op("broadcast_parameters", None, 0, key, None, _on_device(tensors, devices, execute))))
+    synchronize(submit(Op("broadcast_parameters", None, 0, key, None, _on_device(tensors, devices, execute))))
 
 
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, model: Any = None) -> None:
@@ -69,7 +70,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
     pid, _ = _resolve(process_set)
     root = process_set._root(root_rank)
     key: Key = ("broadcast_object", name, (("root_rank", root_rank),))
-    return synchronize(_submit(Op("broadcast_object", name, pid, key, None,
+    return synchronize(submit(Op("broadcast_object", name, pid, key, None,
                                   lambda comm, infos: comm.broadcast_object(obj, root))))
 
 
@@ -77,5 +78,5 @@ def allgather_object(obj: Any, name: str | None = None, process_set: ProcessSet 
     """Every member's `obj` (pickled), in set-rank order."""
     pid, _ = _resolve(process_set)
     key: Key = ("allgather_object", name, ())
-    return synchronize(_submit(Op("allgather_object", name, pid, key, None,  # type: ignore[no-any-return]
+    return synchronize(submit(Op("allgather_object", name, pid, key, None,  # type: ignore[no-any-return]
                                   lambda comm, infos: comm.allgather_object(obj))))

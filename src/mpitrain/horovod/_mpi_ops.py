@@ -1,9 +1,9 @@
-"""Horovod's asynchronous collectives and handles: ``*_async[_]``, ``synchronize``, ``poll``, ``join``,
-``barrier``.
+"""Horovod's asynchronous collectives: ``*_async[_]``, ``join``, ``barrier`` (and their handles'
+``synchronize``, ``poll``, which live in :mod:`._handles`).
 
 Every call checks its arguments on the calling rank (ValueError before any message), queues one
 :class:`~._engine.Op` and returns an integer handle at once; the engine thread negotiates and runs it.
-``synchronize(handle)`` waits (with the stall policy below) and returns the result, re-raising on the
+``synchronize(handle)`` waits (with ``_handles.WAIT_POLICY``) and returns the result, re-raising on the
 calling thread what failed on the engine thread. Inputs of the out-of-place calls are never modified;
 the ``_``-suffixed calls work in place.
 
@@ -28,7 +28,6 @@ the CPU's do (see :func:`_divisor`).
 
 from __future__ import annotations
 
-import itertools
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -37,11 +36,11 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from .._utils.flat import copy_from_flat, flatten, group_by
-from .._utils.stall import StallPolicy, wait_until
-from ..comm._cuda import after, ready_event
+from ..comm import after, ready_event
 from ..comm.base import Communicator
-from ._basics import OP_NAMES, Adasum, Average, HorovodInternalError, Max, Min, Product, Sum, state
+from ._basics import OP_NAMES, Adasum, Average, Max, Min, Product, Sum
 from ._engine import JOIN_HANDLERS, Key, Op
+from ._handles import poll, submit, synchronize
 from ._process_sets import ProcessSet, _resolve, global_process_set
 
 __all__ = ["allreduce_async", "allreduce_async_", "grouped_allreduce_async", "grouped_allreduce_async_",
@@ -52,51 +51,7 @@ __all__ = ["allreduce_async", "allreduce_async_", "grouped_allreduce_async", "gr
 SUPPORTED_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
                     torch.bfloat16, torch.float32, torch.float64)
 _MPI_OP = {Average: "sum", Sum: "sum", Min: "min", Max: "max", Product: "prod"}
-#: How long synchronize() waits before a warning, and before it ends the job (a peer never came).
-WAIT_POLICY = StallPolicy(warn_after=60.0, abort_after=600.0, max_nap=2.5e-4)
-
 _Execute = Callable[[Communicator, list[Any]], Any]
-_handle_map: dict[int, Op] = {}
-_handles = itertools.count(1)
-
-
-# -- handles ---------------------------------------------------------------------------------------------
-def _submit(op: Op) -> int:
-    # "in flight" lasts until synchronize(), not until completion, so the rule does not depend on timing
-    if op.name is not None and any(o.name == op.name and o.pset_id == op.pset_id for o in _handle_map.values()):
-        raise ValueError(f"{op.kind}: an operation named {op.name!r} is already in flight on this rank (not yet "
-                         f"synchronized); names of concurrent operations must be unique")
-    state().engine.submit(op)
-    handle = next(_handles)
-    _handle_map[handle] = op
-    return handle
-
-
-def synchronize(handle: int) -> Any:
-    """Wait until the operation of `handle` completed on this rank and return its result (a tensor, a
-    list of tensors for grouped ops, ``(output, received_splits)`` for alltoall). Re-raises its error:
-    ValueError for bad arguments found during negotiation, HorovodInternalError for cross-rank
-    mismatches and failures. An unknown (or already synchronized) handle returns None, as Horovod."""
-    op = _handle_map.pop(handle, None)
-    if op is None:
-        return None
-    if not op.done.is_set():
-        st = state()
-        wait_until(op.done.is_set, lambda: f"{op.describe()} to complete on every rank of its process set",
-                   WAIT_POLICY, who=f"rank {st.world.rank}", abort=st.world.abort)
-    if op.error is not None:
-        if isinstance(op.error, (HorovodInternalError, ValueError, NotImplementedError)):
-            raise op.error
-        raise HorovodInternalError(f"{op.describe()} failed: {op.error}") from op.error
-    return op.result
-
-
-def poll(handle: int) -> bool:
-    """True once the operation of `handle` has completed (then synchronize() returns at once). Never blocks."""
-    op = _handle_map.get(handle)
-    if op is None:
-        raise ValueError(f"unknown or already synchronized handle {handle!r}")
-    return op.done.is_set()
 
 
 # -- argument checks -------------------------------------------------------------------------------------
@@ -267,7 +222,7 @@ def _allreduce_op(outs: list[torch.Tensor], name: str | None, op: int, pre: floa
         _allreduce_inplace(comm, outs, op, pre, post, devices)
         return outs[0] if single else outs
 
-    return _submit(Op("allreduce", name, pid, key, None, _on_device(outs, devices, execute)))
+    return submit(Op("allreduce", name, pid, key, None, _on_device(outs, devices, execute)))
 
 
 def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
@@ -340,7 +295,7 @@ def _allgather_op(ts: list[torch.Tensor], name: str | None, process_set: Process
             rows_sink.extend([rows[i] for rows in infos] for i in range(len(ts)))
         return outs[0] if single else outs
 
-    return _submit(Op("allgather", name, pid, key, info, _on_device(ts, devices, execute)))
+    return submit(Op("allgather", name, pid, key, info, _on_device(ts, devices, execute)))
 
 
 def allgather_async(tensor: torch.Tensor, name: str | None = None,
@@ -374,7 +329,7 @@ def _broadcast_op(out: torch.Tensor, root_rank: int, name: str | None, process_s
             out.view(-1).copy_(buf)
         return out
 
-    return _submit(Op("broadcast", name, pid, key, None, _on_device([out], devices, execute)))
+    return submit(Op("broadcast", name, pid, key, None, _on_device([out], devices, execute)))
 
 
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
@@ -428,7 +383,7 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = 
         out = comm.alltoallv(wire, send, recv).to(t.dtype)
         return out, torch.tensor(recv, dtype=torch.int32, device=splits_device)
 
-    return _submit(Op("alltoall", name, pid, key, tuple(send), _on_device([t], devices, execute)))
+    return submit(Op("alltoall", name, pid, key, tuple(send), _on_device([t], devices, execute)))
 
 
 # -- reducescatter ---------------------------------------------------------------------------------------
@@ -457,7 +412,7 @@ def _reducescatter_op(ts: list[torch.Tensor], name: str | None, op: int, pre: fl
             outs.append(out.to(t.dtype))
         return outs[0] if single else outs
 
-    return _submit(Op("reducescatter", name, pid, key, None, _on_device(ts, devices, execute)))
+    return submit(Op("reducescatter", name, pid, key, None, _on_device(ts, devices, execute)))
 
 
 def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: int = Average,
@@ -483,12 +438,12 @@ def join(device: int = -1) -> int:
     the others' allreduces with zeros (Average still divides by size()) and barriers; any other
     collective fails on the ranks that issue it. Returns the last rank to join, the same on every rank.
     Global process set only. `device` is accepted for compatibility (zeros are sent from host memory)."""
-    return int(synchronize(_submit(Op("join", None, 0, ("join", None, ()), None, lambda c, i: None))))
+    return int(synchronize(submit(Op("join", None, 0, ("join", None, ()), None, lambda c, i: None))))
 
 
 def barrier(process_set: ProcessSet = global_process_set) -> None:
     """Block until every rank of `process_set` has called barrier (after their earlier ops)."""
     pid, _ = _resolve(process_set)
-    synchronize(_submit(Op("barrier", None, pid, ("barrier", None, ()), None, lambda comm, i: comm.barrier())))
+    synchronize(submit(Op("barrier", None, pid, ("barrier", None, ()), None, lambda comm, i: comm.barrier())))
 
 

@@ -23,11 +23,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..strategies._buckets import MB, Bucket, plan_buckets
+from ..strategies import MB, Bucket, plan_buckets
 from ._basics import Adasum, Average, rank
 from ._compression import Compression, Compressor
 from ._engine import Key, Op
-from ._mpi_ops import _submit, allreduce_async_, synchronize
+from ._handles import submit, synchronize
+from ._mpi_ops import allreduce_async_
 from ._process_sets import ProcessSet, _resolve, global_process_set
 
 __all__ = ["DistributedOptimizer"]
@@ -89,7 +90,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         key: Key = ("DistributedOptimizer", None, (("parameters", layout), ("op", op),
                                                    ("backward_passes_per_step", backward_passes_per_step),
                                                    ("gradient_predivide_factor", gradient_predivide_factor)))
-        synchronize(_submit(Op("DistributedOptimizer", None, pid, key, None, lambda c, i: None)))
+        synchronize(submit(Op("DistributedOptimizer", None, pid, key, None, lambda c, i: None)))
         if len(ranks) == 1:
             return  # as Horovod: nothing to reduce in a set of one
         order = self._params[::-1]  # autograd produces the last layers' gradients first

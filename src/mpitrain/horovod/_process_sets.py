@@ -8,8 +8,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from ._basics import rank, size, state
+from ._basics import ON_INIT, ON_SHUTDOWN, rank, size, state
 from ._engine import Key, Op
+from ._handles import submit, synchronize
 
 __all__ = ["ProcessSet", "global_process_set", "add_process_set", "remove_process_set"]
 
@@ -74,9 +75,7 @@ _next_id = 1
 
 
 def _run(op: Op) -> Any:
-    from ._mpi_ops import _submit, synchronize
-
-    return synchronize(_submit(op))
+    return synchronize(submit(op))
 
 
 def add_process_set(process_set: ProcessSet | Iterable[int]) -> ProcessSet:
@@ -149,6 +148,10 @@ def _on_shutdown() -> None:
         if pid != 0:
             ps._invalidate()
     _sets.clear()
+
+
+ON_INIT.append(_on_init)
+ON_SHUTDOWN.append(_on_shutdown)
 
 
 def _resolve(process_set: ProcessSet) -> tuple[int, list[int]]:

@@ -9,9 +9,10 @@ from typing import Any
 
 from .._utils.deprecation import renamed_options
 from ..comm.base import Communicator
-from ._interface import KVStore, KVStoreError
+from ._interface import Key, KVStore, KVStoreError
+from ._server import ServerStore
 
-__all__ = ["create", "TYPES", "KVStore", "KVStoreError"]
+__all__ = ["create", "TYPES", "KVStore", "KVStoreError", "Key", "ServerStore"]
 
 #: type name -> "module:class"; each class docstring says how it orders collectives across ranks.
 TYPES = {

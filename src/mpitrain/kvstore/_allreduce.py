@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from .._utils.stall import StallPolicy, wait_until
-from ..comm._cuda import ready_event
+from ..comm import ready_event
 from ..comm.base import Communicator
 from ._interface import (
     Key,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import threading
 
-from ..comm._cuda import after
+from ..comm import after
 from ..comm.base import Communicator
 from ..engine import Engine, Var
 from ._allreduce import Entry

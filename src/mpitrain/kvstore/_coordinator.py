@@ -31,7 +31,7 @@ import torch
 
 from .._utils.flat import copy_from_flat, flatten
 from .._utils.stall import Backoff, say, wait_until
-from ..comm._cuda import after
+from ..comm import after
 from ..comm.base import Communicator, Request
 from ._allreduce import AllreduceStore, Entry
 from ._interface import Key, KVStoreError, log, split_private

@@ -6,7 +6,7 @@ import functools
 
 import torch
 
-from ..comm._cuda import after
+from ..comm import after
 from ..comm.base import Communicator
 from ..engine import Engine, Var
 from ._allreduce import Entry, _copy_to

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..comm._cuda import after
+from ..comm import after
 from ..comm.base import Communicator
 from ._allreduce import Entry
 from ._interface import split_private

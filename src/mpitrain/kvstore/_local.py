@@ -20,7 +20,7 @@ class LocalStore(AllreduceStore):
         if comm is None:
             from mpi4py import MPI
 
-            from ..comm._mpi import MPICommunicator
+            from ..comm import MPICommunicator
 
             comm = MPICommunicator(MPI.COMM_SELF)
         if comm.size != 1:

@@ -6,7 +6,8 @@ network's alpha-beta, Pipe-SGD's constants), prices every candidate with the cos
 """
 
 from ._auto import make_trainer
+from ._measure import measure_plan
 from ._plan import plan
 from ._types import Dropped, Plan, PlanError, Plans
 
-__all__ = ["plan", "Plan", "Plans", "Dropped", "PlanError", "make_trainer"]
+__all__ = ["plan", "Plan", "Plans", "Dropped", "PlanError", "make_trainer", "measure_plan"]

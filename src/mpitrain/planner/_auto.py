@@ -8,6 +8,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from .._registry import make_trainer as build
 from ..comm.base import Communicator
 from ..strategies.base import (
     Batch,
@@ -71,8 +72,6 @@ class AutoTrainer:
                   f"{chosen.memory_bytes / 2**20:.0f} MiB/rank)", flush=True)
             for p in plans[1:1 + RUNNERS_UP]:
                 print(f"  runner-up: {p.describe()}  ({p.step_s * 1e3:.1f} ms/step)", flush=True)
-        from ..strategies._registry import make_trainer as build  # the strategy table
-
         self.inner = build(self.model, self.loss_fn, self.optimizer, self.comm, spec_for(chosen, self.spec))
         self.plans = plans
         self.record = {"plan": chosen.describe(), "plan_step_s": chosen.step_s}

@@ -10,6 +10,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from .._registry import make_trainer
 from ..comm.base import Communicator
 from ..strategies.base import Batch, FitSpec, LossFn
 from ._types import Plan, spec_for
@@ -22,8 +23,6 @@ def measure_plan(make_model: Callable[[], nn.Module], chosen: Plan, batch: tuple
     """Median seconds per optimizer step of `chosen` on `batch` (SGD), after `warmup` steps; every
     step is timed from a barrier to its end on the slowest rank (an allreduce of the times). Collective:
     every rank calls with the same arguments and gets the same number."""
-    from ..strategies._registry import make_trainer  # the strategy table
-
     trainer = make_trainer(make_model(), loss_fn, lambda p: torch.optim.SGD(p, lr=1e-3), comm,
                            spec_for(chosen, FitSpec()))
     inputs, targets = batch

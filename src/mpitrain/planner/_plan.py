@@ -133,7 +133,7 @@ def host_layout(comm: Communicator) -> tuple[int, ...]:
         return (0,)
     mpi_comm = getattr(comm, "mpi_comm", None)
     if mpi_comm is not None:
-        from ..comm._rendezvous import host_leaders  # the one host identity (comm exports no public form)
+        from ..comm import host_leaders  # the one host identity (MPI's shared-memory split)
 
         leaders = host_leaders(mpi_comm)
     else:

@@ -23,7 +23,7 @@ from torch import nn
 from ..comm.base import Communicator
 from ..perf.calibrate import best_time
 from ..perf.spatial import ConvShape, conv_shapes
-from ..strategies._batching import rows, samples, target_rows
+from ..strategies import rows, samples, target_rows
 from ..strategies.base import Batch, LossFn
 
 __all__ = ["ModelProfile", "measure_model", "model_signature", "agree", "cache_path", "load_cached", "store",

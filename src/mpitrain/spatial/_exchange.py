@@ -5,17 +5,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
 from .._utils.stall import DEFAULT_POLICY, StallPolicy, watched
 from ..comm.base import Communicator, Request
 from ..timeline import span
+from ._box import Box, HaloPlan
 from ._memory import dense, empty_as
-
-if TYPE_CHECKING:
-    from .halo import Box, HaloPlan
 
 __all__ = ["Exchange", "SendQueue", "outstanding", "assemble", "assemble_box", "place_halos", "start_exchange",
            "finish_exchange", "start_adjoint", "finish_adjoint", "adjoint_exchange", "wait_all", "settle",

@@ -13,7 +13,7 @@ from torch import nn
 from ._exchange import HaloStats
 from .distribution import Distribution
 from .halo import HaloPlan, plan_grid
-from .tensor import Layout, SpatialError, layout_of, nchw, plain, register_spatial_function, tag
+from .tensor import DistributionLike, Layout, SpatialError, layout_of, nchw, plain, register_spatial_function, tag
 
 __all__ = ["WindowLayer", "input_layout", "pad_by_mode", "padding_mode_problem", "PADDING_MODES",
            "register_functional", "register_functional_pools"]
@@ -115,7 +115,7 @@ class WindowLayer(nn.Module):
 
 
 #: Per distribution, the window layers standing for functional calls, by the call's arguments.
-_FUNCTIONAL: weakref.WeakKeyDictionary[Distribution, dict[Any, nn.Module]] = weakref.WeakKeyDictionary()
+_FUNCTIONAL: weakref.WeakKeyDictionary[DistributionLike, dict[Any, nn.Module]] = weakref.WeakKeyDictionary()
 
 
 def register_functional(name: str, build: Callable[..., nn.Module]) -> None:

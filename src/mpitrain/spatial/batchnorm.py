@@ -20,7 +20,7 @@ from ..comm.base import Communicator
 from ._memory import dense
 from ._window import input_layout
 from .distribution import Distribution
-from .tensor import SpatialError, tag
+from .tensor import DistributionLike, SpatialError, tag
 
 __all__ = ["SpatialBatchNorm2d", "SpatialBatchNorm3d", "STATS"]
 
@@ -139,7 +139,7 @@ class SpatialBatchNorm2d(nn.Module):
         bn.num_batches_tracked.add_(1)
         return 1.0 / float(bn.num_batches_tracked) if self.momentum is None else self.momentum
 
-    def _comm(self, dist: Distribution, kind: str) -> Communicator | None:
+    def _comm(self, dist: DistributionLike, kind: str) -> Communicator | None:
         """Who combines statistics. A replicated tensor (after a global pool: ASPP's pooled branch) holds
         its group's whole samples on every rank of the group, so the global statistics combine one rank
         per group (the sample communicator) and the others are the group's own; the backward, linear in

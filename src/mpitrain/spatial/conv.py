@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..comm._inflight import settle_on_error
+from ..comm import settle_on_error
 from ..comm.base import Communicator
 from ._exchange import (
     BACKWARD_TAG,
@@ -39,7 +39,7 @@ from ._memory import dense, empty_as
 from ._window import PADDING_MODES, WindowLayer, input_layout, pad_by_mode, padding_mode_problem
 from .distribution import Distribution
 from .halo import Box, HaloPlan, Window, halo_exchange, window_of
-from .tensor import SpatialError
+from .tensor import DistributionLike, SpatialError
 
 __all__ = ["SpatialConv2d", "interior"]
 
@@ -320,7 +320,7 @@ class SpatialConv2d(WindowLayer):
 
 
 def _autocast_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: SpatialConv2d,
-                   plan: HaloPlan, dist: Distribution) -> torch.Tensor:
+                   plan: HaloPlan, dist: DistributionLike) -> torch.Tensor:
     """:class:`_Conv` as autocast would run ``F.conv2d``: under autocast for the block's device type the
     block, weight and bias are cast to its dtype first (autograd casts the gradients back to the
     parameters' dtype) and the custom function runs on them without autocast (its backward would

@@ -11,7 +11,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from .distribution import Distribution
-from .tensor import Layout, SpatialError, layout_of, plain, tag
+from .tensor import DistributionLike, Layout, SpatialError, layout_of, plain, tag
 
 __all__ = ["Redistribute", "redistribute", "SampleSwitch", "sample_distribution"]
 
@@ -66,7 +66,7 @@ class _Shuffle(torch.autograd.Function):
         return shuffle(g.contiguous(), ctx.shape, ctx.dst, ctx.src), None, None, None
 
 
-def redistribute(x: torch.Tensor, src: Distribution, dst: Distribution) -> torch.Tensor:
+def redistribute(x: torch.Tensor, src: DistributionLike, dst: Distribution) -> torch.Tensor:
     """`x` (a `src` block) as this rank's `dst` block, differentiably. Both distributions must be over the
     same ranks in the same order (checked locally: same communicator size and rank)."""
     if src.comm.size != dst.comm.size or src.comm.rank != dst.comm.rank:

@@ -22,7 +22,7 @@ from torch import nn
 from ._window import WindowLayer, input_layout
 from .distribution import Distribution
 from .halo import HaloPlan, halo_exchange, plan_halo
-from .tensor import BlockExtent, Layout, SpatialError, register_spatial_function, tag, whole_size
+from .tensor import BlockExtent, DistributionLike, Layout, SpatialError, register_spatial_function, tag, whole_size
 
 __all__ = ["SpatialConvTranspose2d", "SpatialUpsample", "TransposedWindow", "ResampleWindow", "interpolate"]
 
@@ -181,7 +181,7 @@ def interpolate(x: torch.Tensor, size: Any = None, scale_factor: Any = None, mod
     return tag(y, Layout(dist, "block", shape))
 
 
-def _replicated_to_block(local: torch.Tensor, dist: Distribution, axes: tuple[ResampleWindow, ResampleWindow],
+def _replicated_to_block(local: torch.Tensor, dist: DistributionLike, axes: tuple[ResampleWindow, ResampleWindow],
                          shape: tuple[int, ...]) -> torch.Tensor:
     """This rank's block of the interpolation of whole samples (replicated over the group; ASPP's pooled
     branch resized to the feature map): only the block's rows and columns are computed, no message. Its

@@ -41,21 +41,21 @@ import math
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.utils._pytree as pytree
 
+from ..comm.base import Communicator
+from ..comm.place import Place
+from ._exchange import SendQueue
 from ._pointwise import is_pointwise
 from ._reduce import allreduce_once, allreduce_sum
 from ._shapeops import LOCAL_OPS, local_rule
 
-if TYPE_CHECKING:
-    from .distribution import Distribution
-
-__all__ = ["SpatialTensor", "Layout", "SpatialError", "NonSpatialOpError", "BlockExtent", "layout_of", "tag",
-           "plain", "global_avg_pool", "register_spatial_function", "own_share", "count_once", "sum_once",
-           "whole_size", "block_layout", "nchw", "to_nchw"]
+__all__ = ["SpatialTensor", "Layout", "DistributionLike", "SpatialError", "NonSpatialOpError", "BlockExtent",
+           "layout_of", "tag", "plain", "global_avg_pool", "register_spatial_function", "own_share", "count_once",
+           "sum_once", "whole_size", "block_layout", "nchw", "to_nchw"]
 
 
 class SpatialError(ValueError):
@@ -67,6 +67,48 @@ class NonSpatialOpError(SpatialError):
     samples on it)."""
 
 
+class DistributionLike(Protocol):
+    """What a :class:`Layout` and the ops on blocks use of the distribution a block belongs to:
+    :class:`~mpitrain.spatial.distribution.Distribution` is the one implementation. A protocol, because
+    distribution.py builds on this module (it makes SpatialTensors), so this module cannot import it
+    (docs/ARCHITECTURE.md, Import rules); functions that take a block's ``layout.dist`` take this type."""
+
+    #: set by fit while its loss runs on blocks (see ``Distribution.loss_on_blocks``)
+    loss_on_blocks: bool
+
+    @property
+    def comm(self) -> Communicator: ...
+    @property
+    def place(self) -> Place: ...
+    @property
+    def grid(self) -> tuple[int, ...]: ...
+    @property
+    def samples(self) -> int: ...
+    @property
+    def per_sample(self) -> int: ...
+    @property
+    def group(self) -> int: ...
+    @property
+    def spatial_rank(self) -> int: ...
+    @property
+    def nonspatial(self) -> str: ...
+    @property
+    def redistributions(self) -> dict[str, int]: ...
+    @property
+    def sends(self) -> SendQueue: ...
+    @property
+    def spatial_comm(self) -> Communicator: ...
+    @property
+    def sample_comm(self) -> Communicator: ...
+    def box(self, shape: tuple[int, ...], rank: int | None = None) -> tuple[tuple[int, int], ...]: ...
+    def index(self, shape: tuple[int, ...], rank: int | None = None) -> tuple[slice, ...]: ...
+    def local_samples(self, n: int) -> int: ...
+    def check_shape(self, shape: tuple[int, ...], what: str = "tensor", *, dense: bool = False) -> None: ...
+    def local_shape(self, shape: tuple[int, ...], rank: int | None = None) -> tuple[int, ...]: ...
+    def replicate(self, t: torch.Tensor) -> torch.Tensor: ...
+    def infer_layout(self, t: torch.Tensor) -> Layout: ...
+
+
 @dataclass(frozen=True)
 class Layout:
     """How a local tensor sits in the global one. ``kind="block"``: the N x C x (spatial) block of
@@ -76,7 +118,7 @@ class Layout:
     window partition): a plain value counted once that must not meet a block as its local data; `shape`
     is its local shape."""
 
-    dist: Distribution
+    dist: DistributionLike
     kind: str
     shape: tuple[int, ...]
     #: where a block's spatial dims sit (in grid order) when a shape op moved them (a permute to
@@ -91,7 +133,7 @@ class Layout:
         return tuple(range(k - g, k))
 
 
-def block_layout(dist: Distribution, shape: tuple[int, ...], spatial: tuple[int, ...]) -> Layout:
+def block_layout(dist: DistributionLike, shape: tuple[int, ...], spatial: tuple[int, ...]) -> Layout:
     """A block layout of global `shape` with the spatial dims at `spatial` (stored as None when they are
     the trailing dims: one representation per layout)."""
     trailing = tuple(spatial) == tuple(range(len(shape) - len(dist.grid), len(shape)))
@@ -492,7 +534,7 @@ class _CountOnce(torch.autograd.Function):
         return (g if ctx.keep else torch.zeros_like(g)), None
 
 
-def _refuse_group_value(dist: Distribution, what: str) -> None:
+def _refuse_group_value(dist: DistributionLike, what: str) -> None:
     """While fit's loss runs on blocks (``dist.loss_on_blocks``), refuse what would make a value of one
     sample group only (fit then computes the loss on whole samples)."""
     if dist.loss_on_blocks:

@@ -17,12 +17,10 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.utils.data import Dataset
 
-from ..comm._inflight import settle_on_error
+from ..comm import settle_on_error
 from ..comm.base import Communicator
 from ..comm.place import Place, PlaceError
-from ..strategies._batching import samples, slice_share
-from ..strategies._broadcast import broadcast_tensors
-from ..strategies._device import autocast, model_device, to_device
+from ..strategies import autocast, broadcast_tensors, model_device, samples, slice_share, to_device
 from ..strategies.base import (
     DEFAULT_LOOP,
     Batch,

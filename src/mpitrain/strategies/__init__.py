@@ -1,7 +1,17 @@
-"""Training strategies: data parallel, pipeline (model/hybrid), pipe-sgd. Each module named in
-``strategies._registry.STRATEGIES`` exposes ``make_trainer(model, loss_fn, optimizer, comm, spec) -> Trainer``;
-what they share lives in :mod:`.base`."""
+"""Training strategies: data parallel, pipeline (model/hybrid), pipe-sgd. Each module named in the strategy
+table (``mpitrain._registry.STRATEGIES``) exposes ``make_trainer(model, loss_fn, optimizer, comm, spec) -> Trainer``;
+what they share lives in :mod:`.base`.
 
+The helpers other packages use (fit, checkpoint, the planner, spatial, horovod, the benchmarks) are exported
+here; the private modules that define them serve strategies alone (docs/ARCHITECTURE.md, Import rules)."""
+
+from ._batching import rows, samples, slice_share, target_rows
+from ._broadcast import broadcast_optimizer_state, broadcast_tensors
+from ._buckets import MB, Bucket, plan_buckets
+from ._device import autocast, model_device, to_device
+from ._reshard import NAMED, assemble
 from .base import FitError, FitSpec, StrategyOptions, Trainer
 
-__all__ = ["FitError", "FitSpec", "StrategyOptions", "Trainer"]
+__all__ = ["FitError", "FitSpec", "StrategyOptions", "Trainer",
+           "rows", "samples", "slice_share", "target_rows", "broadcast_optimizer_state", "broadcast_tensors",
+           "MB", "Bucket", "plan_buckets", "autocast", "model_device", "to_device", "NAMED", "assemble"]

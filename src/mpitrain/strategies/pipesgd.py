@@ -29,8 +29,7 @@ from torch import nn
 
 from .._utils.flat import views
 from .._utils.stall import DEFAULT_POLICY, StallPolicy, wait_until
-from ..comm._cuda import after, ready_event
-from ..comm._staging import Staging
+from ..comm import Staging, after, ready_event
 from ..comm.base import CommError, Communicator
 from ..comm.codecs import Codec, get_codec
 from ..comm.place import Place

@@ -36,7 +36,7 @@ from torch import nn
 from ..._utils.flat import spans
 from ..._utils.malloc import lower_mmap_threshold
 from ..._utils.stall import DEFAULT_POLICY, StallPolicy, watched
-from ...comm._inflight import settle_on_error
+from ...comm import settle_on_error
 from ...comm.base import Communicator, Request, split_sizes
 from ...comm.place import Place, PlaceError
 from .._batching import check_divisible, per_sample, target_rows

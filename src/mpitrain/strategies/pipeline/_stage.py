@@ -30,7 +30,8 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from ...comm._wait import StallPolicy, wait_request
+from ..._utils.stall import StallPolicy
+from ...comm import wait_request
 from ...comm.base import Communicator, Request
 from ...timeline import span
 from .._device import autocast as device_autocast
