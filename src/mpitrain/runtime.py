@@ -12,7 +12,7 @@ from types import TracebackType
 import torch
 
 from .comm.base import CommError, Communicator
-from .comm.compose import mpi_communicator, traced
+from .comm.compose import mpi_communicator, torch_world
 
 __all__ = ["init", "rank", "size", "local_rank", "world", "device", "device_for", "on_init", "BACKENDS"]
 
@@ -83,10 +83,7 @@ def init(backend: str | None = None, *, bind_device: bool = True) -> Communicato
         if wanted == "mpi":
             _world = mpi_communicator(MPI.COMM_WORLD)
         else:
-            from .comm import init_torch_world
-
-            bootstrap = mpi_communicator(MPI.COMM_WORLD, trace=False)
-            _world = traced(init_torch_world(bootstrap.rank, bootstrap.size, bootstrap))
+            _world = torch_world(mpi_communicator(MPI.COMM_WORLD, trace=False))
         _install_abort_hook(_world)
         made, hooks = _world, list(_on_init)
         _on_init.clear()

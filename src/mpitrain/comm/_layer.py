@@ -13,7 +13,7 @@ do), so ``isinstance(mpitrain.init(), MPICommunicator)`` holds as it did before 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeGuard, TypeVar
 
 import torch
 
@@ -132,7 +132,7 @@ class Layer(Communicator):
 def backend_of(comm: Communicator) -> Communicator:
     """The backend at the bottom of `comm`'s layers (`comm` itself when it has none)."""
     while _is_layer(comm):
-        comm = comm.inner  # type: ignore[attr-defined]
+        comm = comm.inner
     return comm
 
 
@@ -142,10 +142,10 @@ def layer_of(comm: Communicator, kind: type[L]) -> L | None:
     while c is not None:
         if issubclass(type(c), kind):
             return c  # type: ignore[return-value]
-        c = c.inner if _is_layer(c) else None  # type: ignore[attr-defined]
+        c = c.inner if _is_layer(c) else None
     return None
 
 
-def _is_layer(c: object) -> bool:
+def _is_layer(c: object) -> TypeGuard[Layer]:
     """Whether `c` is a layer, by its own type: ``isinstance`` would ask ``__class__``, which asks this."""
     return issubclass(type(c), Layer)

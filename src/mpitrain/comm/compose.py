@@ -22,7 +22,7 @@ from ._layer import Layer, backend_of, layer_of
 from .base import Communicator
 from .tracing import Traced
 
-__all__ = ["mpi_communicator", "traced", "direct_devices", "backend_of", "layer_of", "Layer"]
+__all__ = ["mpi_communicator", "torch_world", "traced", "direct_devices", "backend_of", "layer_of", "Layer"]
 
 
 def mpi_communicator(mpi_comm: Any, *, direct: frozenset[str] | None = None, trace: bool = True) -> Communicator:
@@ -36,6 +36,15 @@ def mpi_communicator(mpi_comm: Any, *, direct: frozenset[str] | None = None, tra
     comm: Communicator = MPICommunicator(mpi_comm)
     if "cpu" not in direct or torch.cuda.is_available():
         comm = Staged(comm, direct)  # type: ignore[arg-type]  # the MPI backend just built
+    return traced(comm) if trace else comm
+
+
+def torch_world(bootstrap: Communicator, *, trace: bool = True) -> Communicator:
+    """The torch.distributed world (its default group started once: ``init_torch_world``, bootstrapped over
+    the MPI communicator `bootstrap`, collective over it), traced when `trace`."""
+    from ._torchdist import init_torch_world
+
+    comm: Communicator = init_torch_world(bootstrap.rank, bootstrap.size, bootstrap)
     return traced(comm) if trace else comm
 
 
