@@ -37,12 +37,6 @@ DOC = ROOT / "docs" / "ARCHITECTURE.md"
 #: Imports the rules skip, (importer, imported) -> why. Each is a known case with an owner; an entry that no
 #: longer matches an import fails the test, so this list only shrinks.
 ALLOWED: dict[tuple[str, str], str] = {
-    # -- layers29 (issue #29 item 5: communicator layers) removes these --
-    # comm: _mpi <-> _hierarchical (the hierarchy will wrap a backend instead of being called back by it)
-    ("mpitrain.comm._hierarchical", "mpitrain.comm._mpi"): "layers29: comm circle _mpi <-> _hierarchical",
-    # runtime <-> timeline: init() starts a timeline (upward, a private module), the timeline asks runtime
-    # for the world
-    ("mpitrain.runtime", "mpitrain.timeline._session"): "layers29: runtime -> timeline (upward, private)",
 }
 
 

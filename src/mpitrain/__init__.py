@@ -11,6 +11,12 @@ from .comm import CommError, Communicator, Request
 # lookup loses to the attribute the import system sets when any module imports mpitrain.fit).
 from .fit import FitError, FitResult, LoopState, StopTraining, fit
 from .runtime import device, init, local_rank, rank, size
+from .runtime import on_init as _on_init
+from .timeline import start_from_env as _timeline_from_env
+
+# MPITRAIN_TIMELINE=trace.json starts a timeline when init() builds the world: wired here, at the top,
+# because runtime sits below the timeline and does not import it (docs/ARCHITECTURE.md).
+_on_init(_timeline_from_env)
 
 __version__ = "0.1.0"
 

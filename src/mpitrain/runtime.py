@@ -6,18 +6,32 @@ import os
 import sys
 import threading
 import traceback
+from collections.abc import Callable
 from types import TracebackType
 
 import torch
 
 from .comm.base import CommError, Communicator
+from .comm.compose import mpi_communicator, torch_world
 
-__all__ = ["init", "rank", "size", "local_rank", "world", "device", "device_for", "BACKENDS"]
+__all__ = ["init", "rank", "size", "local_rank", "world", "device", "device_for", "on_init", "BACKENDS"]
 
 BACKENDS = ("mpi", "torch")
 _world: Communicator | None = None
 _device: torch.device | None = None  # this rank's device, chosen by the first init
 _lock = threading.Lock()
+_on_init: list[Callable[[Communicator], object]] = []
+
+
+def on_init(fn: Callable[[Communicator], object]) -> None:
+    """Call ``fn(world)`` when :func:`init` has built the world (at once if it has): how a layer above
+    this one joins the start-up without this module importing it (the timeline's ``MPITRAIN_TIMELINE``)."""
+    with _lock:
+        made = _world
+        if made is None:
+            _on_init.append(fn)
+    if made is not None:
+        fn(made)
 
 
 def device_for(local_rank: int, device_count: int, bind: bool = True) -> torch.device:
@@ -49,8 +63,10 @@ def init(backend: str | None = None, *, bind_device: bool = True) -> Communicato
     the ``MPITRAIN_BACKEND`` environment variable decides. Every later call returns the same object;
     asking for a different backend then is an error. Installs a ``sys.excepthook`` that prints the
     traceback with the rank and aborts the whole job, so no rank is left waiting in a collective.
-    When ``MPITRAIN_TIMELINE`` names a file, the first call starts a timeline of the job, written
-    there at exit (:mod:`mpitrain.timeline`; every rank must call ``init``).
+    The world is composed by :mod:`mpitrain.comm.compose`: the backend, host staging where a GPU may
+    need it, and the tracing layer on top (idle until a timeline records). When ``MPITRAIN_TIMELINE``
+    names a file, the first call starts a timeline of the job, written there at exit
+    (:mod:`mpitrain.timeline`, through :func:`on_init`; every rank must call ``init``).
     """
     global _world, _device
     wanted = backend or os.environ.get("MPITRAIN_BACKEND") or "mpi"
@@ -64,20 +80,15 @@ def init(backend: str | None = None, *, bind_device: bool = True) -> Communicato
         _device = _bind(bind_device)
         from mpi4py import MPI
 
-        from .comm import MPICommunicator
-
-        mpi_world = MPICommunicator(MPI.COMM_WORLD)
         if wanted == "mpi":
-            _world = mpi_world
+            _world = mpi_communicator(MPI.COMM_WORLD)
         else:
-            from .comm import init_torch_world
-
-            _world = init_torch_world(mpi_world.rank, mpi_world.size, mpi_world)
+            _world = torch_world(mpi_communicator(MPI.COMM_WORLD, trace=False))
         _install_abort_hook(_world)
-        made = _world
-    from .timeline._session import start_from_env  # MPITRAIN_TIMELINE=trace.json (docs/timeline.md)
-
-    start_from_env(made)
+        made, hooks = _world, list(_on_init)
+        _on_init.clear()
+    for fn in hooks:  # outside the lock: a hook may call world() (MPITRAIN_TIMELINE=trace.json: docs/timeline.md)
+        fn(made)
     return made
 
 

@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from mpitrain.comm import DTYPES, split_sizes
-from mpitrain.comm._mpi import SPLIT_ABOVE, MPICommunicator
+from mpitrain.comm._mpi import SPLIT_ABOVE
+from mpitrain.comm._staged import Staged
+from mpitrain.comm.compose import layer_of, mpi_communicator
 from tests.helpers import assert_all_ranks
 
 pytestmark = pytest.mark.mpi
@@ -23,7 +25,7 @@ def pair(comm):
     """(direct, staged): the world communicator and one that stages every tensor through host mirrors."""
     if comm.backend != "mpi":
         pytest.skip("host staging is the MPI backend's path")
-    return comm, MPICommunicator(comm.mpi_comm, _direct=frozenset())
+    return comm, mpi_communicator(comm.mpi_comm, direct=frozenset())
 
 
 def data(rank: int, n: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
@@ -54,6 +56,18 @@ def test_staged_allreduce_is_bitwise_the_direct_one(pair, dtype):
             direct.iallreduce(a, op).wait()
             staged.iallreduce(b, op).wait()
             same(direct, a, b, f"iallreduce {op} {dtype} n={n}")
+
+
+def test_a_split_of_a_staged_communicator_carries_the_staging_layer_and_is_bitwise_the_direct_split(pair):
+    comm, staged = pair
+    color = comm.rank % 2
+    subs = [c.split(color, comm.rank) for c in (comm, staged)]
+    layered = layer_of(subs[1], Staged) is not None and layer_of(subs[0], Staged) is None
+    got = [s.allreduce(data(comm.rank, 1000, torch.float32)) for s in subs]
+    for s in subs:
+        s.free()
+    same(comm, got[1], got[0], "allreduce on a split")
+    assert_all_ranks(comm, layered, "the staged communicator's split must stage, the world's not")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

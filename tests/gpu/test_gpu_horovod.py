@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import mpitrain.horovod as hvd
+from mpitrain.comm.compose import direct_devices
 from mpitrain.horovod._basics import state
 from tests.gpu._cuda import needs_cuda
 from tests.helpers import assert_all_ranks
@@ -30,7 +31,7 @@ def _init(comm):
 
 def staged() -> bool:
     """Whether the engine stages CUDA tensors through host memory (then results are bitwise the CPU's)."""
-    return "cuda" not in state().engine.comms[0]._direct
+    return "cuda" not in direct_devices(state().engine.comms[0])
 
 
 def test_collectives_on_cuda_tensors_equal_the_cpu_ones_on_the_input_device(comm, device):

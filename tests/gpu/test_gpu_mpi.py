@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from mpitrain.comm import DTYPES, split_sizes
+from mpitrain.comm.compose import direct_devices, mpi_communicator
 from tests.gpu._cuda import needs_cuda
 from tests.helpers import assert_all_ranks
 from tests.strategies import _device_checks as dc
@@ -28,7 +29,7 @@ def data(rank: int, n: int, dtype: torch.dtype) -> torch.Tensor:
 def same(comm, got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     """Bitwise where MPI reduces on the host for both (staging); within rounding for CUDA-aware MPI,
     which may sum device buffers in another order."""
-    staged = comm.backend == "mpi" and "cuda" not in comm._direct
+    staged = comm.backend == "mpi" and "cuda" not in direct_devices(comm)
     got = got.cpu()
     ok = got.shape == want.shape and got.dtype == want.dtype and (
         torch.equal(got, want) if staged or not want.is_floating_point()
@@ -91,14 +92,12 @@ def test_fit_data_of_a_cuda_model_equals_one_process(comm, device, precision):
 
 
 def test_staged_data_parallel_of_a_cuda_model_is_bitwise_the_default_path(comm, device):
-    from mpitrain.comm._mpi import MPICommunicator
-
     if comm.backend != "mpi":
         pytest.skip("host staging is the MPI backend's path")
-    staged = MPICommunicator(comm.mpi_comm, _direct=frozenset({"cpu"}))
+    staged = mpi_communicator(comm.mpi_comm, direct=frozenset({"cpu"}))
     got = dc.train_data_parallel(staged, "depchain", device)
     ref = dc.train_data_parallel(comm, "depchain", device)
-    if "cuda" in comm._direct:  # CUDA-aware MPI may sum in another order
+    if "cuda" in direct_devices(comm):  # CUDA-aware MPI may sum in another order
         dc.assert_one_process(comm, got, ref, "staged vs CUDA-aware", atol=1e-6)
     else:
         dc.assert_bitwise(comm, got, ref, "staged vs default (staged too)")

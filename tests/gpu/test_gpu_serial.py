@@ -23,10 +23,10 @@ def test_init_binds_a_lone_rank_to_cuda_0():
 def test_mpi_backend_reduces_cuda_tensors_direct_and_staged():
     from mpi4py import MPI
 
-    from mpitrain.comm._mpi import MPICommunicator
+    from mpitrain.comm.compose import mpi_communicator
 
     for direct in (None, frozenset({"cpu"})):  # the default (CUDA-aware or not), then staging forced
-        comm = MPICommunicator(MPI.COMM_SELF, _direct=direct)
+        comm = mpi_communicator(MPI.COMM_SELF, direct=direct)
         t = torch.arange(10, dtype=torch.float32, device=CUDA)
         assert comm.allreduce(t, "avg") is t and torch.equal(t.cpu(), torch.arange(10, dtype=torch.float32))
         assert comm.allgather(t).device == t.device

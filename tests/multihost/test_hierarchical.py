@@ -18,7 +18,8 @@ def test_hierarchical_allreduce_equals_a_flat_allreduce_bitwise(comm):
     from mpitrain.comm._mpi import MPICommunicator
 
     sub = MPICommunicator(comm.mpi_comm.Dup())
-    sub._hierarchy = Hierarchy(sub.mpi_comm, host_of=comm.rank % 2)  # hosts {0, 2}, {1, 3}: leaders 0 and 1
+    sub._hierarchy = Hierarchy(sub.mpi_comm, ring_comm=lambda c: MPICommunicator(c, hierarchy=False),
+                               host_of=comm.rank % 2)  # hosts {0, 2}, {1, 3}: leaders 0 and 1
     try:
         failures = compare_with_flat(sub)
         hosts = sub._hierarchy.hosts

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mpitrain.comm._mpi import MPICommunicator
+from mpitrain.comm.compose import mpi_communicator
 from tests.strategies import _device_checks as dc
 
 pytestmark = pytest.mark.mpi
@@ -18,7 +18,7 @@ CPU = torch.device("cpu")
 def staged(comm):
     if comm.backend != "mpi":
         pytest.skip("host staging is the MPI backend's path")
-    return MPICommunicator(comm.mpi_comm, _direct=frozenset())
+    return mpi_communicator(comm.mpi_comm, direct=frozenset())
 
 
 @pytest.mark.parametrize("kvstore", ["dist_sync_mpi", "depchain"])

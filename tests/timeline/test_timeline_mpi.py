@@ -1,5 +1,5 @@
 """The job's timeline over real MPI: a pipeline trace that is valid, nests and follows the schedule;
-clock alignment; nothing installed or written when no timeline runs."""
+clock alignment; nothing recorded or written when no timeline runs; the world's splits traced by composition."""
 
 from __future__ import annotations
 
@@ -12,7 +12,11 @@ import torch
 from torch import nn
 
 from mpitrain import timeline
+from mpitrain.comm._mpi import MPICommunicator
+from mpitrain.comm._torchdist import TorchCommunicator
 from mpitrain.comm.base import Communicator
+from mpitrain.comm.compose import backend_of
+from mpitrain.comm.tracing import Traced, tracer
 from mpitrain.fit import fit
 from mpitrain.strategies.pipeline.schedule import SCHEDULES, render
 from mpitrain.timeline import _clock, _recorder, occupancy
@@ -114,20 +118,46 @@ def test_a_message_is_received_after_it_was_sent_on_the_aligned_clock(comm):
 
 
 @pytest.mark.mpi
-def test_off_no_method_is_wrapped_no_event_is_kept_and_no_file_is_written(comm):
+def test_off_no_tracer_is_set_no_class_is_patched_no_event_is_kept_and_no_file_is_written(comm):
     directory = shared_dir(comm)
-    cls = type(comm)
+    classes = (type(comm), type(backend_of(comm)), Traced)  # the outer layer, the backend, the tracing layer
     torch.manual_seed(0)
     fit(MLP(), batches((12,), 4 * comm.size, 1), nn.CrossEntropyLoss(), sgd, strategy="data", progress=False)
-    off = [not timeline.active(), _recorder.current is None, not wrapped(cls),
+    off = [not timeline.active(), _recorder.current is None, tracer() is None, not any(map(wrapped, classes)),
            timeline.span("x") is timeline.span("y"), timeline.stop() is None]
     timeline.start(os.path.join(directory, "t.json"), comm)
-    on = [timeline.active(), bool(wrapped(cls))]
+    on = [timeline.active(), tracer() is _recorder.current is not None, not any(map(wrapped, classes))]
     timeline.stop()
-    after = [not timeline.active(), _recorder.current is None, not wrapped(cls)]
+    after = [not timeline.active(), _recorder.current is None, tracer() is None, not any(map(wrapped, classes))]
     files = os.listdir(directory)
     assert_all_ranks(comm, all(off) and all(on) and all(after) and (comm.rank != 0 or files == ["t.json"]),
                      f"off {off} on {on} after {after} files {files}")
+
+
+@pytest.mark.mpi
+def test_the_world_is_an_instance_of_its_backend_and_its_splits_are_traced_by_composition(comm):
+    backend = MPICommunicator if comm.backend == "mpi" else TorchCommunicator
+    sub = comm.split(comm.rank % 2, comm.rank)
+    assert sub is not None
+    kinds = [isinstance(comm, backend), isinstance(sub, backend), type(comm) is Traced, type(sub) is Traced]
+    path = os.path.join(shared_dir(comm), "split.json")
+    timeline.start(path, comm)
+    t = torch.ones(13, dtype=torch.float64)  # 104 bytes: no other call of the job moves as many
+    sub.allreduce(t)
+    sub.iallreduce(t).wait()
+    timeline.stop()
+    sub.free()
+    verdict = [] if all(kinds) else [f"isinstance/type checks {kinds}"]
+    if comm.rank == 0:
+        with open(path) as f:
+            doc = json.load(f)
+        for r in range(comm.size):
+            mine = [e for e in x_events(doc) if e["pid"] == r and e["args"].get("bytes") == 104
+                    and not e["name"].startswith("wait ")]  # a wait event only where the request was not done
+            got, ranks = sorted(e["name"] for e in mine), {e["args"]["ranks"] for e in mine}
+            if got != ["allreduce", "iallreduce"] or ranks != {len(range(r % 2, comm.size, 2))}:
+                verdict.append(f"rank {r}: the split's events {got} over {ranks} ranks")
+    assert_all_ranks(comm, not verdict, "; ".join(verdict))
 
 
 @pytest.mark.mpi

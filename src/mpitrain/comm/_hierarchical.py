@@ -11,12 +11,13 @@ of at least :data:`SHARED_STAGES_ABOVE` bytes do the host stages through shared 
 (:mod:`._host_stage`: the ring adds the host's other tensors while it transfers, the other ranks wait
 asleep); the result is bitwise the same.
 
-Used by :class:`~mpitrain.comm._mpi.MPICommunicator` for allreduces of at least :data:`HIERARCHY_ABOVE`
-bytes when its ranks span more than one host (:func:`Hierarchy.applies`). All stages run on private
-duplicates of the communicators, on one worker thread per communicator, in submission order (a blocking
-allreduce issued while none is queued or running runs on the calling thread instead): a blocking
-and a nonblocking allreduce issued in the same order on every rank match, and the caller's own
-collectives on the parent communicator never interleave with these. The first allreduce of at least
+Called by the MPI backend (:class:`~mpitrain.comm._mpi.MPICommunicator`, which hands it a way to
+make the leaders' communicator for the ring: this module imports no backend) for allreduces of at
+least :data:`HIERARCHY_ABOVE` bytes when its ranks span more than one host (:func:`Hierarchy.applies`).
+All stages run on private duplicates of the communicators, on one worker thread per communicator, in
+submission order (a blocking allreduce issued while none is queued or running runs on the calling
+thread instead): a blocking and a nonblocking allreduce issued in the same order on every rank match,
+and the caller's own collectives on the parent communicator never interleave with these. The first allreduce of at least
 :data:`HIERARCHY_ABOVE` bytes on a communicator finds its hosts (a collective), so that one call blocks
 until every rank has issued it, even when nonblocking.
 """
@@ -34,6 +35,7 @@ from mpi4py import MPI
 
 from .._utils.stall import watched
 from ._host_stage import HostStage
+from .base import Communicator
 from .ring import ring_allreduce
 
 __all__ = ["Hierarchy", "HIERARCHY_ABOVE", "RING_ABOVE", "SHARED_STAGES_ABOVE", "ring_chunk_bytes"]
@@ -88,10 +90,13 @@ class Hierarchy:
     """The host structure of an MPI communicator and the worker that runs hierarchical allreduces on it.
 
     Construction is collective over `comm` (every rank must construct it, in the same order relative to
-    other collectives on `comm`). `host_of` (tests only) groups ranks into hosts by this number instead
-    of by shared memory, so one machine can check the algorithm against a flat allreduce."""
+    other collectives on `comm`). `ring_comm` makes the leaders' communicator for the ring (point-to-point
+    calls on host memory only: a backend without the hierarchy). `host_of` (tests only) groups ranks into
+    hosts by this number instead of by shared memory, so one machine can check the algorithm against a
+    flat allreduce."""
 
-    def __init__(self, comm: MPI.Intracomm, host_of: int | None = None) -> None:
+    def __init__(self, comm: MPI.Intracomm, *, ring_comm: Callable[[MPI.Intracomm], Communicator],
+                 host_of: int | None = None) -> None:
         rank = comm.Get_rank()
         self.node = (comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank) if host_of is None
                      else comm.Split(host_of, key=rank))
@@ -105,7 +110,8 @@ class Hierarchy:
         self._state = threading.Lock()  # guards _pending
         self._pending = 0  # allreduces submitted or running inline, not finished
         self._executing = threading.Lock()  # held by whichever thread runs an allreduce's stages
-        self._leader_comm: Any = None
+        self._ring_factory = ring_comm
+        self._leader_comm: Communicator | None = None
         self._stage = HostStage(self.node)
         self._shared = all(self.node.allgather(HostStage.available()))
 
@@ -228,11 +234,9 @@ class Hierarchy:
                 flat.add_(o)
             on_final(0, flat.numel())
 
-    def _ring_comm(self) -> Any:
+    def _ring_comm(self) -> Communicator:
         """The leaders as a Communicator for the ring (its point-to-point calls only)."""
         if self._leader_comm is None:
-            from ._mpi import MPICommunicator
-
             assert self.leaders is not None  # only leaders run the ring
-            self._leader_comm = MPICommunicator(self.leaders)
+            self._leader_comm = self._ring_factory(self.leaders)
         return self._leader_comm

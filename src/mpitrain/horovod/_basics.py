@@ -81,9 +81,9 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
         if world.backend != "mpi":  # mpitrain runs on torch.distributed here; Horovod's engine needs MPI
             from mpi4py import MPI
 
-            from ..comm import MPICommunicator
+            from ..comm.compose import mpi_communicator
 
-            world = MPICommunicator(MPI.COMM_WORLD)
+            world = mpi_communicator(MPI.COMM_WORLD)
         layout = _layout(world)
         _state = _State(world, Engine(world), layout)
     for hook in ON_INIT:

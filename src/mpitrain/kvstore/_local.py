@@ -20,9 +20,9 @@ class LocalStore(AllreduceStore):
         if comm is None:
             from mpi4py import MPI
 
-            from ..comm import MPICommunicator
+            from ..comm.compose import mpi_communicator
 
-            comm = MPICommunicator(MPI.COMM_SELF)
+            comm = mpi_communicator(MPI.COMM_SELF)
         if comm.size != 1:
             raise KVStoreError(f"the local kvstore runs in one process; got a communicator of size "
                                f"{comm.size} (use funnel, concurrent, depchain or dist_sync_mpi)")

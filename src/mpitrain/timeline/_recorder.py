@@ -1,8 +1,9 @@
-"""The per-process event buffer: what :func:`span` and the instrumented Communicator append to.
+"""The per-process event buffer: what :func:`span` and the traced communicators append to.
 
 Nothing here imports from mpitrain, so any layer may record. When no timeline runs, :data:`current`
 is None and every entry point returns after that one check (``span`` hands back a shared no-op
-context manager); the Communicator and optimizer hooks are not even installed then.
+context manager); no tracer is set on the communicators (:mod:`mpitrain.comm.tracing`) and the
+optimizer hooks are not installed then.
 
 An event is ``(row, name, t0_ns, t1_ns, args)`` on this process's ``time.perf_counter_ns`` clock.
 `row` says which thread row of the trace it belongs to: on the main thread its kind ("compute",

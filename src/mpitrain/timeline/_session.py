@@ -15,7 +15,9 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch.utils.hooks import RemovableHandle
 
 from ..comm.base import CommError, Communicator
-from . import _comm, _recorder
+from ..comm.tracing import set_tracer
+from ..runtime import world
+from . import _recorder
 from ._clock import ClockSync, measure
 from ._recorder import Recorder, now
 from ._trace import local_rows, merge
@@ -58,8 +60,10 @@ def start(path: str | os.PathLike[str], comm: Communicator | None = None,
 
     Collective over `comm` (default: the world): every rank calls it with the same arguments; the
     ranks' clocks are aligned to rank 0's here (a few ping-pongs each). Records, until ``stop()``:
-    every call on any Communicator (collectives and messages with their bytes and peer, nonblocking
-    ones with the time blocked completing them), every optimizer step, and the spans the strategies
+    every call on a traced Communicator -- the world and every communicator split from it, composed
+    with the tracing layer by ``mpitrain.init()`` (:mod:`mpitrain.comm.tracing`): collectives and
+    messages with their bytes and peer, nonblocking ones with the time blocked completing them --,
+    every optimizer step, and the spans the strategies
     and the user open with :func:`span`. Keeps the most recent `max_events` events per rank.
     A bad argument raises ValueError on every rank before any message; starting twice raises
     RuntimeError."""
@@ -72,8 +76,6 @@ def start(path: str | os.PathLike[str], comm: Communicator | None = None,
     if not path:
         raise ValueError("the timeline needs a file path")
     if comm is None:
-        from ..runtime import world
-
         comm = world()
     sync = measure(comm)
     # rank 0's start, on every rank's own clock: its events are then placed relative to it
@@ -81,7 +83,7 @@ def start(path: str | os.PathLike[str], comm: Communicator | None = None,
     rec = Recorder(max_events)
     _session = _Session(path, comm, rec, sync, origin, time.time())
     _session.hooks = _optimizer_hooks()
-    _comm.install()
+    set_tracer(rec)  # the traced communicators' layer records from now on
     _recorder.current = rec
 
 
@@ -112,7 +114,7 @@ def _detach() -> _Session | None:
     global _session
     session, _session = _session, None
     _recorder.current = None
-    _comm.uninstall()
+    set_tracer(None)
     if session is not None:
         for h in session.hooks:
             h.remove()
@@ -169,7 +171,8 @@ def recording(path: str | os.PathLike[str] | None, comm: Communicator | None = N
 
 
 def start_from_env(comm: Communicator) -> None:
-    """Called by ``mpitrain.init()``: when :data:`ENV` names a file, start a timeline over `comm` and
+    """Called by ``mpitrain.init()`` once it has built the world (``runtime.on_init``, wired by the
+    ``mpitrain`` package): when :data:`ENV` names a file, start a timeline over `comm` and
     write it when the program exits normally (every rank reaches exit: the merge is collective)."""
     path = os.environ.get(ENV)
     if not path or _session is not None:

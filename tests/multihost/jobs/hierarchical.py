@@ -6,10 +6,11 @@ from __future__ import annotations
 import json
 
 import mpitrain
+from mpitrain.comm.compose import backend_of
 from tests.multihost.exactness import compare_with_flat
 
 comm = mpitrain.init("mpi")
 failures = compare_with_flat(comm)  # type: ignore[arg-type]
-h = comm._hierarchy  # type: ignore[attr-defined]
+h = backend_of(comm)._hierarchy  # type: ignore[attr-defined]
 print("HIER " + json.dumps({"rank": comm.rank, "failures": failures, "hosts": h.hosts if h else 0,
                             "host_sizes": h.host_sizes if h else []}), flush=True)

@@ -29,12 +29,13 @@ from mpi4py import MPI
 import mpitrain
 from mpitrain.comm._hierarchical import RING_NAP_S, Hierarchy, ring_chunk_bytes
 from mpitrain.comm._host_stage import HostStage
+from mpitrain.comm._mpi import MPICommunicator
 from mpitrain.comm.ring import ring_allreduce
 
 LINK_BPS = 1e9 / 8
 comm = mpitrain.init()
 world = MPI.COMM_WORLD
-h = Hierarchy(comm.mpi_comm)
+h = Hierarchy(comm.mpi_comm, ring_comm=lambda c: MPICommunicator(c, hierarchy=False))
 ring_comm = h._ring_comm() if h.leaders is not None else None
 stage = HostStage(h.node)
 
