@@ -10,7 +10,7 @@
    thread-CPU times; the gradients of both are compared (max abs difference).
 3. ``schedule.simulate`` on the times of 2. (``action_costs``): each schedule's efficiency against one
    process running the same partitions' forwards and whole backwards, as measured, with the split's
-   extra cost removed, and with the same total work cut evenly.
+   extra cost removed, with the same total work cut evenly, and with both.
 
     PYTHONPATH=. .venv/bin/mpitrain run -n 2 -- .venv/bin/python benchmarks/zb_split_cost.py [STEPS] [REPS]
 """
@@ -148,13 +148,13 @@ def simulated(costs: list[dict[str, float]], M: int) -> list[str]:
     one = M * sum(c["F"] + c["B"] for c in costs)
     free = [dict(c, I=c["I"] * c["B"] / (c["I"] + c["W"]), W=c["W"] * c["B"] / (c["I"] + c["W"])) for c in costs]
     lines = []
-    for label in ("as measured", "split at no extra cost", "work cut evenly"):
+    for label in ("as measured", "split at no extra cost", "work cut evenly", "both"):
         effs = []
         for name, kinds in (("1f1b", "FB"), ("zb1p", "FIW")):
-            table = free if label == "split at no extra cost" else costs
-            if label == "work cut evenly":  # each rank's work under this schedule scaled to the mean
-                work = [sum(c[k] for k in kinds) for c in costs]
-                table = [{k: v * sum(work) / (P * w) for k, v in c.items()} for c, w in zip(costs, work)]
+            table = free if label in ("split at no extra cost", "both") else costs
+            if label in ("work cut evenly", "both"):  # each rank's work under this schedule scaled to the mean
+                work = [sum(c[k] for k in kinds) for c in table]
+                table = [{k: v * sum(work) / (P * w) for k, v in c.items()} for c, w in zip(table, work)]
             effs.append(f"{name} {one / (P * simulate(P, M, name, action_costs=table)):.3f}")
         lines.append(f"simulated efficiency, {label}: " + ", ".join(effs))
     return lines
