@@ -10,6 +10,8 @@ recorded in the forward (the approach of torch.distributed.pipelining's stage_ba
   retain_graph=True)``: the engine runs only the branches that lead to the leaves, and a node on
   both paths (``addmm`` of a linear layer: its input gradient and its weight gradient) computes only
   the outputs asked for (autograd's per-edge ``needed`` mask), so its weight GEMM is not run yet;
+* the parameters of at most one dimension (biases, norm scales) count as inputs of the input half:
+  their gradients are reductions it computes anyway, so the weight half holds only weight GEMMs;
 * the nodes outside the input closure form the *weight region*; its connected pieces (joined by
   its own edges and by the edges that enter it from the closure) are the groups, one engine call
   each. A closure node with an edge into the region is an *intermediate*, where a weight path leaves
@@ -168,7 +170,8 @@ def _groups(params: Sequence[torch.Tensor], up: dict[Node, list[Node]], closure:
 def input_gradients(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None],
                     inputs: Sequence[torch.Tensor], params: Sequence[torch.Tensor]) -> WeightWork:
     """Accumulate the gradients of `outputs` (seeded with `grads`; None: ones, for a scalar loss) into
-    ``.grad`` of the leaves `inputs` only, and return the work that accumulates them into `params`.
+    ``.grad`` of the leaves `inputs` and of the parameters of at most one dimension (:func:`_early`),
+    and return the work that accumulates them into the other `params`.
     `outputs` require grad; `inputs` are leaves that require grad; `params` are the parameters to get
     gradients (a parameter the graph uses that is not among them gets none)."""
     seeds = [g if g is not None else torch.ones_like(t) for t, g in zip(outputs, grads)]
