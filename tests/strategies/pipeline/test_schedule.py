@@ -147,6 +147,19 @@ def test_simulate_on_partition_times_reproduces_the_uniform_case_and_sees_an_unb
     assert simulate(2, 4, "zbv", partition_costs=[1, 1, 1, 3]) > simulate(2, 4, "zbv", partition_costs=[2, 1, 1, 2])
 
 
+def test_simulate_on_measured_action_times_charges_each_kind_its_own_time():
+    """Per-kind times: the uniform case again, then the makespans of P = 2, M = 1 by hand (the
+    dependency chain F0 -> F1 -> B1 -> B0, and I1 -> B0 with W1 beside B0)."""
+    for name, P, M, v in layouts():
+        chunks = chunks_per_rank(name, v)
+        same = [{"F": 1.0 / chunks, "B": 2.0 / chunks, "I": 1.0 / chunks, "W": 1.0 / chunks}] * (P * chunks)
+        assert simulate(P, M, name, 2.0, v, 1.0, action_costs=same) == pytest.approx(
+            simulate(P, M, name, 2.0, v, 1.0))
+    costs = [{"F": 1.0, "B": 3.0, "I": 0.0, "W": 3.0}, {"F": 2.0, "B": 5.0, "I": 4.0, "W": 2.0}]
+    assert simulate(2, 1, "1f1b", action_costs=costs) == pytest.approx(1 + 2 + 5 + 3)
+    assert simulate(2, 1, "zb1p", action_costs=costs) == pytest.approx(1 + 2 + 4 + max(0 + 3, 2))
+
+
 def test_simulate_detects_a_deadlocking_order():
     bad = {"bad": lambda P, M, s: [a for a in reversed(one_f_one_b(P, M, s))]}
     SCHEDULES.update(bad)

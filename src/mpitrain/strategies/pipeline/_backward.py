@@ -10,6 +10,8 @@ recorded in the forward (the approach of torch.distributed.pipelining's stage_ba
   retain_graph=True)``: the engine runs only the branches that lead to the leaves, and a node on
   both paths (``addmm`` of a linear layer: its input gradient and its weight gradient) computes only
   the outputs asked for (autograd's per-edge ``needed`` mask), so its weight GEMM is not run yet;
+* the parameters of at most one dimension (biases, norm scales) count as inputs of the input half:
+  their gradients are reductions it computes anyway, so the weight half holds only weight GEMMs;
 * the nodes outside the input closure form the *weight region*; its connected pieces (joined by
   its own edges and by the edges that enter it from the closure) are the groups, one engine call
   each. A closure node with an edge into the region is an *intermediate*, where a weight path leaves
@@ -108,6 +110,22 @@ def _ancestors(starts: list[Node], up: dict[Node, list[Node]]) -> set[Node]:
     return out
 
 
+def _early(params: Sequence[torch.Tensor], up: dict[Node, list[Node]]) -> dict[torch.Tensor, Node]:
+    """The parameters of at most one dimension that the graph uses (biases, norm scales), with their
+    gradient accumulators: the input half computes their gradients. Each is a reduction over the
+    batch of a gradient the input half computes anyway (an addmm's bias: the sum of its output's
+    gradient; a LayerNorm's scale and shift: in the same kernel as its input gradient), so the weight
+    half keeps only the GEMMs and runs no LayerNorm backward a second time, nor one engine call per
+    norm."""
+    small = {id(p): p for p in params if p.dim() <= 1}
+    out: dict[torch.Tensor, Node] = {}
+    for acc in up:
+        p = getattr(acc, "variable", None) if type(acc).__name__ == "AccumulateGrad" else None
+        if p is not None and id(p) in small:
+            out[p] = acc
+    return out
+
+
 def _find(rep: dict[Node, Node], n: Node) -> Node:
     while rep.setdefault(n, n) is not n:
         rep[n] = rep[rep[n]]  # path halving
@@ -152,7 +170,8 @@ def _groups(params: Sequence[torch.Tensor], up: dict[Node, list[Node]], closure:
 def input_gradients(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None],
                     inputs: Sequence[torch.Tensor], params: Sequence[torch.Tensor]) -> WeightWork:
     """Accumulate the gradients of `outputs` (seeded with `grads`; None: ones, for a scalar loss) into
-    ``.grad`` of the leaves `inputs` only, and return the work that accumulates them into `params`.
+    ``.grad`` of the leaves `inputs` and of the parameters of at most one dimension (:func:`_early`),
+    and return the work that accumulates them into the other `params`.
     `outputs` require grad; `inputs` are leaves that require grad; `params` are the parameters to get
     gradients (a parameter the graph uses that is not among them gets none)."""
     seeds = [g if g is not None else torch.ones_like(t) for t, g in zip(outputs, grads)]
@@ -162,7 +181,8 @@ def input_gradients(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tenso
         return WeightWork([], (list(outputs), seeds))
     edges = [get_gradient_edge(t) for t in outputs]
     up = _parents([e.node for e in edges])
-    closure = _ancestors([get_gradient_edge(t).node for t in inputs], up)
+    early = _early(params, up)
+    closure = _ancestors([get_gradient_edge(t).node for t in inputs] + list(early.values()), up)
     groups = _groups(params, up, closure, list(zip(edges, seeds)))
     handles = []
     for g in groups:
@@ -173,8 +193,8 @@ def input_gradients(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tenso
     try:
         inside = [(t, g) for t, g, e in zip(outputs, seeds, edges) if e.node in closure]
         if inside:
-            torch.autograd.backward([t for t, _ in inside], [g for _, g in inside], inputs=list(inputs),
-                                    retain_graph=True)
+            torch.autograd.backward([t for t, _ in inside], [g for _, g in inside],
+                                    inputs=[*inputs, *early], retain_graph=True)
     finally:
         for h in handles:
             h.remove()

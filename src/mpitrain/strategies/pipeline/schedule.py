@@ -57,7 +57,7 @@ these rules and raises if some stage could wait forever; the tests run it for al
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
 __all__ = ["Action", "gpipe", "one_f_one_b", "interleaved_1f1b", "zb1p", "zbv", "SCHEDULES", "SPLIT", "schedule",
@@ -223,17 +223,22 @@ def render(actions: list[Action]) -> str:
 
 
 def simulate(stages: int, micro_batches: int, name: str, backward_cost: float = 2.0, virtual: int = 1,
-             weight_cost: float | None = None, partition_costs: Sequence[float] | None = None) -> float:
+             weight_cost: float | None = None, partition_costs: Sequence[float] | None = None,
+             action_costs: Sequence[Mapping[str, float]] | None = None) -> float:
     """Run every rank's action list against the pipeline's data dependencies with unit-time forwards,
     `backward_cost`-time whole backwards, of which W takes `weight_cost` (default half) and I the
     rest (a chunk does 1/chunks of a rank's work); returns the makespan. `partition_costs`: each
     partition's forward + backward per micro-batch instead (seconds, say), split in the same
-    proportions: the makespan of an unbalanced pipeline. Raises RuntimeError on a deadlock."""
+    proportions: the makespan of an unbalanced pipeline. `action_costs`: each partition's measured
+    time per action kind (``{"F": .., "B": .., "I": .., "W": ..}``; the kinds the schedule runs),
+    overriding both: a split backward may cost more than a whole one, and the first partition's I
+    nothing. Raises RuntimeError on a deadlock."""
     v = chunks_per_rank(name, virtual)
     w = backward_cost / 2 if weight_cost is None else weight_cost
     share = {"F": 1.0, "B": backward_cost, "I": backward_cost - w, "W": w}
     scale = [c / (1.0 + backward_cost) for c in partition_costs] if partition_costs is not None \
         else [1.0 / v] * (stages * v)
+    cost = list(action_costs) if action_costs is not None else [{k: c * x for k, c in share.items()} for x in scale]
     lists = [schedule(name, stages, micro_batches, s, virtual) for s in range(stages)]
     where = placement(name, stages, virtual)
     last = stages * v - 1
@@ -253,7 +258,7 @@ def simulate(stages: int, micro_batches: int, name: str, backward_cost: float = 
                 deps = [("G", k, m)]
             if all(d in done for d in deps):
                 start = max([clock[s], *(done[d] for d in deps)])
-                clock[s] = start + share[kind] * scale[k]
+                clock[s] = start + cost[k][kind]
                 done[("G" if kind in "BI" else kind, k, m)] = clock[s]
                 pos[s] += 1
                 progressed = True
