@@ -39,7 +39,7 @@ test-mpi: venv
 	timeout 900 $(RUN) -n 2 -- $(MPIPYTEST) --timeout=240 tests
 	timeout 900 $(RUN) -n 3 -- $(MPIPYTEST) --timeout=300 tests
 	timeout 900 $(RUN) -n 4 -- $(MPIPYTEST) --timeout=300 tests
-	MPITRAIN_BACKEND=torch timeout 600 $(RUN) -n 3 -- $(MPIPYTEST) --timeout=240 tests/comm
+	MPITRAIN_BACKEND=torch timeout 600 $(RUN) -n 3 -- $(MPIPYTEST) --timeout=240 tests/comm tests/timeline
 
 # On a GPU machine (docs/gpu.md): one rank through both backends, then 2-4 ranks sharing the GPU(s) through
 # the MPI backend, then NCCL across ranks when there are GPUs enough for one per rank. Without CUDA every

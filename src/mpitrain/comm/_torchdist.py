@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import pickle
 import socket
 import threading
 from collections.abc import Sequence
@@ -286,24 +287,25 @@ class TorchCommunicator(Communicator):
         return box[0]
 
     def send_object(self, obj: Any, dest: int, tag: int = 0) -> None:
-        """torch's ``send_object_list``. Its two messages (size, then bytes) travel on tag 0, which
-        torch's object path cannot change: any other `tag` raises CommError before sending."""
-        self._check_object_p2p(dest, "dest", tag)
-        dist.send_object_list([obj], dst=self._g(dest), group=self._group)
+        """Pickles `obj` and sends its length, then its bytes, both on `tag` (blocking). Not torch's
+        ``send_object_list``, which has no tag: tagged objects keep a library's messages (the timeline's
+        gather) apart from the user's. Gloo's send waits for the matching receive, so unlike MPI's eager
+        small sends, a receiver taking tags in another order than they were sent deadlocks."""
+        self._check_open()
+        self._check_rank(dest, "dest")
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        self.send(torch.tensor([data.numel()], dtype=torch.int64), dest, tag)
+        self.send(data, dest, tag)
 
     def recv_object(self, source: int, tag: int = 0) -> Any:
-        """torch's ``recv_object_list`` (tag 0 only, see :meth:`send_object`)."""
-        self._check_object_p2p(source, "source", tag)
-        box: list[Any] = [None]
-        dist.recv_object_list(box, src=self._g(source), group=self._group)
-        return box[0]
-
-    def _check_object_p2p(self, peer: int, name: str, tag: int) -> None:
+        """The object :meth:`send_object` sent from `source` on `tag` (blocking)."""
         self._check_open()
-        self._check_rank(peer, name)
-        if tag != 0:
-            raise CommError(f"the torch backend sends objects on tag 0 only (torch.distributed's "
-                            f"send_object_list has no tag), got tag={tag}; use the MPI backend for tagged objects")
+        self._check_rank(source, "source")
+        n = torch.empty(1, dtype=torch.int64)
+        self.recv(n, source, tag)
+        data = torch.empty(int(n), dtype=torch.uint8)
+        self.recv(data, source, tag)
+        return pickle.loads(data.numpy().tobytes())
 
     def abort(self, code: int = 1) -> None:
         try:
