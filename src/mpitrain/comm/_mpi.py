@@ -20,6 +20,7 @@ from mpi4py import MPI
 from .._utils.flat import offsets
 from ._cuda import host_wait, mpi_cuda_aware
 from ._hierarchical import HIERARCHY_ABOVE, Hierarchy
+from ._staging import clone_bits
 from .base import CommError, Communicator, Request, _CallbackRequest, _DoneRequest, split_sizes
 
 __all__ = ["MPICommunicator", "DEVICES", "default_direct", "pieces", "widened"]
@@ -188,7 +189,10 @@ class MPICommunicator(Communicator):
             if src.data_ptr() == own.data_ptr():  # block `rank` of out itself: MPI's in-place allgather
                 self._comm.Allgather(MPI.IN_PLACE, _buf(out))
             else:
-                self._comm.Allgather(_buf(src.clone() if _overlap(src, out) else src), _buf(out))
+                # a block of `out` goes as a copy (MPI forbids aliased buffers), of its bytes (int1 ... uint7
+                # have no clone kernel), held in `send` while MPI reads it: _buf holds only its address
+                send = clone_bits(src) if _overlap(src, out) else src
+                self._comm.Allgather(_buf(send), _buf(out))
         return out
 
     def reduce_scatter(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:

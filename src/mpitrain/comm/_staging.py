@@ -26,7 +26,7 @@ import torch
 
 from ._cuda import side_stream
 
-__all__ = ["Staging", "copy_bits"]
+__all__ = ["Staging", "copy_bits", "clone_bits"]
 
 
 class Staging:
@@ -145,6 +145,11 @@ class Staging:
 def copy_bits(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> None:
     """``dst.copy_(src)`` for contiguous tensors of one dtype and size, as their bytes (every dtype)."""
     dst.reshape(-1).view(torch.uint8).copy_(src.reshape(-1).view(torch.uint8), non_blocking=non_blocking)
+
+
+def clone_bits(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of `t` made as its bytes (every dtype: int1 ... uint7 have no clone kernel)."""
+    return t.reshape(-1).view(torch.uint8).clone().view(t.dtype).reshape(t.shape)
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:

@@ -159,7 +159,7 @@ class TorchCommunicator(Communicator):
         out = self._gather_out(src, out)
         if out.numel():  # gloo reads the input while writing the output: a block of `out` goes as a copy
             shared = src.untyped_storage().data_ptr() == out.untyped_storage().data_ptr()
-            dist.all_gather_single(_wire(out), _wire(src.clone() if shared else src), group=self._group)
+            dist.all_gather_single(_wire(out), _wire(src).clone() if shared else _wire(src), group=self._group)
         return out
 
     def reduce_scatter(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
