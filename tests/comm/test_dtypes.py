@@ -101,8 +101,7 @@ def test_every_dtype_allgathers_from_a_block_of_out_that_is_not_its_own(comm):
     # (int1 ... uint7 have no clone kernel: the copy is of its bytes)
     bad = []
     for d in DTYPES:
-        out = torch.zeros(2 * comm.size, 3, dtype=torch.uint8).view(d) if d.itemsize == 1 else \
-            torch.zeros(2 * comm.size, 3, dtype=d)
+        out = torch.zeros(2 * comm.size, 3 * d.itemsize, dtype=torch.uint8).view(d)  # as payload builds its bits
         other = (comm.rank + 1) % comm.size
         src = out[2 * other:2 * other + 2]
         src.view(torch.uint8).copy_(payload(comm.rank, 2, d, (3,)).view(torch.uint8))
