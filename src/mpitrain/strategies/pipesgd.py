@@ -271,24 +271,27 @@ class PipeSGDTrainer(StepTrainer):
     def closed(self) -> bool:
         return self._closed
 
-    def _apply(self, handle: _Handle) -> None:
-        """Wait for `handle`'s averaged gradient, bind it as the parameters' gradient and update (clip by
-        its norm, the same on every rank, and step); the buffer then serves a later iteration."""
+    def _take(self, handle: _Handle) -> None:
+        """Wait for `handle`'s averaged gradient (the same on every rank) and bind it as the parameters'
+        gradient; its buffer is free again (nothing takes a buffer before the update reads it)."""
         t0 = time.perf_counter()
         flat = self.comm_thread.wait(handle)
-        t1 = time.perf_counter()
+        self.stats["wait_s"] += time.perf_counter() - t0
         self._bind(flat)
-        self.update()
         self._free.append(flat)
-        self.stats["wait_s"] += t1 - t0
-        self.stats["compute_s"] += time.perf_counter() - t1
+
+    def update(self) -> None:
+        t0 = time.perf_counter()
+        super().update()
+        self.stats["compute_s"] += time.perf_counter() - t0
 
     def begin_step(self, batches: Sequence[BatchShare]) -> None:
         """Algorithm 1, lines 3-5: w[t] = w[t-1] - step(g[t-K]) once the gradient of t-K is due (not during
         the D-Sync warm-up, where each step applies its own); then a fresh gradient buffer, bound."""
         self._sync = self.K == 1 or self.t < self.warmup
         if not self._sync and self._pending and self._pending[0].iteration <= self.t + 1 - self.K:
-            self._apply(self._pending.popleft())
+            self._take(self._pending.popleft())
+            self.update()
         self._flat = self._free.popleft()
         self._flat.zero_()
         self._bind(self._flat)
@@ -308,16 +311,15 @@ class PipeSGDTrainer(StepTrainer):
         return local
 
     def finish_gradients(self) -> bool:
-        """Hand the gradient to the communication thread; synchronous steps (K=1, warm-up) wait for it and
-        apply it here, the others leave it pending for iteration t+K. Never ready for the caller: the
-        update, when there is one, already ran (:meth:`_apply`)."""
+        """Hand the gradient to the communication thread. Synchronous steps (K=1, warm-up) wait for it:
+        ready, the step applies it; the others leave it pending for iteration t+K: not ready."""
         handle = self.comm_thread.submit(self._flat, self.t + 1)
-        if self._sync:
-            self._apply(handle)
-        else:
-            self._pending.append(handle)
         self.t += 1
         self.stats["steps"] += 1
+        if self._sync:
+            self._take(handle)
+            return True
+        self._pending.append(handle)
         return False
 
     def clip_grad_norm_(self, max_norm: float) -> None:
