@@ -187,3 +187,13 @@ def test_every_strategys_step_on_uneven_shares_of_several_batches_equals_one_pro
         assert_close_all_ranks(comm, p.detach(), q.detach(), 1e-12, 0.0, f"{kind}: {name} after 2 steps")
     assert_close_all_ranks(comm, torch.tensor(losses), torch.tensor(ref_losses), 1e-12, 0.0, f"{kind}: losses")
     assert_all_ranks(comm, isinstance(trainer, StepTrainer), f"{kind}: {type(trainer).__name__}")
+
+
+def test_a_data_trainer_closed_by_trained_model_refuses_the_next_step_naming_its_strategy(comm):
+    from mpitrain.strategies.data_parallel import DataOptions
+
+    t = DataTrainer(mlp(), F.cross_entropy, sgd, comm, 1, DataOptions(kvstore="local"))
+    t.train_step(*_batch(4))
+    t.trained_model()
+    with pytest.raises(RuntimeError, match="this data-parallel trainer is finished"):
+        t.train_step(*_batch(4))

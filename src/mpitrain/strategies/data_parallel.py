@@ -474,9 +474,11 @@ class DataTrainer(StepTrainer):
     samples: the step equals one process's (BatchNorm statistics are per rank, as in DDP). With
     ``broadcast_buffers`` rank 0's buffers are broadcast once per step, before its first forward. The
     returned loss is the step's mean, equal on every rank. Inputs and targets are moved to the model's
-    device; :meth:`eval_step` returns its outputs on the CPU (where fit's targets are). Features:
-    :data:`FEATURES`.
+    device; :meth:`eval_step` returns its outputs on the CPU (where fit's targets are). The step is
+    :class:`~.step.StepTrainer`'s; this class supplies its hooks.
     """
+
+    label = "data-parallel"
 
     def __init__(self, model: nn.Module, loss_fn: LossFn, optimizer: OptimizerFactory, comm: Communicator,
                  micro_batches: int, opts: DataOptions, loop: LoopSpec = DEFAULT_LOOP) -> None:

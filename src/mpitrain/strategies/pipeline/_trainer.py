@@ -2,7 +2,7 @@
 
 "model" is one replica of ``partitions == world size``; "hybrid" is ``partitions x replicas == world
 size``. Arguments are checked on every rank before any message. Every loop feature of fit is
-supported (:data:`FEATURES`):
+supported (the step is :class:`..step.StepTrainer`'s; this module supplies its hooks):
 
 * shares: replica r reads block r of each global batch (as even as possible); within a replica only
   pipeline rank 0 reads inputs and only the last pipeline rank targets, middle ranks read nothing.
