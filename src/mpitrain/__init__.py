@@ -32,6 +32,12 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "kvstore": ("mpitrain.kvstore", None),
     "spatial": ("mpitrain.spatial", None),
     "plan": ("mpitrain.planner", "plan"),
+    # each strategy's options dataclass: fit(strategy=DataOptions(zero=1)) runs "data" with them
+    "DataOptions": ("mpitrain.strategies.data_parallel", "DataOptions"),
+    "PipelineOptions": ("mpitrain.strategies.pipeline", "PipelineOptions"),
+    "PipeSGDOptions": ("mpitrain.strategies.pipesgd", "PipeSGDOptions"),
+    "SpatialOptions": ("mpitrain.spatial.trainer", "SpatialOptions"),
+    "AutoOptions": ("mpitrain.planner", "AutoOptions"),
     "Plan": ("mpitrain.planner", "Plan"),
 }
 

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from torch import nn
 
 from .comm.base import Communicator
-from .strategies.base import FitError, FitSpec, LossFn, OptimizerFactory, Trainer, TrainerFactory
+from .strategies.base import FEATURE_NAMES, FitError, FitSpec, LossFn, OptimizerFactory, Trainer, TrainerFactory
 
 __all__ = ["STRATEGIES", "make_trainer", "features"]
 
@@ -47,7 +47,8 @@ def make_trainer(model: nn.Module, loss_fn: LossFn, optimizer: OptimizerFactory,
 
 
 def features(strategy: str, table: Mapping[str, str] = STRATEGIES) -> frozenset[str]:
-    """The loop features `strategy` declares (its module's FEATURES: "checkpoint", "grad_clip", ...).
+    """The loop features `strategy` supports: all of :data:`~mpitrain.strategies.base.FEATURE_NAMES`
+    (its trainer is a StepTrainer) unless its module declares fewer in ``FEATURES`` (strategy "auto").
     Imports the strategy's module, sends nothing; FitError for an unknown name."""
     module = importlib.import_module(_entry(strategy, table)[0])
-    return frozenset(getattr(module, "FEATURES", frozenset()))
+    return frozenset(getattr(module, "FEATURES", FEATURE_NAMES))

@@ -21,7 +21,7 @@ from ._utils.deprecation import renamed_options
 from ._utils.stall import StallPolicy
 from .comm.base import Communicator
 from .runtime import world
-from .strategies import NAMED, samples, slice_share
+from .strategies import NAMED, StepTrainer, samples, slice_share
 from .strategies.base import (
     Balance,
     Batch,
@@ -31,6 +31,7 @@ from .strategies.base import (
     LoopSpec,
     LossFn,
     OptimizerFactory,
+    StrategyOptions,
     Trainer,
     is_int,
     is_number,
@@ -229,6 +230,26 @@ def _require(strategy: str, s: _Settings, data: object) -> bool:
     return "shares" in have
 
 
+def _strategy_of(strategy: str | StrategyOptions, options: dict[str, object], partitions: int,
+                 replicas: int | None, size: int) -> tuple[str, dict[str, object] | StrategyOptions]:
+    """The strategy's name and its options (fit's leftover keywords, or the options dataclass passed as
+    `strategy`, whose class names the strategy). FitError, local, for an options object given with
+    keyword options too, or for anything else."""
+    if isinstance(strategy, StrategyOptions):
+        name = strategy.strategy_name(partitions, replicas, size)
+        if options:
+            raise FitError(f"fit: strategy={strategy!r} and the keyword option(s) {sorted(options)} were both given: "
+                           f"put them in the {type(strategy).__name__}, or pass strategy={name!r} with keywords")
+        if name not in STRATEGIES:
+            raise FitError(f"fit: {type(strategy).__name__} names no strategy ({name!r}); choose one of "
+                           f"{sorted(STRATEGIES)} or its options dataclass")
+        return name, strategy
+    if not isinstance(strategy, str):
+        raise FitError(f"fit: strategy must be a name ({sorted(STRATEGIES)}) or a strategy's options dataclass "
+                       f"(mpitrain.DataOptions, ...), got {strategy!r}")
+    return strategy, options
+
+
 def _check_first_batch(data: object) -> None:
     """The sharding rule (:func:`~mpitrain.strategies._batching.samples`) on the first global batch of a
     list or tuple of batches, before the trainer is built (no message yet). Other iterables cannot be
@@ -251,8 +272,8 @@ def _settings(data: object, epochs: int, steps: int | None, batch_size: int | No
                                                         ("pin_memory", pin_memory)])
         assert batch_size is not None
         plan = DataPlan(data, batch_size, shuffle, seed, drop_last, num_workers, pin_memory)
-        if drop_last and len(data) < batch_size:  # type: ignore[arg-type]
-            raise FitError(f"drop_last=True with a Dataset of {len(data)} samples and batch_size={batch_size} "  # type: ignore[arg-type]
+        if drop_last and len(plan.dataset) < batch_size:
+            raise FitError(f"drop_last=True with a Dataset of {len(plan.dataset)} samples and batch_size={batch_size} "
                            f"leaves no batch")
     elif batch_size is not None or num_workers or pin_memory:
         raise FitError("batch_size, num_workers and pin_memory apply to a map-style torch.utils.data.Dataset; "
@@ -287,19 +308,21 @@ def _data_signature(s: _Settings) -> dict[str, object]:
 class _Loop:
     """One fit run: epochs of steps over the data, callbacks, checkpoints. Every rank runs it alike."""
 
-    def __init__(self, trainer: Trainer, comm: Communicator, data: Any, s: _Settings, sharded: bool,
-                 strategy: str, model_keys: list[str], show: bool, has_lr: bool) -> None:
-        self.trainer, self.comm, self.data, self.s, self.sharded = trainer, comm, data, s, sharded
+    def __init__(self, trainer: Trainer, comm: Communicator, data: Any, s: _Settings, strategy: str,
+                 model_keys: list[str], show: bool) -> None:
+        self.trainer, self.comm, self.data, self.s = trainer, comm, data, s
         self.strategy, self.model_keys, self.show = strategy, model_keys, show
-        # only a strategy declaring "lr_scheduler" promises an optimizer on every rank (a pipeline stage
-        # without parameters has none): the others record no lr, so every rank's history is the same
-        self.optimizer: torch.optim.Optimizer | None = getattr(trainer, "optimizer", None) if has_lr else None
+        #: the trainer's full interface (shares, optimizer, checkpoints): every concrete strategy's; None for
+        #: one that declares no loop features ("auto"), which fit drives by whole global batches
+        self.stepper: StepTrainer | None = trainer if isinstance(trainer, StepTrainer) else None
+        # a strategy without an optimizer before its first step ("auto") records no lr: every rank's
+        # history is the same
+        self.optimizer: torch.optim.Optimizer | None = None if self.stepper is None else self.stepper.optimizer
         self.scheduler = s.lr_scheduler(self.optimizer) if s.lr_scheduler is not None and self.optimizer else None
         # what this rank's DataLoader reads: a trainer may view the Dataset (spatial: its block of each sample)
-        view = getattr(trainer, "rank_view", None) if sharded else None
         self.read_plan: DataPlan | None = s.plan
-        if view is not None and s.plan is not None:
-            self.read_plan = replace(s.plan, dataset=view(s.plan.dataset))
+        if self.stepper is not None and s.plan is not None:
+            self.read_plan = replace(s.plan, dataset=self.stepper.rank_view(s.plan.dataset))
         self.pos = _Position()
         self.history: list[dict[str, Any]] = []
         self.saved_step = -1
@@ -309,26 +332,26 @@ class _Loop:
     def _items(self, epoch: int, start: int) -> Iterator[Any]:
         """This epoch's items from global batch `start` on: BatchShares (sharded trainers) or global
         ``(inputs, targets)`` batches."""
-        plan, trainer = self.s.plan, self.trainer
+        plan, stepper = self.s.plan, self.stepper
         if plan is not None:
-            if self.sharded:
+            if stepper is not None:
                 assert self.read_plan is not None
-                yield from read_shares(self.read_plan, epoch, start, trainer.share)  # type: ignore[attr-defined]
+                yield from read_shares(self.read_plan, epoch, start, stepper.share)
             else:
                 yield from read_global(plan, epoch, start)
             return
         for i, (inputs, targets) in enumerate(skip(self.data, start)):
             if i == 0:
                 check_same_first_batch(self.comm, (inputs, targets), epoch)
-            if self.sharded:
-                yield slice_share(inputs, targets, trainer.share(samples(inputs, targets)))  # type: ignore[attr-defined]
+            if stepper is not None:
+                yield slice_share(inputs, targets, stepper.share(samples(inputs, targets)))
             else:
                 yield inputs, targets
 
     def _step(self, group: list[Any]) -> tuple[float, int]:
-        if self.sharded:
+        if self.stepper is not None:
             total = sum(b.n for b in group)
-            return self.trainer.train_shares(group, total), total  # type: ignore[attr-defined]
+            return self.stepper.train_shares(group, total), total
         inputs, targets = group[0]
         return self.trainer.train_step(inputs, targets), samples(inputs, targets)
 
@@ -365,8 +388,8 @@ class _Loop:
                 self.checkpoint()  # stopped mid-epoch: a resume continues this epoch where it stopped
             elapsed = time.perf_counter() - t0
             p = self.pos
-            record = {"epoch": float(p.epoch + 1), "loss": p.loss_sum / max(p.samples, 1),
-                      "samples_per_s": (p.samples - done0) / elapsed if elapsed > 0 else math.nan}
+            record: dict[str, Any] = {"epoch": float(p.epoch + 1), "loss": p.loss_sum / max(p.samples, 1),
+                                      "samples_per_s": (p.samples - done0) / elapsed if elapsed > 0 else math.nan}
             if lr is not None:
                 record["lr"] = lr
             if eval_data is not None:
@@ -374,7 +397,7 @@ class _Loop:
             self.history.append(record)
             if self.show:
                 print("  ".join(f"{k}={v:.4g}" for k, v in record.items()), flush=True)
-            record.update(getattr(self.trainer, "record", {}))  # strategy="auto": the plan it chose
+            record.update(self.trainer.record)  # strategy="auto": the plan it chose
             self.pos = _Position(epoch=p.epoch + 1, step=p.step)
             self._callback(s.on_epoch_end, LoopState(p.epoch + 1, p.step, record["loss"], lr, self.history))
         if s.checkpoint_dir is not None and self.saved_step != self.pos.step:
@@ -404,10 +427,15 @@ class _Loop:
         self.stop = self.stop or bool(votes.item() > 0)
 
     # -- checkpoints ----------------------------------------------------------------------------------
+    def _checkpointer(self) -> CheckpointTrainer:
+        """The trainer's checkpoint hooks: every StepTrainer's (fit refused checkpoint_dir for the others)."""
+        assert self.stepper is not None
+        return self.stepper
+
     def checkpoint(self) -> None:
         """Collective: save the trainer's shard, this rank's RNG and the loop position (atomically)."""
         assert self.s.checkpoint_dir is not None
-        trainer: CheckpointTrainer = self.trainer  # type: ignore[assignment]
+        trainer = self._checkpointer()
         shard = {"trainer": trainer.state_dict(), "rng": checkpoint.rng_state(),
                  "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None}
         manifest = {"strategy": self.strategy, "layout": trainer.layout(), "position": asdict(self.pos),
@@ -418,7 +446,7 @@ class _Loop:
     def restore(self, path: Path, manifest: dict[str, Any]) -> None:
         """Every rank: continue from the checkpoint at `path` (FitError if it was another kind of run)."""
         saved, now = manifest["data"], _data_signature(self.s)
-        trainer: CheckpointTrainer = self.trainer  # type: ignore[assignment]
+        trainer = self._checkpointer()
         # state saved by name loads into any strategy that reads it so (data <-> model/hybrid, any ZeRO)
         by_name = bool(manifest["layout"].get(NAMED)) and bool(trainer.layout().get(NAMED))
         if (manifest["strategy"] != self.strategy and not by_name) or saved != now:
@@ -468,10 +496,10 @@ def _find_resume(comm: Communicator, s: _Settings) -> tuple[Path, dict[str, Any]
 
 
 def fit(model: nn.Module, data: Any, loss_fn: LossFn,
-        optimizer: OptimizerFactory, *, strategy: str = "data", partitions: int = 1, replicas: int | None = None,
-        micro_batches: int = 1, schedule: str = "1f1b", epochs: int = 1, steps: int | None = None,
-        batch_size: int | None = None, shuffle: bool = True, seed: int = 0, drop_last: bool = False,
-        num_workers: int = 0, pin_memory: bool = False,
+        optimizer: OptimizerFactory, *, strategy: str | StrategyOptions = "data", partitions: int = 1,
+        replicas: int | None = None, micro_batches: int = 1, schedule: str = "1f1b", epochs: int = 1,
+        steps: int | None = None, batch_size: int | None = None, shuffle: bool = True, seed: int = 0,
+        drop_last: bool = False, num_workers: int = 0, pin_memory: bool = False,
         eval_data: Iterable[tuple[Batch, torch.Tensor]] | None = None,
         metrics: Iterable[str | Metric] | Mapping[str, Metric] | None = None,
         checkpoint_dir: str | os.PathLike[str] | None = None, checkpoint_every: int | None = None,
@@ -482,6 +510,10 @@ def fit(model: nn.Module, data: Any, loss_fn: LossFn,
         warn_after: float = DEFAULT_WARN_AFTER, abort_after: float | None = DEFAULT_ABORT_AFTER,
         timeline: str | os.PathLike[str] | None = None, **options: object) -> FitResult:
     """Train `model` on every rank of `comm` (default: the world) with one of :data:`STRATEGIES`.
+
+    `strategy` is a name with the strategy's options as keywords (``strategy="data", zero=1``) or the
+    strategy's options dataclass, whose class names it (``strategy=mpitrain.DataOptions(zero=1)``;
+    ``PipelineOptions`` runs "model" when `partitions` takes every rank, else "hybrid"); not both.
 
     `data` is either a map-style ``torch.utils.data.Dataset`` (with ``batch_size=``, the GLOBAL batch) or
     an iterable of ``(inputs, targets)`` global mini-batches, the same on every rank.
@@ -509,7 +541,8 @@ def fit(model: nn.Module, data: Any, loss_fn: LossFn,
     after every N optimizer steps (counted across epochs) and at the end; ``resume=True`` continues
     from the latest one in DIR (or starts fresh), ending bit-identical to an uninterrupted run.
 
-    Strategy-specific keywords go in `options`. No wait of the strategy hangs: one still waiting after
+    Strategy-specific keywords go in `options` (or in the options dataclass given as `strategy`).
+    No wait of the strategy hangs: one still waiting after
     `warn_after` seconds prints a line naming what it waits for (again every `warn_after` seconds);
     after `abort_after` seconds (None: never) the job ends. ``stall_timeout``/``stall_warning_s`` and
     ``stall_abort`` are deprecated spellings of these two. Every rank must call `fit` with the same
@@ -528,20 +561,22 @@ def fit(model: nn.Module, data: Any, loss_fn: LossFn,
     except TypeError as e:
         raise FitError(str(e)) from None
     stall = stall_policy(warn_after, abort_after, rest)
-    sharded = _require(strategy, s, data)
+    name, strategy_options = _strategy_of(strategy, rest, partitions, replicas, comm.size)
+    sharded = _require(name, s, data)
     _check_first_batch(data)
     if eval_data is not None and is_map_dataset(eval_data):
         eval_data = DataLoader(eval_data, batch_size=batch_size or 1)  # type: ignore[arg-type]
     resume_from = _find_resume(comm, s)
-    spec = FitSpec(strategy=strategy, partitions=partitions, replicas=replicas, micro_batches=micro_batches,
-                   schedule=schedule, balance=balance, options=rest, stall=stall, loop=s.loop)
+    spec = FitSpec(strategy=name, partitions=partitions, replicas=replicas, micro_batches=micro_batches,
+                   schedule=schedule, balance=balance, options=strategy_options, stall=stall, loop=s.loop)
     if timeline is not None and not isinstance(timeline, (str, os.PathLike)):
         raise FitError(f"fit: timeline must be a file path, got {timeline!r}")
     model_keys = list(model.state_dict())
     trainer = make_trainer(model, loss_fn, optimizer, comm, spec)
+    if sharded != isinstance(trainer, StepTrainer):  # a strategy's bug: its FEATURES and its trainer disagree
+        raise RuntimeError(f"strategy {name!r}: a trainer of every loop feature is a StepTrainer, and only it")
     with _timeline.recording(timeline, comm):  # fit(timeline="trace.json"): written when the loop ends
-        loop = _Loop(trainer, comm, data, s, sharded, strategy, model_keys, progress and comm.rank == 0,
-                     "lr_scheduler" in _registry.features(strategy, STRATEGIES))
+        loop = _Loop(trainer, comm, data, s, name, model_keys, progress and comm.rank == 0)
         try:
             if resume_from is not None:
                 loop.restore(*resume_from)

@@ -5,9 +5,9 @@ network's alpha-beta, Pipe-SGD's constants), prices every candidate with the cos
 :mod:`mpitrain.perf`, and builds the chosen strategy's trainer for ``fit(strategy="auto")``.
 """
 
-from ._auto import make_trainer
+from ._auto import FEATURES, AutoOptions, make_trainer
 from ._measure import measure_plan
 from ._plan import plan
 from ._types import Dropped, Plan, PlanError, Plans
 
-__all__ = ["plan", "Plan", "Plans", "Dropped", "PlanError", "make_trainer", "measure_plan"]
+__all__ = ["plan", "Plan", "Plans", "Dropped", "PlanError", "make_trainer", "measure_plan", "FEATURES", "AutoOptions"]

@@ -23,7 +23,11 @@ from ..strategies.base import (
 from ._plan import plan
 from ._types import Plans, spec_for
 
-__all__ = ["AutoOptions", "AutoTrainer", "make_trainer"]
+__all__ = ["AutoOptions", "AutoTrainer", "make_trainer", "FEATURES"]
+
+#: None of fit's loop features (strategies/base.py: FEATURE_NAMES): the trainer exists only after the
+#: plan, on the first batch, so there is no share, optimizer or layout before it; fit refuses them.
+FEATURES: frozenset[str] = frozenset()
 
 #: Runners-up printed under the chosen plan.
 RUNNERS_UP = 3

@@ -20,7 +20,7 @@ from torch.utils.data import Dataset
 from ..comm import settle_on_error
 from ..comm.base import Communicator
 from ..comm.place import Place, PlaceError
-from ..strategies import autocast, broadcast_tensors, model_device, samples, slice_share, to_device
+from ..strategies import StepTrainer, autocast, broadcast_tensors, model_device, samples, slice_share, to_device
 from ..strategies.base import (
     DEFAULT_LOOP,
     Batch,
@@ -41,7 +41,7 @@ from .distribution import NONSPATIAL, Distribution, SpatialError, gather, ranges
 from .parallelize import SpatialParallel, parallelize
 from .tensor import Layout, layout_of, tag
 
-__all__ = ["SpatialTrainer", "SpatialOptions", "make_trainer", "FEATURES"]
+__all__ = ["SpatialTrainer", "SpatialOptions", "make_trainer"]
 
 
 @dataclass(frozen=True)
@@ -115,8 +115,8 @@ def _broadcast_state(model: nn.Module, comm: Communicator) -> None:
         broadcast_tensors([t.data for t in [*model.parameters(), *model.buffers()]], comm, 0)
 
 
-class SpatialTrainer:
-    """Trains `model` on `dist`. Features: :data:`FEATURES` (docs/training-runs.md).
+class SpatialTrainer(StepTrainer):
+    """Trains `model` on `dist`; the step is :class:`~mpitrain.strategies.step.StepTrainer`'s.
 
     A global batch of n samples is split over the sample groups as evenly as possible
     (:func:`~mpitrain.comm.base.split_sizes`; a group may get none) and each sample over its group's grid.
@@ -138,6 +138,7 @@ class SpatialTrainer:
                  bn_stats: str = "global", overlap: bool = True, loop: LoopSpec = DEFAULT_LOOP,
                  switch_at: str | None = None) -> None:
         self.model, self.loss_fn, self.dist, self.loop = model, loss_fn, dist, loop
+        self.comm = dist.comm  # replicas stays 1: the gradients are summed over every rank, not averaged
         self.bn_stats, self.switch_at = bn_stats, switch_at
         self.device = model_device(model)
         self.parallel: SpatialParallel = parallelize(model, dist, bn_stats=bn_stats, overlap=overlap,
@@ -223,14 +224,16 @@ class SpatialTrainer:
             return None  # check_shape names other ranks' problems
         return grid_problem(len(shape) - 2, self.dist.grid, f"the batch of shape {tuple(shape)}")
 
-    def train_shares(self, batches: Sequence[BatchShare], total: int) -> float:
-        """One optimizer step on this group's rows of `batches` (:class:`~mpitrain.strategies.base.ShardedTrainer`):
-        one forward and backward per batch (gradients accumulate), then clip and step. Each batch's loss
-        runs where :class:`~mpitrain.spatial._fit_loss.StepLoss` says: on blocks for dense targets (the
-        batch's loss on every rank), else on each group's whole samples; weighted by its rows."""
+    def begin_step(self, batches: Sequence[BatchShare]) -> None:
         if not self.parallel.training:  # eval_step restores training mode; train() walks every module
             self.parallel.train()
         self.optimizer.zero_grad(set_to_none=True)
+
+    def local_pass(self, batches: Sequence[BatchShare], total: int) -> torch.Tensor:
+        """One forward and backward per batch of this group's rows (gradients accumulate, summed over
+        every rank during backward). Each batch's loss runs where
+        :class:`~mpitrain.spatial._fit_loss.StepLoss` says: on blocks for dense targets (the batch's loss
+        on every rank), else on each group's whole samples; weighted by its rows."""
         # the step's summed per-sample loss (on the ranks that log it), on the model's device: no host sync per batch
         local = torch.zeros(1, dtype=torch.float64, device=self.device)
         with settle_on_error(self.dist.sends.abandon):  # a failed step's deferred halo sends are kept alive
@@ -242,22 +245,16 @@ class SpatialTrainer:
                     assert out.zero is not None
                     out.zero.backward()
                     continue
-                (out.loss * (out.rows / total)).backward()
+                part = self.backward(out.loss, out.rows, total)
                 if out.logs:
-                    local += out.loss.detach().double() * out.rows
-        if self.loop.grad_clip is not None:  # the gradients are already the global ones on every rank
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.loop.grad_clip)
-        self.optimizer.step()
-        return float(self.dist.comm.allreduce(local, "sum").item()) / total
+                    local += part
+        return local
 
-    # -- whole global batches ---------------------------------------------------------------------------
-    def train_step(self, inputs: Batch | RegionBatch, targets: torch.Tensor) -> float:
-        """One step on a global batch every rank holds in full (tensors or a RegionBatch)."""
-        n = samples(inputs, targets)
-        share = self.share(n)
-        mine = slice_share(inputs, targets, share)  # type: ignore[arg-type]  # a RegionBatch passes whole
-        return self.train_shares([mine], n)
+    def clip_grad_norm_(self, max_norm: float) -> None:
+        """The gradients are already the global ones on every rank: each clips them alike."""
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
 
+    # -- whole global batches (train_step: StepTrainer's, RegionBatch inputs pass whole) ----------------
     def eval_step(self, inputs: Batch | RegionBatch, targets: torch.Tensor) -> torch.Tensor:
         """Forward only on a global batch every rank holds in full (any size: a group may get no sample);
         returns the full outputs on every rank (a dict of them for a model that returns one)."""
@@ -299,10 +296,6 @@ class SpatialTrainer:
 
     def trained_model(self) -> nn.Module:
         return self.model
-
-
-#: The loop features fit may ask of this strategy (see :data:`~mpitrain.strategies.base.FEATURE_NAMES`).
-FEATURES = frozenset({"shares", "checkpoint", "lr_scheduler", "grad_clip", "bf16"})
 
 
 def make_trainer(model: nn.Module, loss_fn: LossFn, optimizer: OptimizerFactory, comm: Communicator,

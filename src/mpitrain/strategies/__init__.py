@@ -11,7 +11,8 @@ from ._buckets import MB, Bucket, plan_buckets
 from ._device import autocast, model_device, to_device
 from ._reshard import NAMED, assemble
 from .base import FitError, FitSpec, StrategyOptions, Trainer
+from .step import StepTrainer
 
-__all__ = ["FitError", "FitSpec", "StrategyOptions", "Trainer",
+__all__ = ["FitError", "FitSpec", "StrategyOptions", "Trainer", "StepTrainer",
            "rows", "samples", "slice_share", "target_rows", "broadcast_optimizer_state", "broadcast_tensors",
            "MB", "Bucket", "plan_buckets", "autocast", "model_device", "to_device", "NAMED", "assemble"]

@@ -56,20 +56,22 @@ LossFn: TypeAlias = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 OptimizerFactory: TypeAlias = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
 
-#: The optional loop features a strategy may declare in its module-level ``FEATURES`` frozenset (next
-#: to its ``make_trainer``); `fit` reads it before building the trainer and refuses, on every rank and
-#: before any message, a run that needs a feature the strategy lacks:
+#: The loop features of fit that ask something of the trainer. Every concrete strategy supports every
+#: one (its trainer is a :class:`~.step.StepTrainer`); a strategy module that cannot declares the ones
+#: it does support in a module-level ``FEATURES`` frozenset next to its ``make_trainer`` (today only
+#: "auto", which plans on its first batch: before it there is no share, optimizer or layout), and `fit`
+#: refuses, on every rank and before any message, a run that needs one it lacks:
 #:
-#: * ``"shares"``: the trainer implements :class:`ShardedTrainer` (each rank reads only its rows of a
-#:   global batch; uneven batches; ``accumulate``). Without it fit hands every rank the whole global
-#:   batch through ``train_step`` (read on every rank) and ``accumulate`` must be 1.
-#: * ``"checkpoint"``: the trainer implements :class:`CheckpointTrainer` (``checkpoint_dir``, ``resume``).
-#: * ``"lr_scheduler"``: the trainer has an ``optimizer`` attribute (this rank's optimizer, stepped once
-#:   per ``train_step``/``train_shares``), which fit hands to ``lr_scheduler``.
-#: * ``"grad_clip"``: the trainer clips by ``spec.loop.grad_clip``: the norm of the WHOLE model's
-#:   gradient (all partitions, after averaging over replicas), so it equals one process's
-#:   ``clip_grad_norm_``, applied right before each optimizer step.
-#: * ``"bf16"``: the trainer runs forward and loss under ``torch.autocast(device, torch.bfloat16)`` when
+#: * ``"shares"``: each rank reads only its rows of a global batch (:class:`ShardedTrainer`; uneven
+#:   batches; ``accumulate``). Without it fit hands every rank the whole global batch through
+#:   ``train_step`` (read on every rank) and ``accumulate`` must be 1.
+#: * ``"checkpoint"``: :class:`CheckpointTrainer` (``checkpoint_dir``, ``resume``).
+#: * ``"lr_scheduler"``: an ``optimizer`` attribute (this rank's optimizer, stepped once per step),
+#:   which fit hands to ``lr_scheduler``.
+#: * ``"grad_clip"``: clipping by ``spec.loop.grad_clip``: the norm of the WHOLE model's gradient (all
+#:   partitions, after averaging over replicas), so it equals one process's ``clip_grad_norm_``, applied
+#:   right before each optimizer step.
+#: * ``"bf16"``: forward and loss under ``torch.autocast(device, torch.bfloat16)`` when
 #:   ``spec.loop.precision == "bf16"`` (parameters, gradients and optimizer state stay in their dtype).
 FEATURE_NAMES = ("shares", "checkpoint", "lr_scheduler", "grad_clip", "bf16")
 
@@ -92,8 +94,9 @@ DEFAULT_LOOP = LoopSpec()
 class FitSpec:
     """Everything `fit` was told about how to split the work.
 
-    `options` holds the strategy-specific keywords (e.g. ``staleness``, ``grid``) as given; the strategy
-    parses them with its :class:`StrategyOptions`. `stall` bounds every wait of the strategy: it
+    `options` holds the strategy-specific keywords (e.g. ``staleness``, ``grid``) as given, or the
+    strategy's options dataclass itself (``fit(strategy=DataOptions(zero=1))``); the strategy reads either
+    with its :class:`StrategyOptions` (``from_spec``). `stall` bounds every wait of the strategy: it
     warns after ``stall.warn_after`` seconds and ends the job after ``stall.abort_after``
     (``fit(..., warn_after=, abort_after=)``)."""
 
@@ -103,7 +106,7 @@ class FitSpec:
     micro_batches: int = 1
     schedule: str = "1f1b"
     balance: Balance = "time"
-    options: Mapping[str, object] = field(default_factory=dict)
+    options: Mapping[str, object] | StrategyOptions = field(default_factory=dict)
     stall: StallPolicy = DEFAULT_POLICY
     loop: LoopSpec = DEFAULT_LOOP
 
@@ -111,11 +114,16 @@ class FitSpec:
 class Trainer(Protocol):
     """What a strategy gives `fit`. Every rank calls every method, with the same global batch.
 
-    These three methods are required. A strategy may implement more (:class:`ShardedTrainer`,
-    :class:`CheckpointTrainer`, an ``optimizer`` attribute, ``spec.loop``) and declares which in its
-    module's ``FEATURES`` (:data:`FEATURE_NAMES`); fit refuses a run needing an undeclared one with a
-    FitError on every rank before any message (docs/training-runs.md lists who supports what).
+    These three methods and `record` are required. Every concrete strategy's trainer is a
+    :class:`~.step.StepTrainer`, which is also a :class:`ShardedTrainer` and a :class:`CheckpointTrainer`
+    with an ``optimizer``; a trainer that is not (strategy "auto") declares the loop features it lacks
+    (:data:`FEATURE_NAMES`), which fit refuses with a FitError on every rank before any message.
     """
+
+    @property
+    def record(self) -> Mapping[str, object]:
+        """What fit adds to each epoch's history record (strategy "auto": the plan it chose)."""
+        ...
 
     def train_step(self, inputs: Batch, targets: torch.Tensor) -> float:
         """One optimizer step on the global mini-batch; returns its mean loss, equal on every rank."""
@@ -232,13 +240,23 @@ class StrategyOptions:
     * :meth:`signature` is a picklable summary for the cross-rank agreement check
       (``check_same_everywhere``)."""
 
-    #: The strategy's name, for messages.
+    #: The strategy's name (``fit(strategy=SomeOptions(...))`` runs it; also in messages).
     strategy: ClassVar[str] = "?"
+
+    def strategy_name(self, partitions: int, replicas: int | None, world_size: int) -> str:
+        """The strategy an instance passed as ``fit(strategy=...)`` runs, given fit's layout keywords:
+        :attr:`strategy` (a class serving two strategies decides here)."""
+        return self.strategy
 
     @classmethod
     def from_spec(cls, spec: FitSpec) -> Self:
-        """The options of ``spec.options`` (defaults for the others). Local: every rank given the
-        same options raises the same FitError, before any message."""
+        """The options of ``spec.options`` (defaults for the others), or ``spec.options`` itself when it
+        is an instance of this class. Local: every rank given the same options raises the same FitError,
+        before any message."""
+        if isinstance(spec.options, StrategyOptions):
+            if not isinstance(spec.options, cls):
+                raise FitError(f"strategy {spec.strategy!r} takes {cls.__name__}, not {type(spec.options).__name__}")
+            return spec.options
         known = cls.names()
         unknown = sorted(set(spec.options) - set(known))
         if unknown:

@@ -14,7 +14,7 @@ from torch.utils._pytree import tree_leaves
 from ..comm.base import Communicator
 from ..comm.place import Place
 from ..runtime import world
-from ._batching import batch_size, call_model, call_rows, even_share, gather_outputs, samples, slice_share, split_pairs
+from ._batching import batch_size, call_model, split_pairs
 from ._broadcast import (
     broadcast_optimizer_state,
     broadcast_parameters,
@@ -36,16 +36,16 @@ from .base import (
     LoopSpec,
     LossFn,
     OptimizerFactory,
-    Share,
     StrategyOptions,
     is_number,
     require_whole_model,
 )
+from .step import StepTrainer, replica_eval
 
 if TYPE_CHECKING:
     from ..kvstore import KVStore
 
-__all__ = ["DataParallel", "KVSTORE_TYPES", "COLLECTIVE_TYPES", "FEATURES", "make_trainer", "DataTrainer",
+__all__ = ["DataParallel", "KVSTORE_TYPES", "COLLECTIVE_TYPES", "make_trainer", "DataTrainer",
            "DataOptions",
            "broadcast_parameters", "broadcast_optimizer_state", "allreduce_gradients",
            "start_allreduce_gradients"]
@@ -460,7 +460,7 @@ class DataOptions(StrategyOptions):
             self.require(name, isinstance(getattr(self, name), bool), "True or False")
 
 
-class DataTrainer:
+class DataTrainer(StepTrainer):
     """fit's Trainer for ``strategy="data"``: each rank trains on its rows of the global batch.
 
     Inputs are a tensor, a tuple (positional arguments) or a dict of tensors (keyword arguments such
@@ -474,9 +474,11 @@ class DataTrainer:
     samples: the step equals one process's (BatchNorm statistics are per rank, as in DDP). With
     ``broadcast_buffers`` rank 0's buffers are broadcast once per step, before its first forward. The
     returned loss is the step's mean, equal on every rank. Inputs and targets are moved to the model's
-    device; :meth:`eval_step` returns its outputs on the CPU (where fit's targets are). Features:
-    :data:`FEATURES`.
+    device; :meth:`eval_step` returns its outputs on the CPU (where fit's targets are). The step is
+    :class:`~.step.StepTrainer`'s; this class supplies its hooks.
     """
+
+    label = "data-parallel"
 
     def __init__(self, model: nn.Module, loss_fn: LossFn, optimizer: OptimizerFactory, comm: Communicator,
                  micro_batches: int, opts: DataOptions, loop: LoopSpec = DEFAULT_LOOP) -> None:
@@ -495,46 +497,45 @@ class DataTrainer:
         self.loss_fn, self.comm, self.micro_batches, self.loop = loss_fn, comm, micro_batches, loop
         #: every rank a replica of the whole model (ZeRO's shard group, when sharding, is the world)
         self.place = Place.of(comm.size, comm.rank, replicas=comm.size)
+        self.replicas = comm.size  # DataParallel averages over the ranks
         self.device = self.dp.device
         self.optimizer = self.dp.shard_optimizer(built)
 
-    def share(self, n: int) -> Share:
-        return even_share(n, self.place.replicas, self.place.replica)
+    @property
+    def closed(self) -> bool:
+        return self.dp._closed
 
-    def train_step(self, inputs: Batch, targets: torch.Tensor) -> float:
-        """One step on a global batch every rank holds in full (any size)."""
-        n = samples(inputs, targets)
-        return self.train_shares([slice_share(inputs, targets, self.share(n))], n)
-
-    def train_shares(self, batches: Sequence[BatchShare], total: int) -> float:
-        """One optimizer step on this rank's rows of `batches` (:class:`~.base.ShardedTrainer`)."""
-        if self.dp._closed:
-            raise RuntimeError("this data-parallel trainer is finished (trained_model() closed it)")
+    def begin_step(self, batches: Sequence[BatchShare]) -> None:
+        """Clear the gradients, broadcast rank 0's buffers once per step; zero=3: check every rank runs
+        as many passes."""
         self.optimizer.zero_grad()
         if self._buffers and self.dp.training:
             broadcast_tensors(self._buffers, self.comm, 0)
         if self.dp.stage == 3:
             self._check_passes(batches)
+
+    def local_pass(self, batches: Sequence[BatchShare], total: int) -> torch.Tensor:
+        """Forward and backward of this rank's rows in `micro_batches` pieces, accumulated under
+        ``no_sync`` but the last (one reduction per step); a rank without rows joins the reduction."""
         m = self.micro_batches
         pieces = [pair for b in batches if b.share.rows for pair in split_pairs(b.inputs, b.targets, m)]
         if self.device != CPU:
             pieces = to_device(pieces, self.device)
         local = torch.zeros((), dtype=torch.float64, device=self.device)  # sum of this rank's per-sample losses
-        weight = self.comm.size / total  # DataParallel averages over ranks: undo it, divide by the samples
         for j, (x, y) in enumerate(pieces):
             # ZeRO >= 2 reduces every backward (into the pieces' gradients): no local accumulation
             local_only = j < len(pieces) - 1 and self.dp.stage < 2
             with self.dp.no_sync() if local_only else contextlib.nullcontext():
                 with autocast(self.loop.precision, self.device):
                     loss = self.loss_fn(call_model(self.dp, x), y)
-                (loss * (batch_size(x) * weight)).backward()  # weighted by samples (k target rows each)
-            local += loss.detach().double() * batch_size(x)
+                local += self.backward(loss, batch_size(x), total)  # weighted by samples (k target rows each)
         if not pieces:
             self.dp.sync_without_backward()
-        if self.loop.grad_clip is not None:  # gradients are averaged: every rank clips the same global norm
-            self.dp.clip_grad_norm_(self.loop.grad_clip)
-        self.optimizer.step()
-        return float(self.comm.allreduce(local.reshape(1), "sum").item()) / total
+        return local
+
+    def clip_grad_norm_(self, max_norm: float) -> None:
+        """Gradients are averaged: every rank clips the same global norm (ZeRO: over the pieces)."""
+        self.dp.clip_grad_norm_(max_norm)
 
     def _check_passes(self, batches: Sequence[BatchShare]) -> None:
         """zero=3: every rank runs as many forward/backward passes (each gathers every bucket, a
@@ -548,16 +549,10 @@ class DataTrainer:
                            f"backward passes (each gathers the parameters): use batches of at least {need} "
                            f"samples (drop_last=True for a short last one), or zero <= 2")
 
-    @torch.no_grad()
     def eval_step(self, inputs: Batch, targets: torch.Tensor) -> Any:
         """The model's outputs for the whole batch on every rank, in the model's own structure (a
         tensor, tuple, ModelOutput: every tensor leaf gathered along dim 0)."""
-        n = samples(inputs, targets)
-        s = self.share(n)
-        with autocast(self.loop.precision, self.device):
-            out = call_rows(self.dp.module, inputs, s.start, s.stop, self.device)
-        sizes = [even_share(n, self.place.replicas, r).rows for r in range(self.place.replicas)]
-        return gather_outputs(self.comm, out, sizes)
+        return replica_eval(self.dp.module, self.comm, self.place, inputs, targets, self.device, self.loop.precision)
 
     # -- checkpoints (CheckpointTrainer) ---------------------------------------------------------------
     def layout(self) -> dict[str, object]:
@@ -613,10 +608,6 @@ class DataTrainer:
             self.dp.zero.drop_state(self.optimizer)
         self.dp.close()
         return self.dp.module
-
-
-#: The loop features fit may ask of this strategy (see :data:`~mpitrain.strategies.base.FEATURE_NAMES`).
-FEATURES = frozenset({"shares", "checkpoint", "lr_scheduler", "grad_clip", "bf16"})
 
 
 def make_trainer(model: nn.Module, loss_fn: LossFn, optimizer: OptimizerFactory, comm: Communicator,

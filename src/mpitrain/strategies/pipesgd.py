@@ -35,7 +35,7 @@ from ..comm.codecs import Codec, get_codec
 from ..comm.place import Place
 from ..comm.ring import DEFAULT_CHUNK_BYTES, ring_allreduce
 from ..timeline import span
-from ._batching import call_model, call_rows, even_share, gather_outputs, samples, slice_share
+from ._batching import call_model
 from ._broadcast import broadcast_parameters, check_same_everywhere
 from ._device import autocast, model_device, to_device
 from .base import (
@@ -47,14 +47,14 @@ from .base import (
     LoopSpec,
     LossFn,
     OptimizerFactory,
-    Share,
     StrategyOptions,
     is_int,
     is_number,
     require_whole_model,
 )
+from .step import StepTrainer, replica_eval
 
-__all__ = ["make_trainer", "FEATURES", "PipeSGDTrainer", "PipeSGDOptions", "CommThread", "LinkEmulation",
+__all__ = ["make_trainer", "PipeSGDTrainer", "PipeSGDOptions", "CommThread", "LinkEmulation",
            "PipeSGDError"]
 
 
@@ -219,7 +219,7 @@ class CommThread:
                 handle.done.set()
 
 
-class PipeSGDTrainer:
+class PipeSGDTrainer(StepTrainer):
     """fit's Trainer for ``strategy="pipe-sgd"`` (see the module docstring for the exact semantics).
 
     Devices: batches are moved to the model's device; a CUDA model's flat gradient buffers live on its
@@ -231,13 +231,18 @@ class PipeSGDTrainer:
     loss of THIS iteration (one 1-element allreduce on the compute side's communicator). `stats`
     accumulates seconds: compute (forward, backward, update), wait (compute thread blocked on the
     gradient of t-K: the communication that was NOT hidden), and the comm thread's comm/codec/emulated.
+    The step is :class:`~.step.StepTrainer`'s, staleness its hooks: :meth:`begin_step` applies the gradient
+    of t-K, :meth:`finish_gradients` hands this one to the communication thread.
     """
+
+    label = "pipe-sgd"
 
     def __init__(self, model: nn.Module, loss_fn: LossFn, optimizer: OptimizerFactory, comm: Communicator,
                  opts: PipeSGDOptions, stall: StallPolicy = DEFAULT_POLICY, loop: LoopSpec = DEFAULT_LOOP) -> None:
         self.model, self.loss_fn, self.comm, self.loop = model, loss_fn, comm, loop
         #: every rank a replica of the whole model
         self.place = Place.of(comm.size, comm.rank, replicas=comm.size)
+        self.replicas = comm.size  # the ring averages over the ranks
         self.K, self.warmup, self.error_feedback = opts.staleness, opts.warmup_steps, opts.error_feedback
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.device = model_device(model)  # batches go here; the flat gradients live here
@@ -252,6 +257,8 @@ class PipeSGDTrainer:
         self.comm_thread = CommThread(private, opts.codec, opts.chunk_bytes, opts.error_feedback, opts.link, self.K,
                                       stall)
         self.t = 0
+        self._sync = True  # this step applies its own gradient (K=1, warm-up)
+        self._flat = self._free[0]  # this step's gradient buffer (begin_step takes a free one)
         self.stats = {"compute_s": 0.0, "wait_s": 0.0, "steps": 0.0}
         self._closed = False
 
@@ -260,70 +267,67 @@ class PipeSGDTrainer:
         for p, view in zip(self.params, views(flat, [p.shape for p in self.params])):
             p.grad = view
 
-    def _apply(self, handle: _Handle) -> None:
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _take(self, handle: _Handle) -> None:
+        """Wait for `handle`'s averaged gradient (the same on every rank) and bind it as the parameters'
+        gradient; its buffer is free again (nothing takes a buffer before the update reads it)."""
         t0 = time.perf_counter()
         flat = self.comm_thread.wait(handle)
-        t1 = time.perf_counter()
+        self.stats["wait_s"] += time.perf_counter() - t0
         self._bind(flat)
-        if self.loop.grad_clip is not None:  # the averaged gradient is the same on every rank
-            torch.nn.utils.clip_grad_norm_(self.params, self.loop.grad_clip)
-        self.optimizer.step()
         self._free.append(flat)
-        self.stats["wait_s"] += t1 - t0
-        self.stats["compute_s"] += time.perf_counter() - t1
 
-    def _compute(self, batches: Sequence[BatchShare], total: int) -> tuple[torch.Tensor, _Handle]:
-        """Gradient of the mean loss over the step's `total` samples (this rank's rows weighted by their
-        count, times the size the average divides by) at the current weights, handed to the comm thread;
-        and the sum of this rank's per-sample losses. A rank without rows sends zeros."""
+    def update(self) -> None:
         t0 = time.perf_counter()
-        flat = self._free.popleft()
-        flat.zero_()
-        self._bind(flat)
+        super().update()
+        self.stats["compute_s"] += time.perf_counter() - t0
+
+    def begin_step(self, batches: Sequence[BatchShare]) -> None:
+        """Algorithm 1, lines 3-5: w[t] = w[t-1] - step(g[t-K]) once the gradient of t-K is due (not during
+        the D-Sync warm-up, where each step applies its own); then a fresh gradient buffer, bound."""
+        self._sync = self.K == 1 or self.t < self.warmup
+        if not self._sync and self._pending and self._pending[0].iteration <= self.t + 1 - self.K:
+            self._take(self._pending.popleft())
+            self.update()
+        self._flat = self._free.popleft()
+        self._flat.zero_()
+        self._bind(self._flat)
+
+    def local_pass(self, batches: Sequence[BatchShare], total: int) -> torch.Tensor:
+        """Lines 6-10 on the compute thread: the gradient of the mean loss over the step's `total` samples
+        at the current weights (into the bound buffer); a rank without rows leaves it zero."""
+        t0 = time.perf_counter()
         local = torch.zeros((), dtype=torch.float64, device=self.device)
         for b in batches:
             if b.share.rows == 0 or b.targets is None:
                 continue
-            m = b.share.rows  # samples (the targets may hold k rows each)
             with autocast(self.loop.precision, self.device):
                 loss = self.loss_fn(call_model(self.model, b.inputs, self.device), to_device(b.targets, self.device))
-            (loss * (m * self.comm.size / total)).backward()
-            local += loss.detach().double() * m
+            local += self.backward(loss, b.share.rows, total)  # rows: samples (the targets may hold k each)
         self.stats["compute_s"] += time.perf_counter() - t0
-        return local, self.comm_thread.submit(flat, self.t + 1)
+        return local
 
-    def share(self, n: int) -> Share:
-        return even_share(n, self.place.replicas, self.place.replica)
-
-    def train_step(self, inputs: Batch, targets: torch.Tensor) -> float:
-        """One iteration on a global batch every rank holds in full (any size)."""
-        n = samples(inputs, targets)
-        return self.train_shares([slice_share(inputs, targets, self.share(n))], n)
-
-    def train_shares(self, batches: Sequence[BatchShare], total: int) -> float:
-        """One iteration of Algorithm 1 on this rank's rows of `batches` (:class:`~.base.ShardedTrainer`);
-        returns the mean loss of THIS iteration's samples."""
-        if self._closed:
-            raise RuntimeError("this pipe-sgd trainer is finished (trained_model() closed it)")
-        sync = self.K == 1 or self.t < self.warmup
-        if not sync and self._pending and self._pending[0].iteration <= self.t + 1 - self.K:
-            self._apply(self._pending.popleft())  # Algorithm 1, lines 3-5: w[t] = w[t-1] - step(g[t-K])
-        local, handle = self._compute(batches, total)  # lines 6-10 on the compute thread
-        if sync:
-            self._apply(handle)
-        else:
-            self._pending.append(handle)
+    def finish_gradients(self) -> bool:
+        """Hand the gradient to the communication thread. Synchronous steps (K=1, warm-up) wait for it:
+        ready, the step applies it; the others leave it pending for iteration t+K: not ready."""
+        handle = self.comm_thread.submit(self._flat, self.t + 1)
         self.t += 1
         self.stats["steps"] += 1
-        return self.comm.allreduce(local.reshape(1), "sum").item() / total
+        if self._sync:
+            self._take(handle)
+            return True
+        self._pending.append(handle)
+        return False
 
-    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> None:
+        """The averaged gradient is the same on every rank: each clips it alike."""
+        torch.nn.utils.clip_grad_norm_(self.params, max_norm)
+
     def eval_step(self, inputs: Batch, targets: torch.Tensor) -> Any:
-        n = samples(inputs, targets)
-        s = self.share(n)
-        out = call_rows(self.model, inputs, s.start, s.stop, self.device)
-        sizes = [even_share(n, self.place.replicas, r).rows for r in range(self.place.replicas)]
-        return gather_outputs(self.comm, out, sizes)
+        return replica_eval(self.model, self.comm, self.place, inputs, targets, self.device)
 
     # -- checkpoints (CheckpointTrainer) ---------------------------------------------------------------
     def layout(self) -> dict[str, object]:
@@ -373,10 +377,6 @@ class PipeSGDTrainer:
             for p in self.params:
                 p.grad = None
         return self.model
-
-
-#: The loop features fit may ask of this strategy (see :data:`~mpitrain.strategies.base.FEATURE_NAMES`).
-FEATURES = frozenset({"shares", "checkpoint", "lr_scheduler", "grad_clip", "bf16"})
 
 
 def make_trainer(model: nn.Module, loss_fn: LossFn, optimizer: OptimizerFactory, comm: Communicator,

@@ -20,9 +20,9 @@ from ._graph import (
 )
 from ._partition import balanced_bounds
 from ._pipe import CHECKPOINTS, Pipeline
-from ._trainer import FEATURES, make_trainer
+from ._trainer import PipelineOptions, make_trainer
 from .schedule import SCHEDULES
 
-__all__ = ["Pipeline", "make_trainer", "FEATURES", "TraceFailure", "SCHEDULES", "CHECKPOINTS",
+__all__ = ["Pipeline", "make_trainer", "PipelineOptions", "TraceFailure", "SCHEDULES", "CHECKPOINTS",
            "Traced", "ValueMeta", "capture", "model_args", "profile", "measure", "param_counts", "local_nodes",
            "cut_points", "balanced_bounds"]

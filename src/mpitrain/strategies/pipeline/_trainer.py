@@ -2,7 +2,7 @@
 
 "model" is one replica of ``partitions == world size``; "hybrid" is ``partitions x replicas == world
 size``. Arguments are checked on every rank before any message. Every loop feature of fit is
-supported (:data:`FEATURES`):
+supported (the step is :class:`..step.StepTrainer`'s; this module supplies its hooks):
 
 * shares: replica r reads block r of each global batch (as even as possible); within a replica only
   pipeline rank 0 reads inputs and only the last pipeline rank targets, middle ranks read nothing.
@@ -30,7 +30,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from ...comm.base import Communicator, split_sizes
-from .._batching import even_share, samples, slice_share
+from .._batching import even_share
 from .._reshard import NAMED, Held, assemble, load_named, optimizer_entries, tensor_entries, whole
 from .._zero import check_optimizer
 from ..base import (
@@ -45,14 +45,11 @@ from ..base import (
     StrategyOptions,
     is_int,
 )
+from ..step import StepTrainer
 from ._materialize import InitFn
 from ._pipe import CHECKPOINTS, Pipeline
 
-__all__ = ["make_trainer", "PipelineTrainer", "PipelineOptions", "FEATURES"]
-
-#: The loop features fit may ask of these strategies (see :data:`~mpitrain.strategies.base.FEATURE_NAMES`).
-FEATURES = frozenset({"shares", "checkpoint", "lr_scheduler", "grad_clip", "bf16"})
-
+__all__ = ["make_trainer", "PipelineTrainer", "PipelineOptions"]
 
 @dataclass(frozen=True)
 class PipelineOptions(StrategyOptions):
@@ -78,6 +75,11 @@ class PipelineOptions(StrategyOptions):
         self.require("virtual_stages", is_int(self.virtual_stages) and self.virtual_stages >= 1, "an int >= 1")
         self.require("init_seed", is_int(self.init_seed), "an int")
         self.require("init_fn", self.init_fn is None or callable(self.init_fn), "None or a callable(module)")
+
+    def strategy_name(self, partitions: int, replicas: int | None, world_size: int) -> str:
+        """``fit(strategy=PipelineOptions(...))``: "model" when the partitions take every rank (one
+        replica), else "hybrid" (partitions x replicas ranks)."""
+        return "model" if partitions == world_size and replicas in (None, 1) else "hybrid"
 
 
 def _check_spec(spec: FitSpec, size: int) -> PipelineOptions:
@@ -110,14 +112,17 @@ def make_trainer(model: nn.Module, loss_fn: LossFn, optimizer: OptimizerFactory,
     return PipelineTrainer(pipe, loss_fn, lambda params: built, spec.strategy, spec.loop)
 
 
-class PipelineTrainer:
+class PipelineTrainer(StepTrainer):
     """`fit`'s Trainer over a :class:`Pipeline` (:class:`~..base.ShardedTrainer` and
-    :class:`~..base.CheckpointTrainer`). Every rank calls every method."""
+    :class:`~..base.CheckpointTrainer`; the step is :class:`~..step.StepTrainer`'s). Every rank calls
+    every method."""
 
     def __init__(self, pipe: Pipeline, loss_fn: Callable[[Any, Any], torch.Tensor], optimizer: OptimizerFactory,
                  strategy: str = "model", loop: LoopSpec = DEFAULT_LOOP) -> None:
         self.pipe, self.loss_fn, self.strategy, self.loop = pipe, loss_fn, strategy, loop
         self.comm = pipe.comm
+        self.replicas = pipe.R  # each partition's gradients are averaged over its replicas
+        self.label = strategy
         # the user's names of the model's parameters: they survive a meta model's materialisation
         self._names = {id(q): name for name, q in pipe.model.named_parameters(remove_duplicate=False)}
         self.optimizer: torch.optim.Optimizer = optimizer(pipe.model.parameters())
@@ -133,29 +138,35 @@ class PipelineTrainer:
         s = even_share(n, self.pipe.R, self.pipe.replica)
         return Share(s.start, s.stop, inputs=self.pipe.p == 0, targets=self.pipe.p == self.pipe.last_rank)
 
-    def train_step(self, inputs: Any, targets: Any) -> float:
-        """One step on a global batch every rank holds in full (any size)."""
-        n = samples(inputs, targets)
-        return self.train_shares([slice_share(inputs, targets, self.share(n))], n)
-
-    def train_shares(self, batches: Sequence[BatchShare], total: int) -> float:
-        """One optimizer step on the concatenation of `batches` (:class:`~..base.ShardedTrainer`)."""
+    def begin_step(self, batches: Sequence[BatchShare]) -> None:
+        """Split the model on the first step; clear every gradient (with ZeRO the optimizer holds pieces,
+        whose gradients accumulate)."""
         pipe = self.pipe
         if not pipe.stages:
             self._setup(batches[0])
         for q in pipe.parameters():
             q.grad = None
-        self.optimizer.zero_grad()  # with ZeRO the optimizer holds pieces, whose gradients accumulate
-        local = 0.0
+        self.optimizer.zero_grad()
+
+    def local_pass(self, batches: Sequence[BatchShare], total: int) -> torch.Tensor:
+        """Each batch's rows as `micro_batches` micro-batches through the pipeline, micro-batch m of s rows
+        back-propagating ``loss * scale(s)`` (the pipeline's stages do the backward)."""
+        pipe = self.pipe
+        local = torch.zeros((), dtype=torch.float64)
         for b in batches:
             sizes = [s for s in split_sizes(b.share.stop - b.share.start, pipe.M) if s > 0]
-            scales = [s * pipe.R / total for s in sizes]
+            scales = [self.scale(s, total) for s in sizes]
             local += pipe.train_pass(_own_rows(b.inputs, b), b.targets, sizes, scales, self.loss_fn)
-        pipe.reduce_gradients()
-        if self.loop.grad_clip is not None:
-            pipe.clip_gradients(self.loop.grad_clip)
-        self.optimizer.step()
-        return float(self.comm.allreduce(torch.tensor([local], dtype=torch.float64))[0]) / total
+        return local
+
+    def finish_gradients(self) -> bool:
+        """Average each partition's gradients over its replicas (and sum tied copies)."""
+        self.pipe.reduce_gradients()
+        return True
+
+    def clip_grad_norm_(self, max_norm: float) -> None:
+        """The norm over every partition (pipeline-allreduced), a tied weight counted once."""
+        self.pipe.clip_gradients(max_norm)
 
     def _setup(self, first: BatchShare) -> None:
         """Split the model on rows of world rank 0's first batch, keep this rank's parameters in the

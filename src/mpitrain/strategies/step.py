@@ -1,0 +1,182 @@
+"""The one training step every strategy shares: :class:`StepTrainer`.
+
+`fit` drives every concrete strategy (data, model, hybrid, pipe-sgd, spatial) through this class, so the
+order of a step is written once (:meth:`StepTrainer.train_shares`):
+
+1. refuse a finished trainer (``trained_model()`` closed it);
+2. :meth:`~StepTrainer.begin_step`: clear the gradients (and what the strategy does first: a pipeline's
+   set-up on its first batch, broadcast buffers, pipe-sgd's stale update);
+3. :meth:`~StepTrainer.local_pass`: this rank's forward and backward on its rows, each batch's mean loss
+   weighted by :meth:`~StepTrainer.scale` = ``rows * replicas / total`` (the gradient finish averages over
+   `replicas`: undo it, divide by the step's samples), returning the sum of this rank's per-sample
+   losses in float64;
+4. :meth:`~StepTrainer.finish_gradients`: what makes the gradient whole (reduce over replicas, drain a
+   pipeline, hand it to a communication thread); it says whether this step's gradient is ready now;
+5. if it is, :meth:`~StepTrainer.update`: clip by the global norm (``spec.loop.grad_clip``, the
+   strategy's :meth:`~StepTrainer.clip_grad_norm_`), then ``optimizer.step()``;
+6. one loss allreduce (sum) over :attr:`~StepTrainer.comm`, divided by ``total``: the step's mean loss,
+   equal on every rank.
+
+A strategy supplies its share of a global batch (:meth:`~StepTrainer.share`), those hooks, and its layout
+(:meth:`~StepTrainer.layout`, :meth:`~StepTrainer.state_dict`, :meth:`~StepTrainer.load_state_dict`:
+:class:`~.base.CheckpointTrainer`). Everything fit may use is declared here, so fit needs no ``getattr``:
+``rank_view`` (default: the Dataset itself) and ``record`` (default: nothing) included.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from ..comm.base import Communicator
+from ..comm.place import Place
+from ._batching import call_rows, even_share, gather_outputs, samples, slice_share
+from ._device import autocast
+from .base import DEFAULT_LOOP, Batch, BatchShare, LoopSpec, Share
+
+__all__ = ["StepTrainer", "replica_eval"]
+
+
+class StepTrainer(ABC):
+    """The base of every concrete strategy's Trainer (:class:`~.base.Trainer`,
+    :class:`~.base.ShardedTrainer` and :class:`~.base.CheckpointTrainer` in one). Every rank calls every
+    method, in the same order.
+
+    A subclass sets :attr:`optimizer`, :attr:`comm` (where the loss is summed: every rank of the job),
+    :attr:`loop` and :attr:`replicas` (how many copies the gradient finish averages over; 1 where it sums)
+    and implements :meth:`local_pass`, :meth:`clip_grad_norm_`, :meth:`eval_step`, :meth:`trained_model`
+    and the checkpoint methods; the other hooks have defaults.
+    """
+
+    #: this rank's optimizer, stepped once per :meth:`train_shares` (fit hands it to an LR scheduler)
+    optimizer: torch.optim.Optimizer
+    #: the communicator of the whole job (the step's loss is summed over it)
+    comm: Communicator
+    #: fit's loop features (grad_clip, precision)
+    loop: LoopSpec = DEFAULT_LOOP
+    #: the number of copies of the model whose gradients the finish averages (the weight undoes it)
+    replicas: int = 1
+    #: the strategy's name in messages ("this <label> trainer is finished")
+    label: str = "?"
+    #: this rank's place, read by the default :meth:`share` (its replicas); a subclass that defines
+    #: share() itself need not set it
+    place: Place
+
+    # -- what fit reads ---------------------------------------------------------------------------------
+    def share(self, n: int) -> Share:
+        """The rows of a global batch of `n` this rank reads: by default replica r's block of
+        :func:`~mpitrain.comm.base.split_sizes` (as even as possible). A pure function of `n` and the layout."""
+        return even_share(n, self.place.replicas, self.place.replica)
+
+    def rank_view(self, dataset: Dataset[Any]) -> Dataset[Any]:
+        """What this rank's DataLoader reads of a map-style `dataset` (same length and indices); fit calls
+        it once, before training from a Dataset. Default: the dataset itself."""
+        return dataset
+
+    @property
+    def record(self) -> dict[str, Any]:
+        """What fit adds to each epoch's history record (default: nothing)."""
+        return {}
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`trained_model` finished the trainer: no more steps."""
+        return False
+
+    # -- the step ---------------------------------------------------------------------------------------
+    def train_step(self, inputs: Batch, targets: torch.Tensor) -> float:
+        """One step on a global batch every rank holds in full (any size): :meth:`train_shares` of this
+        rank's :meth:`share` of it."""
+        n = samples(inputs, targets)
+        return self.train_shares([slice_share(inputs, targets, self.share(n))], n)
+
+    def train_shares(self, batches: Sequence[BatchShare], total: int) -> float:
+        """ONE optimizer step on the concatenation of `batches` (:class:`~.base.ShardedTrainer`): the
+        gradient of the mean loss over all `total` samples; returns that mean loss, equal on every rank.
+        The order is the module's (steps 1-6); collective on :attr:`comm`."""
+        if self.closed:
+            raise RuntimeError(f"this {self.label} trainer is finished (trained_model() closed it)")
+        self.begin_step(batches)
+        local = self.local_pass(batches, total)
+        if self.finish_gradients():
+            self.update()
+        return float(self.comm.allreduce(local.reshape(1), "sum").item()) / total
+
+    def begin_step(self, batches: Sequence[BatchShare]) -> None:
+        """Before any forward of a step: clear the gradients (default ``optimizer.zero_grad()``)."""
+        self.optimizer.zero_grad()
+
+    @abstractmethod
+    def local_pass(self, batches: Sequence[BatchShare], total: int) -> torch.Tensor:
+        """This rank's forward and backward on its rows of `batches`, each batch's mean loss back-propagated
+        times :meth:`scale` (:meth:`backward` does both); returns the sum of this rank's per-sample losses
+        (a float64 tensor of one element; zero on a rank without rows, which still takes part)."""
+
+    def finish_gradients(self) -> bool:
+        """Make the gradient whole (reduce over replicas, ...); True when this step's gradient is ready to
+        apply now (default: it is, backward reduced it)."""
+        return True
+
+    def update(self) -> None:
+        """Clip by the norm of the whole model's gradient when ``loop.grad_clip`` is set (equal to one
+        process's ``clip_grad_norm_``), then step the optimizer."""
+        if self.loop.grad_clip is not None:
+            self.clip_grad_norm_(self.loop.grad_clip)
+        self.optimizer.step()
+
+    @abstractmethod
+    def clip_grad_norm_(self, max_norm: float) -> None:
+        """Scale the (whole, averaged) gradient as ``clip_grad_norm_`` over the whole model in one process;
+        collective where the norm needs other ranks' parts."""
+
+    def scale(self, rows: int, total: int) -> float:
+        """The factor on a mean loss over `rows` samples of a step of `total`: ``rows * replicas / total``,
+        so that after the finish's average the gradient is that of the step's mean loss."""
+        return rows * self.replicas / total
+
+    def backward(self, loss: torch.Tensor, rows: int, total: int) -> torch.Tensor:
+        """Back-propagate the mean `loss` over `rows` samples weighted by :meth:`scale`; returns its
+        per-sample sum in float64 (detached), what :meth:`local_pass` adds up."""
+        (loss * self.scale(rows, total)).backward()
+        return loss.detach().double() * rows
+
+    # -- the rest of the Trainer ------------------------------------------------------------------------
+    @abstractmethod
+    def eval_step(self, inputs: Batch, targets: torch.Tensor) -> Any:
+        """Forward only (no grad) on the global batch; the full outputs on every rank."""
+
+    @abstractmethod
+    def trained_model(self) -> nn.Module:
+        """The user's model with the trained weights, on every rank. Collective; no steps afterwards."""
+
+    @abstractmethod
+    def layout(self) -> dict[str, object]:
+        """How the state is split (JSON-able, equal on every rank): :class:`~.base.CheckpointTrainer`."""
+
+    @abstractmethod
+    def state_dict(self) -> dict[str, object]:
+        """This rank's shard (:class:`~.base.CheckpointTrainer`). Collective."""
+
+    @abstractmethod
+    def load_state_dict(self, read: Callable[[int], dict[str, object]], saved_layout: Mapping[str, object]) -> None:
+        """Restore from a checkpoint of `saved_layout` (:class:`~.base.CheckpointTrainer`); every rank,
+        before the first step."""
+
+
+@torch.no_grad()
+def replica_eval(module: nn.Module, comm: Communicator, place: Place, inputs: Batch, targets: torch.Tensor,
+                 device: torch.device, precision: str = "fp32") -> Any:
+    """The eval step of a strategy that keeps a whole replica per rank: each replica runs its block of the
+    batch (:func:`~._batching.even_share`), the outputs are gathered along dim 0 on every rank, in the
+    model's own structure. Collective on `comm`."""
+    n = samples(inputs, targets)
+    s = even_share(n, place.replicas, place.replica)
+    with autocast(precision, device):
+        out = call_rows(module, inputs, s.start, s.stop, device)
+    sizes = [even_share(n, place.replicas, r).rows for r in range(place.replicas)]
+    return gather_outputs(comm, out, sizes)
