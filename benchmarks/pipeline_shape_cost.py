@@ -4,7 +4,8 @@ GPT-2 and Llama from their default configs (4 layers x 128, vocabulary 2000, flo
 ``Pipeline(P = world size, M = 4, balance="params")``, batches of 8 sequences with ``(B*T,)`` targets,
 stepping over lengths 128 x3, 64 x3, 256 x3, 96 x3, 128, 64, 256: each length's first step (a new
 shape signature: value metas propagated on fake tensors, receive buffers of the new sizes) against its
-later steps (cached). Per step the slowest rank's wall time, and the time spent in ``Shapes.meta`` (strategies/pipeline/_shapes.py).
+later steps (cached). Per step the slowest rank's wall time,
+and the time spent in ``Shapes.meta`` (strategies/pipeline/_shapes.py).
 
     PYTHONPATH=. .venv/bin/mpitrain run -n 2 -- .venv/bin/python benchmarks/pipeline_shape_cost.py
 """

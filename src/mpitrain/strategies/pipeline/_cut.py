@@ -113,7 +113,7 @@ def agree(comm: Communicator, key: tuple[Any, ...], costs: Sequence[float | None
     averaged over the ranks that measured it (None: not measured there), the same on every rank;
     None where any rank has no costs."""
     seen = comm.allgather_object((key, None if costs is None else list(costs), error))
-    bad = [r for r, (k, _, _) in enumerate(seen) if k != key]
+    bad = [r for r, (k, _, _) in enumerate(seen) if k != seen[0][0]]  # rank 0's, so every rank names the same
     if bad:
         raise FitError(f"ranks {bad} set up the pipeline with a different model, data or arguments than rank 0")
     for r, (_, _, e) in enumerate(seen):
