@@ -70,18 +70,15 @@ class CutSpec:
 @dataclass(frozen=True)
 class Cut:
     """The split of `traced` at node indices `bounds` (``[0, c1, ..., n]``) into `parts` (all the
-    model's partitions, in order; a meta model's tensors materialised for this rank's only), and the
-    `shapes` profiled on the way (their cache passes to the runtime)."""
+    model's partitions, in order; a meta model's tensors materialised for this rank's only), `meta`:
+    the value metas of the sample (with gradients: which values carry errors back), and the `shapes`
+    profiled on the way (their cache passes to the runtime)."""
 
     traced: Traced
     bounds: list[int]
     parts: list[Partition]
+    meta: dict[str, ValueMeta | None]
     shapes: Shapes
-
-    @property
-    def meta(self) -> dict[str, ValueMeta | None]:
-        """The value metas of the sample (with gradients: which values carry errors back)."""
-        return self.shapes.first()
 
 
 def capture_model(model: nn.Module, inputs: Any, per_micro: int) -> Traced:
@@ -218,7 +215,7 @@ def cut(comm: Communicator, layout: Layout, model: nn.Module, shapes: Shapes, sp
         at = bounds("time", n, costs, cuts)
         if shapes.on_meta:
             agree(comm, key, None, hold(model, layout, traced, at, meta, spec))
-    return Cut(traced, at, split(traced, at, meta, shapes.device if shapes.on_meta else None), shapes)
+    return Cut(traced, at, split(traced, at, meta, shapes.device if shapes.on_meta else None), meta, shapes)
 
 
 def _map_weight_sized_blocks(parts: list[Partition]) -> None:

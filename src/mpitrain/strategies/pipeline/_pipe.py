@@ -112,24 +112,81 @@ class Pipeline:
             flat = self._flat(example)
             self.build(example, flat, max(1, batch_size(flat) // (self.R * self.M)))
 
-    # -- the layout and options, by their old names ------------------------------------------------
-    place = property(lambda self: self.layout.place, doc="This rank's place: replicas x partitions.")
-    P = property(lambda self: self.layout.P, doc="Pipeline ranks per replica.")
-    R = property(lambda self: self.layout.R, doc="Replicas.")
-    V = property(lambda self: self.layout.V, doc="Partitions per pipeline rank.")
-    p = property(lambda self: self.layout.p, doc="This rank's pipeline rank.")
-    replica = property(lambda self: self.layout.replica, doc="This rank's replica.")
-    last_rank = property(lambda self: self.layout.last_rank,
-                         doc="The pipeline rank running the model's last partition (it computes the loss).")
-    placement_name = property(lambda self: self.layout.placement_name, doc='"loop" or zbv\'s "v".')
-    schedule = property(lambda self: self.layout.schedule, doc="The schedule's name.")
-    M = property(lambda self: self.run_spec.micro_batches, doc="Micro-batches per replica and step.")
-    checkpoint = property(lambda self: self.run_spec.checkpoint, doc="The recomputation policy.")
-    stall = property(lambda self: self.run_spec.stall, doc="The stall policy of every wait.")
-    autocast = property(lambda self: self.run_spec.bf16, doc="bf16 autocast.")
-    inputs_on_first = property(lambda self: self.run_spec.inputs_on_first,
-                               doc="Only pipeline rank 0 holds a batch's inputs.")
-    zero_stage = property(lambda self: self.run_spec.zero, doc="0, 1 or 2.")
+    # -- the layout and options (read-only) ----------------------------------------------------------
+    @property
+    def place(self) -> Place:
+        """This rank's place: replicas x partitions (the grid is one cell)."""
+        return self.layout.place
+
+    @property
+    def P(self) -> int:
+        """Pipeline ranks per replica."""
+        return self.layout.P
+
+    @property
+    def R(self) -> int:
+        """Replicas."""
+        return self.layout.R
+
+    @property
+    def V(self) -> int:
+        """Partitions per pipeline rank (virtual stages; zbv's 2)."""
+        return self.layout.V
+
+    @property
+    def p(self) -> int:
+        """This rank's pipeline rank."""
+        return self.layout.p
+
+    @property
+    def replica(self) -> int:
+        """This rank's replica."""
+        return self.layout.replica
+
+    @property
+    def last_rank(self) -> int:
+        """The pipeline rank running the model's last partition (it computes the loss)."""
+        return self.layout.last_rank
+
+    @property
+    def placement_name(self) -> str:
+        """"loop", or zbv's "v"."""
+        return self.layout.placement_name
+
+    @property
+    def schedule(self) -> str:
+        """The schedule's name."""
+        return self.layout.schedule
+
+    @property
+    def M(self) -> int:
+        """Micro-batches per replica and step."""
+        return self.run_spec.micro_batches
+
+    @property
+    def checkpoint(self) -> str:
+        """The recomputation policy (:data:`CHECKPOINTS`)."""
+        return self.run_spec.checkpoint
+
+    @property
+    def stall(self) -> StallPolicy:
+        """The stall policy of every wait."""
+        return self.run_spec.stall
+
+    @property
+    def autocast(self) -> bool:
+        """Forwards and loss under bf16 autocast."""
+        return self.run_spec.bf16
+
+    @property
+    def inputs_on_first(self) -> bool:
+        """Only pipeline rank 0 holds a batch's inputs (fit's per-rank reads)."""
+        return self.run_spec.inputs_on_first
+
+    @property
+    def zero_stage(self) -> int:
+        """ZeRO's stage: 0, 1 or 2."""
+        return self.run_spec.zero
 
     # -- the runtime's state, once built --------------------------------------------------------------
     @property

@@ -101,8 +101,9 @@ class PipelineRuntime:
         last = spec.micro_batches - 1
         recompute: Callable[[int], bool] = (lambda m: True) if spec.checkpoint == "always" else (
             (lambda m: m != last) if spec.checkpoint == "except_last" else (lambda m: False))
-        return [Stage(part, edges, self.pipe, self.layout.ranks, max(spec.micro_batches, 1), spec.stall,
-                      recompute, spec.bf16) for part in held]
+        ranks = self.layout.ranks
+        return [Stage(part, edges, self.pipe, ranks, max(spec.micro_batches, 1), spec.stall, recompute, spec.bf16)
+                for part in held]
 
     def _tied_comms(self) -> list[tuple[Communicator, list[nn.Parameter]]]:
         """One sub-communicator of the pipeline per set of ranks holding copies of tied parameters
