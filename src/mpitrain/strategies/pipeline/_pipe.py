@@ -39,11 +39,12 @@ from .._device import model_device
 from .._zero import Zero
 from ..base import FitError
 from ._cut import OWN_MAPPING_FROM, CutSpec, capture_model, cut, profile_sample
-from ._graph import Traced, model_args
+from ._graph import Partition, Traced, model_args
 from ._layout import Layout
 from ._materialize import InitFn, is_meta
 from ._runtime import LossFn, PipelineRuntime, RunSpec
 from ._shapes import batch_size, repeat, rows
+from ._stage import Stage
 from .schedule import SCHEDULES, SPLIT, chunks_per_rank
 
 __all__ = ["Pipeline", "CHECKPOINTS", "OWN_MAPPING_FROM"]  # the last: its old home, for tests
@@ -195,7 +196,7 @@ class Pipeline:
         return self._runtime
 
     @property
-    def stages(self) -> list[Any]:
+    def stages(self) -> list[Stage]:
         """This rank's :class:`~._stage.Stage` per partition; empty until built."""
         return self._runtime.stages if self._runtime is not None else []
 
@@ -210,7 +211,7 @@ class Pipeline:
         return self._built().cut.bounds
 
     @property
-    def _parts(self) -> list[Any]:
+    def _parts(self) -> list[Partition]:
         return self._built().cut.parts
 
     @property
@@ -221,6 +222,7 @@ class Pipeline:
         if self._runtime is None:
             raise RuntimeError("the pipeline is not built yet: pass example= or run a first batch")
         return self._runtime
+
     # -- public ---------------------------------------------------------------------------------
     def parameters(self) -> Iterator[nn.Parameter]:
         """The trainable parameters (each once) for this rank's optimizer.
