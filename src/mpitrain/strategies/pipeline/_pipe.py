@@ -110,8 +110,7 @@ class Pipeline:
         self.traced: Traced | None = None  # captured on the first batch (the cut's first step)
         self._runtime: PipelineRuntime | None = None
         if example is not None:
-            flat = self._flat(example)
-            self.build(example, flat, max(1, batch_size(flat) // (self.R * self.M)))
+            self.build(example)
 
     # -- the layout and options (read-only) ----------------------------------------------------------
     @property
@@ -263,7 +262,7 @@ class Pipeline:
         check_divisible(B, self.R * self.M, f"replicas x micro-batches (R={self.R}, M={self.M})")
         per_sample(B, targets, inputs)  # targets follow the inputs' samples (k rows each): checked before set-up
         n = B // (self.R * self.M)
-        rt = self._runtime if self._runtime is not None else self.build(inputs, flat, n)
+        rt = self._runtime if self._runtime is not None else self.build(inputs, n)
         off = self.replica * n * self.M
         # what .grad held; a copy where it is a bucket view (the user did not clear it), which this step reuses
         before = [None if q.grad is None else q.grad.clone() if rt.in_bucket(q, q.grad) else q.grad
@@ -289,14 +288,18 @@ class Pipeline:
             return
         mine = repeat(inputs, max(2, micro)) if self.comm.rank == 0 else None
         sample = self.comm.broadcast_object(mine)
-        self.build(sample, self._flat(sample), micro)
+        self.build(sample, micro)
 
-    def build(self, inputs: Any, flat: list[Any], micro: int) -> PipelineRuntime:
-        """Collective over `comm`, once (every rank, the same `inputs`): cut the model on the first `micro`
-        rows of `inputs` (`flat`: their :func:`model_args` leaves) and build the runtime. Every rank
-        reaches the same verdicts; anything wrong is a FitError on every rank."""
+    def build(self, inputs: Any, micro: int | None = None) -> PipelineRuntime:
+        """Collective over `comm`, once (every rank, the same `inputs`: a batch as :meth:`step` takes
+        it): capture the model (if not yet), cut it on the first `micro` rows of `inputs` (default: a
+        micro-batch's share, ``rows // (R * M)``, at least 1) and build the runtime, which it returns.
+        What `example` does at construction. Every rank reaches the same verdicts; anything wrong is a
+        FitError on every rank."""
         if self._runtime is not None:
             raise RuntimeError("the pipeline is already built")
+        flat = self._flat(inputs)
+        micro = max(1, batch_size(flat) // (self.R * self.M)) if micro is None else micro
         traced = self._traced()
         shapes = profile_sample(traced, flat, micro, self.device, self.on_meta, self.autocast)
         settings = (self.P, self.R, self.M, self.V, self.schedule, self.checkpoint, repr(self.balance))
@@ -340,7 +343,7 @@ class Pipeline:
         B = batch_size(flat)
         rt = self._runtime
         if rt is None:
-            rt = self.build(inputs, flat, max(1, split_sizes(B, self.R)[0] // self.M))
+            rt = self.build(inputs, max(1, split_sizes(B, self.R)[0] // self.M))
         return rt.eval(flat, B)
 
     def trained_model(self) -> nn.Module:
