@@ -4,7 +4,8 @@ GPT-2 and Llama from their default configs (4 layers x 128, vocabulary 2000, flo
 ``Pipeline(P = world size, M = 4, balance="params")``, batches of 8 sequences with ``(B*T,)`` targets,
 stepping over lengths 128 x3, 64 x3, 256 x3, 96 x3, 128, 64, 256: each length's first step (a new
 shape signature: value metas propagated on fake tensors, receive buffers of the new sizes) against its
-later steps (cached). Per step the slowest rank's wall time, and the time spent in ``Pipeline._meta``.
+later steps (cached). Per step the slowest rank's wall time,
+and the time spent in ``Shapes.meta`` (strategies/pipeline/_shapes.py).
 
     PYTHONPATH=. .venv/bin/mpitrain run -n 2 -- .venv/bin/python benchmarks/pipeline_shape_cost.py
 """
@@ -19,12 +20,12 @@ from typing import Any
 import torch
 
 import mpitrain
-from mpitrain.strategies.pipeline import _pipe
+from mpitrain.strategies.pipeline import _shapes
 from tests.strategies.pipeline.tiny_transformers import _transformers, lm_batches, lm_loss
 
 ORDER = [128, 128, 128, 64, 64, 64, 256, 256, 256, 96, 96, 96, 128, 64, 256]
 SPENT = [0.0]
-_META = _pipe.Pipeline._meta
+_META = _shapes.Shapes.meta
 
 
 def _timed_meta(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -45,7 +46,7 @@ def model(name: str) -> torch.nn.Module:
 
 
 def main() -> None:
-    _pipe.Pipeline._meta = _timed_meta  # type: ignore[method-assign]
+    _shapes.Shapes.meta = _timed_meta  # type: ignore[method-assign]
     comm = mpitrain.init()
     for name in sys.argv[1:] or ["gpt2", "llama"]:
         batches = {n: lm_batches(8, 1, seed=n, lengths=(n,))[0] for n in set(ORDER)}

@@ -169,8 +169,9 @@ class PipelineTrainer(StepTrainer):
         self.pipe.clip_gradients(max_norm)
 
     def _setup(self, first: BatchShare) -> None:
-        """Split the model on rows of world rank 0's first batch, keep this rank's parameters in the
-        optimizer, and load a pending checkpoint."""
+        """Build the pipeline (its cut and runtime, in one call: :meth:`Pipeline.setup_shared`) on rows of
+        world rank 0's first batch, keep this rank's parameters in the optimizer, and load a pending
+        checkpoint."""
         pipe = self.pipe
         micro = -(-split_sizes(first.n, pipe.R)[0] // pipe.M)  # replica 0's first micro-batch, on every rank
         # world rank 0 is replica 0's pipeline rank 0: it has rows (n >= 1) and inputs
@@ -198,7 +199,7 @@ class PipelineTrainer(StepTrainer):
                                else t, out)
 
     def trained_model(self) -> nn.Module:
-        if not self.pipe.stages and self._read is not None:  # resumed after the last step: no set-up
+        if self.pipe.runtime is None and self._read is not None:  # resumed after the last step: no set-up
             self._load_everything(self._read)
         model = self.pipe.trained_model()
         if self.pipe.zero is not None:
@@ -212,7 +213,7 @@ class PipelineTrainer(StepTrainer):
         pipe = self.pipe
         return {"strategy": self.strategy, "world_size": self.comm.size, "partitions": pipe.P,
                 "replicas": pipe.R, "virtual_stages": pipe.V, "placement": pipe.placement_name,
-                "zero": pipe.zero_stage, "bounds": list(pipe.bounds) if pipe.stages else None, NAMED: True}
+                "zero": pipe.zero_stage, "bounds": list(pipe.bounds) if pipe.runtime is not None else None, NAMED: True}
 
     def _held(self) -> tuple[list[tuple[torch.Tensor, Held]], dict[int, Held]]:
         """This rank's tensors by name: its partitions' parameters and buffers (a tied weight under each
@@ -222,7 +223,7 @@ class PipelineTrainer(StepTrainer):
         pipe = self.pipe
         named = pipe.model.state_dict(keep_vars=True)
         rank0 = self.comm.rank == 0
-        if not pipe.stages:
+        if pipe.runtime is None:
             tensors = [(t, whole(k, t)) for k, t in named.items() if rank0 and not t.is_meta]
             return tensors, {}
         own, held = pipe.tensor_ids()
@@ -269,7 +270,7 @@ class PipelineTrainer(StepTrainer):
         saved_groups = read(0)["optim"]["groups"]  # type: ignore[index]
         for group, saved in zip(self.optimizer.param_groups, saved_groups):
             group.update(saved)
-        if self.pipe.stages:
+        if self.pipe.runtime is not None:
             self._load()
         else:
             self._pending = True

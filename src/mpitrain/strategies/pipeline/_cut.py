@@ -1,0 +1,242 @@
+"""The cut: capture -> profile -> agree -> bounds -> partitions, one function per step.
+
+Every rank captures the same graph (:func:`capture_model`) on a sample of a few rows and profiles it
+(:func:`profile_sample`: the shape and dtype of every value, hence where the graph may be cut). With
+``balance="time"`` the graph is first split by parameters and each rank times only its own partitions
+(:func:`measure_mine`: no rank runs the whole model, which a meta model could not, and whose
+gradients would be one more model's worth of memory). :func:`agree` is the one communicating step:
+one ``allgather_object`` that checks every rank set the pipeline up alike, raises any rank's error on
+every rank, and averages the measured times, so that :func:`bounds` (balanced, exact) gives every rank
+the same split. A meta model holds exactly its partitions' tensors at each split (:func:`hold`).
+Everything wrong is refused before the allgather, on every rank (each has the same information).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+from ..._utils.malloc import lower_mmap_threshold
+from ...comm.base import Communicator
+from .._device import to_device
+from ..base import FitError
+from ._graph import (
+    Partition,
+    Traced,
+    TraceFailure,
+    ValueMeta,
+    capture,
+    cut_points,
+    measure_module,
+    param_counts,
+    reference_seconds,
+    split,
+)
+from ._layout import Layout
+from ._materialize import InitFn, materialize, release
+from ._partition import bounds_from_balance
+from ._shapes import Shapes, batch_size, rows, slice_rows
+from ._stage import autocast
+
+__all__ = ["Cut", "CutSpec", "capture_model", "profile_sample", "agree", "bounds", "measure_mine", "hold",
+           "mine", "cut", "OWN_MAPPING_FROM"]
+
+#: The weight size from which a rank's weight-sized blocks get their own mapping: below it, the few
+#: blocks the heap cannot reuse (see :mod:`..._utils.malloc`) waste little, and activations that
+#: size stay in the heap, reused without page faults
+OWN_MAPPING_FROM = 4 << 20
+
+
+@dataclass(frozen=True)
+class CutSpec:
+    """How to cut: `balance` ("time", "params" or node counts per partition), the passes timing a
+    partition, a meta model's `seed` and `init_fn`, and `settings`: the arguments every rank must
+    have set alike (checked by :func:`agree`)."""
+
+    balance: Any = "time"
+    profile_passes: int = 5
+    seed: int = 0
+    init_fn: InitFn | None = None
+    settings: tuple[Any, ...] = ()
+
+
+@dataclass(frozen=True)
+class Cut:
+    """The split of `traced` at node indices `bounds` (``[0, c1, ..., n]``) into `parts` (all the
+    model's partitions, in order; a meta model's tensors materialised for this rank's only), `meta`:
+    the value metas of the sample (with gradients: which values carry errors back), and the `shapes`
+    profiled on the way (their cache passes to the runtime)."""
+
+    traced: Traced
+    bounds: list[int]
+    parts: list[Partition]
+    meta: dict[str, ValueMeta | None]
+    shapes: Shapes
+
+
+def capture_model(model: nn.Module, inputs: Any, per_micro: int) -> Traced:
+    """Capture on a sample of a few rows: a micro-batch's (the batch over `per_micro`), two at least
+    (a batch dimension of one would be taken for a constant by torch.export). FitError if it cannot."""
+    n = batch_size(pytree.tree_leaves(inputs))
+    sample = slice_rows(inputs, 0, min(n, max(2, n // per_micro)))
+    try:
+        return capture(model, sample)
+    except TraceFailure as e:
+        raise FitError(str(e)) from e
+
+
+def profile_sample(traced: Traced, flat: list[Any], micro: int, device: torch.device, on_meta: bool,
+                   bf16: bool) -> Shapes:
+    """The shapes of `traced` on the first `micro` rows of `flat`, moved to `device` (a model on a
+    device is profiled there; a meta model's on a meta copy of its graph)."""
+    sample = to_device(rows(flat, 0, micro), device)
+    graph = dataclasses.replace(traced, gm=copy.deepcopy(traced.gm)) if on_meta else traced
+    shapes = Shapes(traced, graph, sample, on_meta, bf16, device)
+    shapes.first()
+    return shapes
+
+
+def agree(comm: Communicator, key: tuple[Any, ...], costs: Sequence[float | None] | None,
+          error: str | None = None) -> list[float] | None:
+    """Collective over `comm` (every rank, one ``allgather_object``): FitError on every rank if any
+    rank's `key` differs from rank 0's or any rank reports an `error`; else each node's `costs`
+    averaged over the ranks that measured it (None: not measured there), the same on every rank;
+    None where any rank has no costs."""
+    seen = comm.allgather_object((key, None if costs is None else list(costs), error))
+    bad = [r for r, (k, _, _) in enumerate(seen) if k != seen[0][0]]  # rank 0's, so every rank names the same
+    if bad:
+        raise FitError(f"ranks {bad} set up the pipeline with a different model, data or arguments than rank 0")
+    for r, (_, _, e) in enumerate(seen):
+        if e is not None:
+            raise FitError(f"rank {r}: {e}")
+    if costs is None or any(c is None for _, c, _ in seen):
+        return None
+    out = []
+    for i in range(len(costs)):
+        got = [c[i] for _, c, _ in seen if c is not None and c[i] is not None]
+        out.append(sum(got) / len(got) if got else 0.0)
+    return out
+
+
+def bounds(balance: Any, parts: int, costs: Sequence[float], cuts: Sequence[int]) -> list[int]:
+    """The split of :func:`._partition.bounds_from_balance` (pure), its ValueError as FitError."""
+    try:
+        return bounds_from_balance(balance, parts, costs, cuts)
+    except ValueError as e:
+        raise FitError(str(e)) from e
+
+
+def mine(layout: Layout, parts: list[Partition]) -> list[Partition]:
+    """This rank's partitions of `parts` (its chunks, :attr:`.Layout.mine`). Blocks as large as their
+    largest weight get their own mapping from now on (:func:`_map_weight_sized_blocks`)."""
+    out = [parts[k] for k in layout.mine]
+    _map_weight_sized_blocks(out)
+    return out
+
+
+def hold(model: nn.Module, layout: Layout, traced: Traced, at: list[int], meta: dict[str, ValueMeta | None],
+         spec: CutSpec) -> str | None:
+    """Make this rank hold exactly its partitions' tensors of the split at `at`: the others go back to
+    meta (first, so the peak is the larger of the two holdings, not their union), the missing ones are
+    materialised. Returns the error message of a failed initialisation (for :func:`agree`)."""
+    keep = {id(t) for part in mine(layout, split(traced, at, meta))
+            for t in [*part.module.parameters(), *part.module.buffers()]}
+    release(model, keep)
+    try:
+        materialize(model, keep, spec.seed, spec.init_fn)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def measure_mine(layout: Layout, traced: Traced, at: list[int], shapes: Shapes,
+                 passes: int) -> list[float | None] | None:
+    """Forward + backward time of the nodes of this rank's partitions of the split at `at` (None for
+    the others'), each partition run alone on the sample's inputs it reads and stand-ins for the
+    activations it receives (random floats, zero integers: valid indices). In units of
+    :func:`reference_seconds` timed around the measurement: ranks time different nodes at different
+    moments, and a rank slowed by its neighbours meanwhile must not see its nodes as costlier. None
+    where a partition cannot run on stand-ins (a received index computed from the data, e.g. a mixture
+    of experts' token permutation: zeros leave its inverse partly uninitialised); then every rank keeps
+    the split by parameters (:func:`agree`)."""
+    meta, device = shapes.first(), shapes.device
+    index = {n.name: i for i, n in enumerate(traced.nodes)}
+    parts = split(traced, at, meta, device if shapes.on_meta else None)
+    out: list[float | None] = [None] * len(traced.nodes)
+    unit = reference_seconds(passes)
+    times: dict[int, float] = {}
+    for part in mine(layout, parts):
+        k = part.index
+        args = ([shapes.sample[i] for i in part.data_inputs]
+                + [_stand_in(meta[v], device) for v in part.recv_inputs])
+        try:
+            with autocast(shapes.bf16, device):
+                timed = measure_module(part.module, args, passes)
+        except (IndexError, RuntimeError):
+            return None
+        for name, seconds in timed.items():
+            i = index.get(name)
+            if i is not None and at[k] <= i < at[k + 1]:
+                times[i] = seconds
+    unit = min(unit, reference_seconds(passes))
+    for i, seconds in times.items():
+        out[i] = seconds / unit
+    return out
+
+
+def cut(comm: Communicator, layout: Layout, model: nn.Module, shapes: Shapes, spec: CutSpec) -> Cut:
+    """Collective over `comm` (every rank of the pipeline's world, with the same arguments): the split
+    of `shapes.traced` into ``layout.parts`` partitions. A meta model ends holding exactly this rank's
+    partitions' tensors (and nothing else)."""
+    traced, n = shapes.traced, layout.parts
+    if n > len(traced.nodes):
+        raise FitError(f"{n} partitions exceed the {len(traced.nodes)} nodes of the captured graph "
+                       f"of {type(model).__name__}; use fewer partitions")
+    meta = shapes.first()
+    cuts = cut_points(traced, meta)
+    if isinstance(spec.balance, str) and len(cuts) + 1 < n:
+        raise FitError(f"the graph can only be cut at {len(cuts)} places (where every crossing value "
+                       f"is a tensor); use partitions x virtual stages <= {len(cuts) + 1}")
+    key = (*spec.settings, [v.name for v in traced.nodes],
+           [tuple(a.shape) for a in shapes.sample if hasattr(a, "shape")])
+    timed = spec.balance == "time"
+    at = bounds("params" if timed else spec.balance, n, param_counts(traced), cuts)
+    error = hold(model, layout, traced, at, meta, spec) if shapes.on_meta else None
+    measured = measure_mine(layout, traced, at, shapes, spec.profile_passes) if timed and error is None else None
+    costs = agree(comm, key, measured, error)
+    if costs is not None:
+        at = bounds("time", n, costs, cuts)
+        if shapes.on_meta:
+            agree(comm, key, None, hold(model, layout, traced, at, meta, spec))
+    return Cut(traced, at, split(traced, at, meta, shapes.device if shapes.on_meta else None), meta, shapes)
+
+
+def _map_weight_sized_blocks(parts: list[Partition]) -> None:
+    """Lower glibc's mmap threshold to the largest weight of `parts` (at least :data:`OWN_MAPPING_FROM`).
+
+    Every step allocates one temporary per weight and micro-batch as large as the weight (autograd's
+    weight gradient, added into ``.grad``); in the heap, each can leave a hole that the next one cannot
+    reuse (:mod:`..._utils.malloc`), measured at 1 to 13 extra 16 MiB blocks per rank at P = 4 on
+    the ``bench memory`` model. Mapped on their own they are returned when freed, at the price of
+    page faults per temporary (docs/pipeline.md, "Memory per rank")."""
+    largest = max((q.numel() * q.element_size() for part in parts for q in part.module.parameters()), default=0)
+    if largest >= OWN_MAPPING_FROM:
+        lower_mmap_threshold(largest)
+
+
+def _stand_in(meta: ValueMeta | None, device: torch.device) -> torch.Tensor:
+    """A tensor shaped like a received activation, to time a partition alone: random floats (a
+    non-leaf when differentiable, so in-place ops on it are allowed, as on a received copy), zeros
+    otherwise."""
+    assert meta is not None  # a boundary only ever carries tensors (cut_points)
+    if not meta.dtype.is_floating_point:
+        return torch.zeros(meta.shape, dtype=meta.dtype, device=device)
+    x = torch.randn(meta.shape, dtype=meta.dtype, device=device, requires_grad=meta.requires_grad)
+    return x.clone() if meta.requires_grad else x

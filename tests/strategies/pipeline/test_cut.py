@@ -1,0 +1,105 @@
+"""The cut's pure steps, each on its own (serial: capture, profile, measure, bounds, a meta model's holding).
+
+`agree`, the one collective step, is tested over real MPI in test_cut_mpi.py."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+from torch import nn
+
+from mpitrain.strategies.base import FitError
+from mpitrain.strategies.pipeline._cut import CutSpec, bounds, capture_model, hold, measure_mine, profile_sample
+from mpitrain.strategies.pipeline._graph import cut_points, model_args, split
+from mpitrain.strategies.pipeline._layout import Layout
+
+from .models import MLP
+
+
+def _brute_force(costs: list[float], cuts: list[int], parts: int) -> float:
+    """The least largest partition cost over every choice of `parts - 1` cuts."""
+    n, best = len(costs), float("inf")
+    for chosen in itertools.combinations(sorted(set(cuts)), parts - 1):
+        edges = [0, *chosen, n]
+        best = min(best, max(sum(costs[a:b]) for a, b in zip(edges, edges[1:])))
+    return best
+
+
+def test_balanced_bounds_minimise_the_costliest_partition_like_brute_force():
+    rng = random.Random(0)
+    for _ in range(200):
+        n = rng.randint(2, 10)
+        costs = [rng.choice([0.0, 1.0, 2.5, 7.0]) for _ in range(n)]
+        cuts = sorted(rng.sample(range(1, n), rng.randint(1, n - 1)))
+        parts = rng.randint(1, len(cuts) + 1)
+        got = bounds("time", parts, costs, cuts)
+        assert got[0] == 0 and got[-1] == n and len(got) == parts + 1
+        assert all(c in cuts for c in got[1:-1]) and got == sorted(got)
+        assert max(sum(costs[a:b]) for a, b in zip(got, got[1:])) == _brute_force(costs, cuts, parts)
+
+
+def test_balanced_bounds_for_given_costs_and_ties_go_to_the_earliest_cut():
+    assert bounds("time", 2, [1.0, 1.0, 1.0, 1.0, 4.0], [1, 2, 3, 4]) == [0, 4, 5]
+    assert bounds("params", 2, [1.0] * 4, [1, 2, 3]) == [0, 2, 4]
+    assert bounds("time", 2, [1.0] * 4, [1, 3]) == [0, 1, 4]  # max 3 either way: the earliest
+    assert bounds("time", 1, [5.0, 1.0], [1]) == [0, 2]
+
+
+def test_explicit_node_counts_give_their_bounds_and_a_bad_list_or_too_few_cuts_is_a_fit_error():
+    assert bounds([2, 3], 2, [0.0] * 5, [1, 2, 3, 4]) == [0, 2, 5]
+    with pytest.raises(FitError, match="non-tensor value"):
+        bounds([2, 3], 2, [0.0] * 5, [1, 3, 4])
+    with pytest.raises(FitError, match="summing"):
+        bounds([2, 2], 2, [0.0] * 5, [1, 2, 3, 4])
+    with pytest.raises(FitError, match="too few"):
+        bounds("time", 3, [1.0] * 5, [2])
+
+
+def _mlp_shapes(micro: int = 3):
+    torch.manual_seed(0)
+    model = MLP()
+    x = torch.randn(12, 12)
+    traced = capture_model(model, x, per_micro=4)
+    flat = model_args(traced, x)
+    return model, traced, profile_sample(traced, flat, micro, torch.device("cpu"), False, False)
+
+
+def test_capture_and_profile_give_the_sample_micro_batch_shapes_of_every_value():
+    _, traced, shapes = _mlp_shapes(micro=3)
+    assert [tuple(a.shape) for a in shapes.sample] == [(3, 12)]
+    meta = shapes.first()
+    out = traced.outputs[0]
+    assert meta[out.name] is not None and meta[out.name].shape == (3, 5)
+    assert shapes.first() is meta  # profiled once
+    assert cut_points(traced, meta)  # an MLP can be cut between its layers
+
+
+def test_a_rank_times_only_the_nodes_of_its_own_partitions():
+    _, traced, shapes = _mlp_shapes()
+    meta = shapes.first()
+    at = bounds("params", 2, [1.0] * len(traced.nodes), cut_points(traced, meta))
+    for rank in range(2):
+        timed = measure_mine(Layout.of(2, rank, 2, 1, "1f1b"), traced, at, shapes, passes=1)
+        assert timed is not None and len(timed) == len(traced.nodes)
+        got = [i for i, t in enumerate(timed) if t is not None]
+        assert got and all(at[rank] <= i < at[rank + 1] for i in got)
+        assert all(t >= 0 for t in timed if t is not None)
+
+
+def test_a_meta_model_holds_exactly_its_partitions_tensors_after_each_split():
+    with torch.device("meta"):
+        model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)])
+    x = torch.randn(4, 4)
+    traced = capture_model(model, x, per_micro=2)
+    shapes = profile_sample(traced, model_args(traced, x), 2, torch.device("cpu"), True, False)
+    meta, layout = shapes.first(), Layout.of(2, 1, 2, 1, "1f1b")
+    cuts = cut_points(traced, meta)
+    n = len(traced.nodes)  # one per layer: rank 1 holds 3 layers, then 1 (two go back to meta), then 2
+    for sizes in ([1, n - 1], [n - 1, 1], [2, n - 2]):
+        at = bounds(sizes, 2, [0.0] * n, cuts)
+        assert hold(model, layout, traced, at, meta, CutSpec(seed=3)) is None
+        own = {id(t) for t in split(traced, at, meta)[1].module.parameters()}
+        assert len(own) == 2 * sizes[1] and all(t.is_meta == (id(t) not in own) for t in model.parameters())
