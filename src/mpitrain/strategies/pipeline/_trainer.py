@@ -142,7 +142,7 @@ class PipelineTrainer(StepTrainer):
         """Split the model on the first step; clear every gradient (with ZeRO the optimizer holds pieces,
         whose gradients accumulate)."""
         pipe = self.pipe
-        if not pipe.stages:
+        if pipe.runtime is None:
             self._setup(batches[0])
         for q in pipe.parameters():
             q.grad = None
