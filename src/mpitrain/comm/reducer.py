@@ -229,15 +229,16 @@ class Reducer:
             copy_from_flat(flat, ts)
 
     # -- completion ----------------------------------------------------------------------------------
-    def wait(self, handle: Handle) -> None:
+    def wait(self, handle: Handle, what: str | None = None) -> None:
         """Block until `handle`'s bucket is reduced and its tensors hold the result (idempotent).
-        Raises ReduceError where the worker failed it; a stall warns and ends the job as the policy says."""
+        Raises ReduceError where the worker failed it; a stall warns ("<name> rank R: still waiting after
+        Ns for <what>", by default naming the bucket) and ends the job as the policy says."""
         if handle.finished:
             return
         if self._held.get(handle.bucket.index) is handle:
             raise CommError(f"{self.name}: bucket {handle.bucket.index} waits for bucket {self._due} to be "
                             "submitted first (registration order)")
-        what = f"the reduction of bucket {handle.bucket.index} ({handle.bucket.numel} elements)"
+        what = what or f"the reduction of bucket {handle.bucket.index} ({handle.bucket.numel} elements)"
         if handle.request is not None:
             req = handle.request
             if not req.test():
