@@ -149,7 +149,7 @@ class Reducer:
         self._next = 0  # registration index of the next bucket to post
         self._inflight: list[Handle] = []  # posted, not yet waited
         self._codec = self.policy.codec_obj
-        self._staging = Staging()  # device buckets of the rings: host mirrors
+        self._staging: Staging | None = None  # device buckets of the rings: host mirrors (made on first use)
         self._thread = thread
         self._queue: queue.Queue[Handle | None] = queue.Queue()
         self._worker: threading.Thread | None = None
@@ -190,8 +190,9 @@ class Reducer:
         """Hand `bucket` over for reduction; its tensors must not be touched until :meth:`wait`.
 
         Posted at once when it is the next in registration order (then any held buckets that follow),
-        else held. Submitting a bucket twice in one round raises CommError (local). Never raises for a
-        failure of an earlier bucket on the worker: that surfaces in :meth:`wait`."""
+        else held. Submitting a bucket twice in one round raises CommError (local), as does a flat bucket
+        the communicator refuses when the caller posts it. Never raises for a failure of an earlier bucket
+        on the worker: that surfaces in :meth:`wait`."""
         if bucket.index in self._held or bucket not in self.buckets[bucket.index:bucket.index + 1]:
             raise CommError(f"{self.name}: bucket {bucket.index} submitted twice in one round, or not registered here")
         if not bucket.in_place:
@@ -286,7 +287,11 @@ class Reducer:
                 self._worker.start()
             self._queue.put(handle)
         elif not self.policy.ring:
-            handle.request = self.comm.iallreduce(handle.bucket.flat, self.policy.op)
+            try:
+                handle.request = self.comm.iallreduce(handle.bucket.flat, self.policy.op)
+            except BaseException:  # refused before any message (the caller's thread): raised at submit
+                self._inflight.remove(handle)
+                raise
         else:
             self._execute(handle)
 
@@ -335,6 +340,8 @@ class Reducer:
         if flat.is_cpu:
             yield flat
             return
+        if self._staging is None:
+            self._staging = Staging()
         host = self._staging.to_host(flat)
         yield host
         self._staging.back(flat, host)
