@@ -253,3 +253,37 @@ def test_a_rank_that_never_submits_makes_the_waiting_rank_warn_then_end_the_job_
                      job.stderr), job.stderr[-2000:]
     assert "aborting the job" in job.stderr
     assert time.monotonic() - t0 < 40
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("kind", ["flat", "ring"])
+def test_the_blocking_form_reduces_scattered_tensors_like_a_plain_allreduce_and_refuses_to_jump_held_buckets(
+        comm, kind):
+    ts = _grads(comm.rank, [(3, 4), (9,), (2, 5)], integral=True, seed=11)
+    expected = _expected(comm, ts, "sum")
+    red = Reducer(comm, ReducePolicy(kind, op="sum", chunk_bytes=40))
+    red.reduce(ts)  # three separate tensors: one flat copy, reduced, copied back
+    ok = all(torch.equal(a, b) for a, b in zip(ts, expected))
+    first, second = red.register([torch.zeros(2)]), red.register([torch.zeros(2)])
+    red.submit(second)  # held for `first`
+    try:
+        red.reduce([torch.zeros(2)])
+        refused = False
+    except CommError:
+        refused = True
+    red.submit(first)
+    red.wait_all()
+    assert_all_ranks(comm, ok and refused, f"{kind}: equal {ok}, refused {refused}")
+
+
+@pytest.mark.mpi
+def test_a_flat_bucket_the_communicator_refuses_raises_at_submit_on_the_callers_thread(comm):
+    red = Reducer(comm, ReducePolicy("flat", op="avg"))
+    bucket = red.register([torch.zeros(4, dtype=torch.int64)])  # avg of integers: refused by the backend
+    try:
+        red.submit(bucket)
+        raised = False
+    except CommError:
+        raised = True
+    red.wait_all()  # nothing in flight: returns
+    assert_all_ranks(comm, raised, "no CommError at submit")

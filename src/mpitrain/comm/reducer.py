@@ -211,17 +211,18 @@ class Reducer:
         registered after its round's others were posted, before the next round starts, joins that round)."""
         return self._next if self._next < len(self.buckets) else 0
 
-    def reduce(self, tensors: Sequence[torch.Tensor]) -> None:
+    def reduce(self, tensors: Sequence[torch.Tensor], *, feedback: Hashable = "unregistered") -> None:
         """Blocking form for one bucket that is not registered: reduce `tensors` as one bucket on the
         calling thread and return with the results in them. Every rank must call it at the same point of
-        its collectives on `comm`; not while registered buckets are held or queued for a worker."""
+        its collectives on `comm`; not while registered buckets are held or queued for a worker. With
+        error feedback, `feedback` names the residual's group (its buckets must have one numel)."""
         if self._held or (self._thread and self._inflight):
             raise CommError(f"{self.name}: reduce() while registered buckets are in flight would reorder them")
         ts = list(tensors)
         span = joined(ts)
         flat = span if span is not None else flatten(ts)
         if self.policy.ring:
-            self._ring(flat, "unregistered")
+            self._ring(flat, feedback)
         else:
             with watched(self.name, lambda: f"a blocking allreduce of {flat.numel()} elements",
                          self.stall.warn_after, self.stall.abort_after, self.comm.abort):
