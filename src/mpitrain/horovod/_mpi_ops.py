@@ -28,6 +28,7 @@ the CPU's do (see :func:`_divisor`).
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -36,8 +37,10 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from .._utils.flat import copy_from_flat, flatten, group_by
+from .._utils.stall import DEFAULT_POLICY
 from ..comm import after, ready_event
 from ..comm.base import Communicator
+from ..comm.reducer import ReducePolicy, Reducer
 from ._basics import OP_NAMES, Adasum, Average, Max, Min, Product, Sum
 from ._engine import JOIN_HANDLERS, Key, Op
 from ._handles import poll, submit, synchronize
@@ -52,6 +55,8 @@ SUPPORTED_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int
                     torch.bfloat16, torch.float32, torch.float64)
 _MPI_OP = {Average: "sum", Sum: "sum", Min: "min", Max: "max", Product: "prod"}
 _Execute = Callable[[Communicator, list[Any]], Any]
+#: the reducer's stall policy here: warn, and leave ending the job to the engine's negotiation waits
+_WARN_ONLY = dataclasses.replace(DEFAULT_POLICY, abort_after=None)
 
 
 # -- argument checks -------------------------------------------------------------------------------------
@@ -179,14 +184,22 @@ def _reduce_fused(comm: Communicator, ts: Sequence[torch.Tensor], mpi_op: str, d
     never fused together. `devices` are the device types of `ts` (:func:`_devices`); joined ranks call
     this on CPU zeros of the same specs with the active ranks' `devices`, so both sides issue identical
     MPI calls."""
+    reduce = _reducer(comm).reduce if mpi_op == "sum" else (lambda ts: comm.allreduce(ts[0], mpi_op))
     for (_, wire), pairs in group_by(zip(ts, devices), lambda tk: (tk[1], _wire(tk[0].dtype))).items():
         group = [t for t, _ in pairs]
         if len(group) == 1 and group[0].dtype == wire:
-            comm.allreduce(group[0].view(-1), mpi_op)
+            reduce([group[0].view(-1)])
             continue
         flat = flatten([t.to(wire) for t in group])
-        comm.allreduce(flat, mpi_op)
+        reduce([flat])
         copy_from_flat(flat, group)
+
+
+def _reducer(comm: Communicator) -> Reducer:
+    """The gradient reducer's blocking form for Sum and Average (a flat sum: the engine thread has just
+    negotiated the op, so no order is left to agree on). Min, Max and Product are not gradient reductions
+    and stay plain allreduces. It only warns when late, as the engine's watched collectives do."""
+    return Reducer(comm, ReducePolicy("flat", op="sum"), _WARN_ONLY, name="horovod allreduce")
 
 
 def _allreduce_inplace(comm: Communicator, ts: Sequence[torch.Tensor], op: int, pre: float, post: float,

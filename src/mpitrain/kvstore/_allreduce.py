@@ -16,6 +16,7 @@ import torch
 from .._utils.stall import StallPolicy, wait_until
 from ..comm import ready_event
 from ..comm.base import Communicator
+from ..comm.reducer import ReducePolicy, Reducer
 from ._interface import (
     Key,
     KeyInfo,
@@ -133,6 +134,7 @@ class AllreduceStore(KVStore):
         self._push_bufs: dict[Key, list[torch.Tensor]] = {}  # idle push buffers per key
         self._buf_lock = threading.Lock()
         self._codec: Any = None
+        self._reducers: dict[tuple[int, bool], Reducer] = {}  # by (id of the communicator, compressed)
         self._closed = False
 
     # -- identity --------------------------------------------------------------------------------
@@ -336,7 +338,8 @@ class AllreduceStore(KVStore):
         self._codec = None if codec.name is None else codec
 
     def _reduce(self, comm: Communicator, buf: torch.Tensor, poll: bool = False, key: Key | None = None) -> None:
-        """Sum `buf` over `comm` in place: plain allreduce, or the compressed ring allreduce.
+        """Sum `buf` over `comm` in place through the gradient reducer: plain allreduce, or the compressed
+        ring allreduce.
 
         ``poll=True`` (background threads that may start before the peers are ready) first meets the
         peers in a 1-element nonblocking allreduce completed with sleeping tests, then runs the blocking
@@ -346,13 +349,25 @@ class AllreduceStore(KVStore):
         inside a test, so sleeping between tests stretches every round of a large reduction; measured,
         dated: docs/engine-kvstore.md, "Performance", item 1). The MPI Communicator reduces a large
         buffer as consecutive pieces (comm/_mpi.py)."""
-        if self._codec is None or not buf.is_floating_point():
-            if poll:
-                rendezvous(comm, f"{self.type} allreduce of key {key!r}", self._policy, self._world.abort)
-            comm.allreduce(buf)
-        else:
-            from ..comm.ring import ring_allreduce
-            ring_allreduce(comm, buf, codec=self._codec)
+        compressed = self._codec is not None and buf.is_floating_point()
+        if poll and not compressed:
+            rendezvous(comm, f"{self.type} allreduce of key {key!r}", self._policy, self._world.abort)
+        self._reducer(comm, compressed).reduce([buf])
+
+    def _reducer(self, comm: Communicator, compressed: bool) -> Reducer:
+        """The gradient reducer's blocking form on `comm` (:class:`~mpitrain.comm.reducer.Reducer`: flat sum,
+        or the compressed ring with the store's codec), one per communicator and policy. Its blocking
+        allreduce only warns when late: the store's own waits (tracker, rendezvous, coordinator cycles)
+        decide when the job ends, as they did before the reducer."""
+        with self._buf_lock:
+            reducer = self._reducers.get((id(comm), compressed))
+            if reducer is None or reducer.comm is not comm or (compressed and reducer.policy.codec is not self._codec):
+                policy = (ReducePolicy("compressed", op="sum", codec=self._codec) if compressed
+                          else ReducePolicy("flat", op="sum"))
+                warn_only = dataclasses.replace(self._policy, abort_after=None)
+                reducer = self._reducers[(id(comm), compressed)] = Reducer(comm, policy, warn_only,
+                                                                           name=f"kvstore {self.type}")
+            return reducer
 
     # -- lifecycle -------------------------------------------------------------------------------
     def close(self) -> None:

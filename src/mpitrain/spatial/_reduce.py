@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from ..comm.base import Communicator
+from ..comm.reducer import ReducePolicy, Reducer
 
 __all__ = ["allreduce_sum", "allreduce_once", "GradBucket"]
 
@@ -63,6 +64,7 @@ class GradBucket:
     def __init__(self, comm: Communicator, params: list[torch.Tensor]) -> None:
         self.comm, self.params = comm, params
         self.pending: dict[int, torch.Tensor] = {}
+        self._reducer = Reducer(comm, ReducePolicy("flat", op="sum"), name="spatial gradient allreduce")
 
     def views(self) -> tuple[torch.Tensor, ...]:
         """`params` as views for one forward (in order); backward sends their gradients here."""
@@ -77,12 +79,14 @@ class GradBucket:
                 self.pending[i] = self.pending[i] + g if i in self.pending else g
 
     def flush(self) -> None:
-        """Allreduce the stored local gradients as one flat buffer; add the sums to ``.grad`` (a ``.grad``
+        """Allreduce the stored local gradients as one flat buffer (the gradient reducer's blocking form,
+        :class:`~mpitrain.comm.reducer.Reducer`); add the sums to ``.grad`` (a ``.grad``
         set here is a view of that buffer)."""
         order = sorted(self.pending)
         grads, self.pending = [self.pending[i] for i in order], {}
         perms = [_memory_order(g) for g in grads]
-        flat = self.comm.allreduce(torch.cat([g.permute(o).reshape(-1) for g, o in zip(grads, perms)]), "sum")
+        flat = torch.cat([g.permute(o).reshape(-1) for g, o in zip(grads, perms)])
+        self._reducer.reduce([flat])  # one tensor: reduced in place, blocking on this (autograd's) thread
         offset = 0
         for i, g, o in zip(order, grads, perms):
             total = flat[offset:offset + g.numel()].view([g.shape[d] for d in o]).permute(_inverse(o))

@@ -7,32 +7,31 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from .._utils.flat import copy_from_flat, flatten, joined
-from ..comm.base import Communicator, Request
+from .._utils.stall import DEFAULT_POLICY, StallPolicy
+from ..comm.base import Communicator
+from ..comm.reducer import ReducePolicy, Reducer
 from ._buckets import MB, plan_buckets
 
 __all__ = ["allreduce_gradients", "start_allreduce_gradients", "GradientAllreduce"]
 
 
 class GradientAllreduce:
-    """Gradient reductions in flight; :meth:`wait` completes them and writes the results to ``.grad``.
+    """Gradient reductions in flight (a :class:`~mpitrain.comm.reducer.Reducer`'s buckets); :meth:`wait`
+    completes them and writes the results to ``.grad``.
 
     The ``.grad`` tensors must not be touched between the start and ``wait()``.
     """
 
-    def __init__(self, grads: list[torch.Tensor], flats: list[tuple[torch.Tensor, bool]], groups: list[list[int]],
-                 requests: list[Request]) -> None:
-        self._grads, self._flats, self._groups, self._requests = grads, flats, groups, requests
+    def __init__(self, reducer: Reducer) -> None:
+        self._reducer = reducer
         self._done = False
 
     def wait(self) -> None:
-        """Block until every bucket is reduced and copied back; idempotent."""
+        """Block until every bucket is reduced and copied back, in bucket order; idempotent. A stalled
+        reduction warns and ends the job as the reducer's stall policy says."""
         if self._done:
             return
-        for (flat, in_place), group, req in zip(self._flats, self._groups, self._requests):
-            req.wait()
-            if not in_place:
-                copy_from_flat(flat, [self._grads[i] for i in group])
+        self._reducer.wait_all()
         self._done = True
 
 
@@ -54,15 +53,8 @@ def _buckets(params: Iterable[nn.Parameter], op: str, bucket_mb: float
     return grads, plan_buckets(kinds, int(bucket_mb * MB))
 
 
-def _flat(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, bool]:
-    """The buffer a bucket is reduced in: its gradients' own memory where they lie back to back (True),
-    else a flat copy (False)."""
-    span = joined(tensors)
-    return (flatten(tensors), False) if span is None else (span, True)
-
-
 def start_allreduce_gradients(params: Iterable[nn.Parameter], comm: Communicator, op: str = "avg",
-                              bucket_mb: float = 25.0) -> GradientAllreduce:
+                              bucket_mb: float = 25.0, *, stall: StallPolicy = DEFAULT_POLICY) -> GradientAllreduce:
     """Start reducing (``op`` "avg" or "sum") the ``.grad`` of `params` over `comm`; returns a handle.
 
     Every rank of `comm` must call it with the same parameters in the same order (same shapes and
@@ -73,11 +65,14 @@ def start_allreduce_gradients(params: Iterable[nn.Parameter], comm: Communicator
     bucket, or one tensor alone) is reduced in place: no copy.
     Parameters with ``requires_grad=False`` are skipped; a parameter whose ``.grad`` is None gets a
     zero gradient first, so every rank sends the same layout (after the call it holds the average).
+    The buckets go to a :class:`~mpitrain.comm.reducer.Reducer` (flat policy, posted by the caller);
+    `stall` bounds the wait.
     """
     grads, groups = _buckets(params, op, bucket_mb)
-    flats = [_flat([grads[i] for i in group]) for group in groups]
-    requests = [comm.iallreduce(flat, op) for flat, _ in flats]
-    return GradientAllreduce(grads, flats, groups, requests)
+    reducer = Reducer(comm, ReducePolicy("flat", op=op), stall, name="gradient allreduce")
+    for group in groups:
+        reducer.submit(reducer.register([grads[i] for i in group]))
+    return GradientAllreduce(reducer)
 
 
 def allreduce_gradients(params: Iterable[nn.Parameter], comm: Communicator, op: str = "avg",
@@ -85,11 +80,8 @@ def allreduce_gradients(params: Iterable[nn.Parameter], comm: Communicator, op: 
     """Blocking form of :func:`start_allreduce_gradients`: on return every ``.grad`` holds the result.
     The buckets are reduced one after the other by the blocking collective, so besides the gradients
     (and one bucket's flat copy, where not in place) MPI holds temporary memory for one piece of one
-    bucket at a time, not for every bucket at once."""
+    bucket at a time, not for every bucket at once (the reducer's blocking form)."""
     grads, groups = _buckets(params, op, bucket_mb)
+    reducer = Reducer(comm, ReducePolicy("flat", op=op), name="gradient allreduce")
     for group in groups:
-        tensors = [grads[i] for i in group]
-        flat, in_place = _flat(tensors)
-        comm.allreduce(flat, op)
-        if not in_place:
-            copy_from_flat(flat, tensors)
+        reducer.reduce([grads[i] for i in group])

@@ -17,10 +17,10 @@ empty pipeline, so its first K steps only compute and send.
 from __future__ import annotations
 
 import collections
-import queue
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -28,12 +28,12 @@ import torch
 from torch import nn
 
 from .._utils.flat import views
-from .._utils.stall import DEFAULT_POLICY, StallPolicy, wait_until
-from ..comm import Staging, after, ready_event
+from .._utils.stall import DEFAULT_POLICY, StallPolicy
 from ..comm.base import CommError, Communicator
 from ..comm.codecs import Codec, get_codec
 from ..comm.place import Place
-from ..comm.ring import DEFAULT_CHUNK_BYTES, ring_allreduce
+from ..comm.reducer import Bucket, Handle, ReduceError, ReducePolicy, Reducer
+from ..comm.ring import DEFAULT_CHUNK_BYTES
 from ..timeline import span
 from ._batching import call_model
 from ._broadcast import broadcast_parameters, check_same_everywhere
@@ -125,50 +125,77 @@ class _Handle:
     iteration: int
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
-    ready: Any = None  # a CUDA buffer: the event after which the compute stream has produced it
+    inner: Handle | None = None  # the reducer's handle; None: restored from a checkpoint, already done
+
+
+#: The error-feedback group of every gradient buffer: one residual carries each allreduce's compression
+#: error into the next, whichever of the K buffers that is.
+_FEEDBACK = "gradient"
 
 
 class CommThread:
-    """A thread that averages flat gradient buffers over `comm` in submission order (FIFO).
+    """A thread that averages flat gradient buffers over `comm` in submission order (FIFO): the gradient
+    reducer (:class:`~mpitrain.comm.reducer.Reducer`, one worker thread; policy "ring", or "compressed"
+    with the codec and error feedback), whose buckets are the K flat gradient buffers, registered as first
+    submitted and then reused round-robin (the order every rank follows).
 
     `comm` must be used by nobody else while the thread runs (pass a ``split(0)`` duplicate). At most
-    `max_pending` buffers wait in the queue. A failure is stored and re-raised as PipeSGDError by
-    :meth:`wait` on the compute thread; once failed, every later wait raises too (never a hang).
+    `max_pending` buffers are in flight (the trainer holds no more). A failure is stored and re-raised as
+    PipeSGDError by :meth:`wait` on the compute thread; once failed, every later wait raises too (never a hang).
     """
 
     def __init__(self, comm: Communicator, codec: Codec, chunk_bytes: int, error_feedback: bool,
                  link: LinkEmulation | None, max_pending: int, stall: StallPolicy = DEFAULT_POLICY) -> None:
         self.comm, self.codec, self.chunk_bytes, self.link, self.stall = comm, codec, chunk_bytes, link, stall
-        self.error_feedback = error_feedback
-        self.residual: torch.Tensor | None = None
+        self.error_feedback, self.max_pending = error_feedback, max_pending
         self.stats = {"comm_s": 0.0, "codec_s": 0.0, "emulated_s": 0.0, "allreduces": 0.0}
-        self._queue: queue.Queue[_Handle | None] = queue.Queue(maxsize=max_pending)
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
-        self._staging = Staging()  # host mirrors of device buffers: the ring runs on host memory
+        policy = ReducePolicy("ring" if codec.name is None else "compressed", op="avg", codec=codec,
+                              error_feedback=error_feedback and codec.name is not None, chunk_bytes=chunk_bytes)
+        self.reducer = Reducer(comm, policy, stall, thread=True, name="pipe-sgd", stats=self.stats,
+                               around=self._span, after_reduce=self._emulate)
+        self._buckets: dict[int, Bucket] = {}  # by the buffer's address
+        self._iteration: dict[int, int] = {}  # bucket index -> the iteration it carries now
+        # error feedback without a codec has nothing to carry (ring_allreduce would keep it zero): a restored
+        # residual is only held, for the next checkpoint
+        self._lossless_residual: torch.Tensor | None = None
+
+    @property
+    def residual(self) -> torch.Tensor | None:
+        """The error-feedback residual (None before the first compressed allreduce or without feedback)."""
+        if not self.reducer.policy.error_feedback:
+            return self._lossless_residual
+        return self.reducer.residuals.get(_FEEDBACK)
+
+    @residual.setter
+    def residual(self, value: torch.Tensor | None) -> None:
+        if self.reducer.policy.error_feedback:
+            self.reducer.residuals[_FEEDBACK] = value
+        else:
+            self._lossless_residual = value
 
     def submit(self, buf: torch.Tensor, iteration: int) -> _Handle:
         """Queue an in-place average of `buf`; the caller must not touch `buf` until :meth:`wait`.
 
         Never raises for an earlier failure: errors surface in :meth:`wait` of the failed handle, at the
         same iteration on every rank that failed the same way (raising here would race the thread)."""
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="mpitrain-pipesgd-comm", daemon=True)
-            self._thread.start()
-        handle = _Handle(buf, iteration, ready=ready_event(buf))
-        self._queue.put(handle)
-        return handle
+        bucket = self._buckets.get(buf.data_ptr())
+        if bucket is None:
+            bucket = self._buckets[buf.data_ptr()] = self.reducer.register([buf], feedback=_FEEDBACK)
+        self._iteration[bucket.index] = iteration
+        return _Handle(buf, iteration, inner=self.reducer.submit(bucket))
 
     def wait(self, handle: _Handle) -> torch.Tensor:
         """Block until `handle` is reduced; raises PipeSGDError if it failed. A wait longer than
         ``stall.warn_after`` seconds prints a line naming the iteration (again every warn_after); after
         ``stall.abort_after`` seconds the job ends (:func:`~mpitrain._utils.stall.wait_until`)."""
-        # done() blocks on the Event itself (woken the moment the comm thread sets it, GIL released),
-        # for slices short enough that the stall lines come on time
-        nap = min(1.0, self.stall.warn_after / 4)
-        with span("wait allreduce", kind="wait", iteration=handle.iteration):
-            wait_until(lambda: handle.done.wait(nap), f"the allreduce of iteration {handle.iteration}", self.stall,
-                       who=f"pipe-sgd rank {self.comm.rank}", abort=self.comm.abort)
+        if handle.inner is not None:
+            with span("wait allreduce", kind="wait", iteration=handle.iteration):
+                try:
+                    self.reducer.wait(handle.inner, f"the allreduce of iteration {handle.iteration}")
+                except ReduceError as e:
+                    handle.error = e.__cause__ or e
+                finally:
+                    handle.done.set()
         if handle.error is not None:
             raise PipeSGDError(f"allreduce of iteration {handle.iteration} failed on rank {self.comm.rank}: "
                                f"{handle.error!r}") from handle.error
@@ -177,46 +204,22 @@ class CommThread:
     def close(self) -> None:
         """Finish every queued allreduce, stop the thread and free the communicator (idempotent).
         Every rank must call it (the queued allreduces are collective)."""
-        if self._thread is not None:
-            self._queue.put(None)
-            self._thread.join()
-            self._thread = None
-        if self._error is None:
+        self.reducer.close()
+        if not self.reducer.failed:
             self.comm.free()
 
-    def _reduce(self, buf: torch.Tensor) -> None:
-        if not buf.is_cpu:  # a device buffer: the ring (and its residual) work on a host mirror
-            host = self._staging.to_host(buf)
-            self._reduce(host)
-            self._staging.back(buf, host)
-            return
-        t0 = time.perf_counter()
-        if self.error_feedback and self.residual is None:
-            self.residual = torch.zeros_like(buf)
-        # the 7th parameter is the ring's warn-after limit (named stall_warning_s before the rename)
-        ring_allreduce(self.comm, buf, self.codec, "avg", self.chunk_bytes, self.residual, self.stall.warn_after,
-                       stats=self.stats)
-        self.stats["comm_s"] += time.perf_counter() - t0
+    def _span(self, bucket: Bucket) -> AbstractContextManager[Any]:
+        return span("allreduce", iteration=self._iteration.get(bucket.index, -1), elements=bucket.numel)
+
+    def _emulate(self, bucket: Bucket) -> None:
+        """After each real allreduce: the emulated link's sleep (GIL released), and the count."""
         if self.link is not None:
-            wire = self.codec.payload_numel(buf.numel()) * self.codec.empty_payload(0, buf.dtype).element_size()
+            word = self.codec.empty_payload(0, bucket.flat.dtype).element_size()
+            wire = self.codec.payload_numel(bucket.numel) * word
             delay = self.link.delay(wire, self.comm.size)
             time.sleep(delay)
             self.stats["emulated_s"] += delay
         self.stats["allreduces"] += 1
-
-    def _run(self) -> None:
-        while (handle := self._queue.get()) is not None:
-            try:
-                if self._error is not None:
-                    raise PipeSGDError("an earlier allreduce failed") from self._error
-                with span("allreduce", iteration=handle.iteration, elements=handle.buf.numel()), \
-                        after(handle.buf, handle.ready):
-                    self._reduce(handle.buf)
-            except BaseException as e:  # handed to the compute thread, which re-raises it
-                self._error = self._error or e
-                handle.error = e
-            finally:
-                handle.done.set()
 
 
 class PipeSGDTrainer(StepTrainer):
