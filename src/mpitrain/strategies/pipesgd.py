@@ -151,7 +151,7 @@ class CommThread:
         self.stats = {"comm_s": 0.0, "codec_s": 0.0, "emulated_s": 0.0, "allreduces": 0.0}
         policy = ReducePolicy("ring" if codec.name is None else "compressed", op="avg", codec=codec,
                               error_feedback=error_feedback and codec.name is not None, chunk_bytes=chunk_bytes)
-        self.reducer = Reducer(comm, policy, stall, thread=True, name="pipe-sgd", stats=self.stats,
+        self.reducer = Reducer(comm, policy, stall, thread=True, name="pipesgd-comm", stats=self.stats,
                                around=self._span, after_reduce=self._emulate)
         self._buckets: dict[int, Bucket] = {}  # by the buffer's address
         self._iteration: dict[int, int] = {}  # bucket index -> the iteration it carries now
