@@ -137,6 +137,19 @@ def test_the_loss_is_timed_on_the_partition_that_holds_the_output_only():
         assert ahead and all(weighed[i] < 0.2 * 0.05 / unit for i in ahead)  # on the last node only
 
 
+def test_a_loss_that_fails_on_the_sample_goes_unweighed_and_the_partition_is_still_timed():
+    _, traced, shapes = _mlp_shapes()
+    meta, n = shapes.first(), len(traced.nodes)
+    at = bounds("params", 2, [1.0] * n, cut_points(traced, meta))
+
+    def wrong_targets(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(out, y)  # y has the wrong shape: ValueError
+
+    loss = LossSample(wrong_targets, torch.zeros(7, dtype=torch.long))
+    timed = measure_mine(Layout.of(2, 1, 2, 1, "1f1b"), traced, at, shapes, passes=1, loss=loss)
+    assert timed is not None and timed[n - 1] is not None  # no error on this rank alone: timed, loss unweighed
+
+
 def test_a_partitions_node_times_are_scaled_to_its_plain_time_keeping_their_proportions():
     assert calibrated({3: 1.0, 4: 3.0}, 2.0) == {3: 0.5, 4: 1.5}
     assert calibrated({3: 0.0, 4: 0.0}, 2.0) == {3: 0.0, 4: 0.0}  # nothing to scale

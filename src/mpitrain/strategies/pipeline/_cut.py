@@ -4,7 +4,9 @@ Every rank captures the same graph (:func:`capture_model`) on a sample of a few 
 (:func:`profile_sample`: the shape and dtype of every value, hence where the graph may be cut). With
 ``balance="time"`` the graph is first split by parameters and each rank times only its own partitions
 (:func:`measure_mine`: no rank runs the whole model, which a meta model could not, and whose
-gradients would be one more model's worth of memory). :func:`agree` is the one communicating step:
+gradients would be one more model's worth of memory), weighing what each partition costs in the
+schedule: its nodes scaled to its compiled run (the split backward under zb1p/zbv) and the user's
+loss on the partition that holds the output. :func:`agree` is the one communicating step:
 one ``allgather_object`` that checks every rank set the pipeline up alike, raises any rank's error on
 every rank, and averages the measured times, so that :func:`bounds` (balanced, exact) gives every rank
 the same split. A meta model holds exactly its partitions' tensors at each split (:func:`hold`).
@@ -200,8 +202,7 @@ def measure_mine(layout: Layout, traced: Traced, at: list[int], shapes: Shapes, 
             with autocast(shapes.bf16, device):
                 timed = measure_module(part.module, args, passes)
                 plain = measure_plain(part.module, args, passes, split_backward)
-                extra = (measure_loss(part.module, args, _loss_of(loss, traced), passes)
-                         if loss is not None and k == len(parts) - 1 else 0.0)
+                extra = _loss_seconds(part, args, loss, traced, passes) if k == len(parts) - 1 else 0.0
         except (IndexError, RuntimeError):
             return None
         mine_times = calibrated({i: s for name, s in timed.items()
@@ -239,9 +240,23 @@ def with_loss(costs: Sequence[float], loss: float) -> list[float]:
     return out
 
 
-def _loss_of(loss: LossSample, traced: Traced) -> Callable[[list[Any]], torch.Tensor]:
-    """The loss as a function of the last partition's flat outputs (the model's output leaves)."""
-    return lambda leaves: loss.fn(pytree.tree_unflatten(leaves, traced.out_spec), loss.targets)
+def _loss_seconds(part: Partition, args: list[Any], loss: LossSample | None, traced: Traced,
+                  passes: int) -> float:
+    """Seconds of `loss` on the outputs of `part` (the last partition) for `args`, the targets moved to
+    the outputs' device as a step moves them; 0 without a loss or where it fails on the sample: the
+    loss then goes unweighed, and a loss that cannot run fails at the first step as it would have
+    (refusing it here, on this rank alone, would leave the others waiting in :func:`agree`)."""
+    if loss is None:
+        return 0.0
+
+    def on_outputs(leaves: list[Any]) -> torch.Tensor:
+        dev = next((t.device for t in leaves if isinstance(t, torch.Tensor)), torch.device("cpu"))
+        return loss.fn(pytree.tree_unflatten(leaves, traced.out_spec), to_device(loss.targets, dev))
+
+    try:
+        return measure_loss(part.module, args, on_outputs, passes)
+    except Exception:  # noqa: BLE001 - any error of the user's loss: see above
+        return 0.0
 
 
 def cut(comm: Communicator, layout: Layout, model: nn.Module, shapes: Shapes, spec: CutSpec) -> Cut:
