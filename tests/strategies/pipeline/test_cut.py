@@ -24,7 +24,7 @@ from mpitrain.strategies.pipeline._cut import (
     profile_sample,
     with_loss,
 )
-from mpitrain.strategies.pipeline._graph import cut_points, measure_plain, model_args, reference_seconds, split
+from mpitrain.strategies.pipeline._graph import cut_points, measure_plain, model_args, split
 from mpitrain.strategies.pipeline._layout import Layout
 
 from .models import MLP
@@ -131,10 +131,11 @@ def test_the_loss_is_timed_on_the_partition_that_holds_the_output_only():
             assert not calls and weighed[n - 1] is None
             continue
         assert calls and all(c == ((3, 5), (3,)) for c in calls)  # the model's output, the sample's targets
-        unit = min(reference_seconds(5) for _ in range(3))
-        assert weighed[n - 1] - plain[n - 1] > 0.2 * 0.05 / unit  # the 50 ms sleep, in reference units
+        # the 50 ms sleep dwarfs the MLP's nodes (microseconds): unit-free, so a load change between
+        # the calls cannot decide it
+        assert weighed[n - 1] > 10 * plain[n - 1]
         ahead = [i for i in range(at[1], n - 1) if weighed[i] is not None]
-        assert ahead and all(weighed[i] < 0.2 * 0.05 / unit for i in ahead)  # on the last node only
+        assert ahead and all(weighed[i] < weighed[n - 1] / 10 for i in ahead)  # on the last node only
 
 
 def test_a_loss_that_fails_on_the_sample_goes_unweighed_and_the_partition_is_still_timed():

@@ -433,6 +433,7 @@ def measure_loss(gm: fx.GraphModule, inputs: Sequence[Any], loss: Callable[[list
             value = loss(leaves)
             if value.requires_grad:
                 value.backward()
+            _finish([value])
             best = min(best, time.perf_counter() - t0)
             for t in leaves:
                 if isinstance(t, torch.Tensor):
@@ -461,8 +462,17 @@ def measure_plain(gm: fx.GraphModule, inputs: Sequence[Any], passes: int = 3, sp
                 input_gradients(roots, seeds, [t for t, d in zip(leaves, diff) if d], params).run()
             elif roots:
                 torch.autograd.backward(roots, seeds)
+            _finish([*roots, *leaves])
             best = min(best, time.perf_counter() - t0)
     return best
+
+
+def _finish(tensors: Sequence[Any]) -> None:
+    """Wait for the kernels queued on the CUDA device of `tensors` (if any): a timing ends when the
+    work does, not when it is queued."""
+    dev = next((t.device for t in tensors if isinstance(t, torch.Tensor) and t.device.type == "cuda"), None)
+    if dev is not None:
+        torch.cuda.synchronize(dev)
 
 
 def reference_seconds(passes: int = 5) -> float:
