@@ -6,14 +6,25 @@ from __future__ import annotations
 
 import itertools
 import random
+import time
 
 import pytest
 import torch
 from torch import nn
 
 from mpitrain.strategies.base import FitError
-from mpitrain.strategies.pipeline._cut import CutSpec, bounds, capture_model, hold, measure_mine, profile_sample
-from mpitrain.strategies.pipeline._graph import cut_points, model_args, split
+from mpitrain.strategies.pipeline._cut import (
+    CutSpec,
+    LossSample,
+    bounds,
+    calibrated,
+    capture_model,
+    hold,
+    measure_mine,
+    profile_sample,
+    with_loss,
+)
+from mpitrain.strategies.pipeline._graph import cut_points, measure_plain, model_args, split
 from mpitrain.strategies.pipeline._layout import Layout
 
 from .models import MLP
@@ -87,6 +98,80 @@ def test_a_rank_times_only_the_nodes_of_its_own_partitions():
         got = [i for i, t in enumerate(timed) if t is not None]
         assert got and all(at[rank] <= i < at[rank + 1] for i in got)
         assert all(t >= 0 for t in timed if t is not None)
+
+
+def test_a_heavy_loss_counted_on_the_last_node_moves_nodes_off_the_last_partition():
+    costs, cuts = [1.0] * 10, list(range(1, 10))
+    weighed = with_loss(costs, 4.0)
+    assert weighed == [1.0] * 9 + [5.0]  # on the node that produces the output, nowhere else
+    assert bounds("time", 2, costs, cuts) == [0, 5, 10]
+    assert bounds("time", 2, weighed, cuts) == [0, 7, 10]  # 7 | 3 + the loss's 4
+    assert bounds("time", 3, with_loss(costs, 2.0), cuts) == [0, 4, 8, 10]  # 4 | 4 | 2 + 2
+
+
+def test_the_loss_is_timed_on_the_partition_that_holds_the_output_only():
+    _, traced, shapes = _mlp_shapes()
+    meta, n = shapes.first(), len(traced.nodes)
+    at = bounds("params", 2, [1.0] * n, cut_points(traced, meta))
+    targets = torch.zeros(3, dtype=torch.long)
+    calls: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+
+    def slow_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        calls.append((tuple(out.shape), tuple(y.shape)))
+        time.sleep(0.05)
+        return nn.functional.cross_entropy(out, y)
+
+    loss = LossSample(slow_loss, targets)
+    for rank in range(2):
+        layout = Layout.of(2, rank, 2, 1, "1f1b")
+        plain = measure_mine(layout, traced, at, shapes, passes=2)
+        weighed = measure_mine(layout, traced, at, shapes, passes=2, loss=loss)
+        assert plain is not None and weighed is not None
+        if rank == 0:  # does not hold the output: the loss is neither run nor counted
+            assert not calls and weighed[n - 1] is None
+            continue
+        assert calls and all(c == ((3, 5), (3,)) for c in calls)  # the model's output, the sample's targets
+        # the 50 ms sleep dwarfs the MLP's nodes (microseconds): unit-free, so a load change between
+        # the calls cannot decide it
+        assert weighed[n - 1] > 10 * plain[n - 1]
+        ahead = [i for i in range(at[1], n - 1) if weighed[i] is not None]
+        assert ahead and all(weighed[i] < weighed[n - 1] / 10 for i in ahead)  # on the last node only
+
+
+def test_a_loss_that_fails_on_the_sample_goes_unweighed_and_the_partition_is_still_timed():
+    _, traced, shapes = _mlp_shapes()
+    meta, n = shapes.first(), len(traced.nodes)
+    at = bounds("params", 2, [1.0] * n, cut_points(traced, meta))
+
+    def wrong_targets(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(out, y)  # y has the wrong shape: ValueError
+
+    loss = LossSample(wrong_targets, torch.zeros(7, dtype=torch.long))
+    timed = measure_mine(Layout.of(2, 1, 2, 1, "1f1b"), traced, at, shapes, passes=1, loss=loss)
+    assert timed is not None and timed[n - 1] is not None  # no error on this rank alone: timed, loss unweighed
+
+
+def test_a_partitions_node_times_are_scaled_to_its_plain_time_keeping_their_proportions():
+    assert calibrated({3: 1.0, 4: 3.0}, 2.0) == {3: 0.5, 4: 1.5}
+    assert calibrated({3: 0.0, 4: 0.0}, 2.0) == {3: 0.0, 4: 0.0}  # nothing to scale
+    assert calibrated({3: 1.0}, 0.0) == {3: 1.0}
+
+
+@pytest.mark.parametrize("split_backward", [False, True])
+def test_timing_a_partition_as_a_step_runs_it_leaves_the_module_as_it_was(split_backward):
+    torch.manual_seed(0)
+    gm = torch.fx.symbolic_trace(nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Dropout(0.5), nn.Linear(8, 4)))
+    grads = [torch.full_like(q, 3.0) for q in gm.parameters()]
+    for q, g in zip(gm.parameters(), grads):
+        q.grad = g
+    stats = [b.clone() for b in gm.buffers()]
+    data, x = torch.randn(6, 8), torch.randn(6, 8, requires_grad=True).clone()  # x: a received activation
+    rng = torch.get_rng_state()
+    for args in ([data], [x]):
+        assert measure_plain(gm, args, passes=2, split=split_backward) > 0
+    assert all(q.grad is g and torch.equal(g, torch.full_like(g, 3.0)) for q, g in zip(gm.parameters(), grads))
+    assert all(torch.equal(b, s) for b, s in zip(gm.buffers(), stats))
+    assert torch.equal(torch.get_rng_state(), rng)
 
 
 def test_a_meta_model_holds_exactly_its_partitions_tensors_after_each_split():

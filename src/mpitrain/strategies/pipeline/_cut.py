@@ -4,7 +4,9 @@ Every rank captures the same graph (:func:`capture_model`) on a sample of a few 
 (:func:`profile_sample`: the shape and dtype of every value, hence where the graph may be cut). With
 ``balance="time"`` the graph is first split by parameters and each rank times only its own partitions
 (:func:`measure_mine`: no rank runs the whole model, which a meta model could not, and whose
-gradients would be one more model's worth of memory). :func:`agree` is the one communicating step:
+gradients would be one more model's worth of memory), weighing what each partition costs in the
+schedule: its nodes scaled to its compiled run (the split backward under zb1p/zbv) and the user's
+loss on the partition that holds the output. :func:`agree` is the one communicating step:
 one ``allgather_object`` that checks every rank set the pipeline up alike, raises any rank's error on
 every rank, and averages the measured times, so that :func:`bounds` (balanced, exact) gives every rank
 the same split. A meta model holds exactly its partitions' tensors at each split (:func:`hold`).
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,7 +36,9 @@ from ._graph import (
     ValueMeta,
     capture,
     cut_points,
+    measure_loss,
     measure_module,
+    measure_plain,
     param_counts,
     reference_seconds,
     split,
@@ -45,8 +49,8 @@ from ._partition import bounds_from_balance
 from ._shapes import Shapes, batch_size, rows, slice_rows
 from ._stage import autocast
 
-__all__ = ["Cut", "CutSpec", "capture_model", "profile_sample", "agree", "bounds", "measure_mine", "hold",
-           "mine", "cut", "OWN_MAPPING_FROM"]
+__all__ = ["Cut", "CutSpec", "LossSample", "calibrated", "with_loss", "capture_model", "profile_sample", "agree",
+           "bounds", "measure_mine", "hold", "mine", "cut", "OWN_MAPPING_FROM"]
 
 #: The weight size from which a rank's weight-sized blocks get their own mapping: below it, the few
 #: blocks the heap cannot reuse (see :mod:`..._utils.malloc`) waste little, and activations that
@@ -55,16 +59,30 @@ OWN_MAPPING_FROM = 4 << 20
 
 
 @dataclass(frozen=True)
+class LossSample:
+    """The user's loss `fn(outputs, targets)` and `targets`: the targets of the profile sample's rows
+    (k rows per sample), so that ``balance="time"`` weighs the loss where it runs. Only the ranks that
+    hold the model's last partition need one."""
+
+    fn: Callable[[Any, Any], torch.Tensor]
+    targets: Any
+
+
+@dataclass(frozen=True)
 class CutSpec:
     """How to cut: `balance` ("time", "params" or node counts per partition), the passes timing a
     partition, a meta model's `seed` and `init_fn`, and `settings`: the arguments every rank must
-    have set alike (checked by :func:`agree`)."""
+    have set alike (checked by :func:`agree`). With ``balance="time"``: `loss` (None: not weighed)
+    is timed on the partition that holds the model's output, and `split_backward` (the zero-bubble
+    schedules) times each partition's backward as its two halves instead of one."""
 
     balance: Any = "time"
     profile_passes: int = 5
     seed: int = 0
     init_fn: InitFn | None = None
     settings: tuple[Any, ...] = ()
+    loss: LossSample | None = None
+    split_backward: bool = False
 
 
 @dataclass(frozen=True)
@@ -156,11 +174,16 @@ def hold(model: nn.Module, layout: Layout, traced: Traced, at: list[int], meta: 
     return None
 
 
-def measure_mine(layout: Layout, traced: Traced, at: list[int], shapes: Shapes,
-                 passes: int) -> list[float | None] | None:
-    """Forward + backward time of the nodes of this rank's partitions of the split at `at` (None for
-    the others'), each partition run alone on the sample's inputs it reads and stand-ins for the
-    activations it receives (random floats, zero integers: valid indices). In units of
+def measure_mine(layout: Layout, traced: Traced, at: list[int], shapes: Shapes, passes: int,
+                 loss: LossSample | None = None, split_backward: bool = False) -> list[float | None] | None:
+    """What each node of this rank's partitions of the split at `at` costs in a step (None for the
+    others'): its forward + backward, each partition run alone on the sample's inputs it reads and
+    stand-ins for the activations it receives (random floats, zero integers: valid indices). Per-node
+    times (:func:`measure_module`) are scaled to add up to the partition's time run as a step runs it
+    (:func:`measure_plain`, :func:`calibrated`), with `split_backward` its backward as the zero-bubble
+    schedules' two halves (I then W); with `loss`, the loss's forward + backward on the partition that
+    holds the model's output is counted on its last node (:func:`with_loss`), so it stays with that
+    partition wherever the cut lands. In units of
     :func:`reference_seconds` timed around the measurement: ranks time different nodes at different
     moments, and a rank slowed by its neighbours meanwhile must not see its nodes as costlier. None
     where a partition cannot run on stand-ins (a received index computed from the data, e.g. a mixture
@@ -169,7 +192,6 @@ def measure_mine(layout: Layout, traced: Traced, at: list[int], shapes: Shapes,
     meta, device = shapes.first(), shapes.device
     index = {n.name: i for i, n in enumerate(traced.nodes)}
     parts = split(traced, at, meta, device if shapes.on_meta else None)
-    out: list[float | None] = [None] * len(traced.nodes)
     unit = reference_seconds(passes)
     times: dict[int, float] = {}
     for part in mine(layout, parts):
@@ -179,16 +201,62 @@ def measure_mine(layout: Layout, traced: Traced, at: list[int], shapes: Shapes,
         try:
             with autocast(shapes.bf16, device):
                 timed = measure_module(part.module, args, passes)
+                plain = measure_plain(part.module, args, passes, split_backward)
+                extra = _loss_seconds(part, args, loss, traced, passes) if k == len(parts) - 1 else 0.0
         except (IndexError, RuntimeError):
             return None
-        for name, seconds in timed.items():
-            i = index.get(name)
-            if i is not None and at[k] <= i < at[k + 1]:
-                times[i] = seconds
+        mine_times = calibrated({i: s for name, s in timed.items()
+                                 if (i := index.get(name)) is not None and at[k] <= i < at[k + 1]}, plain)
+        if extra:
+            span = range(at[k], at[k + 1])
+            mine_times = dict(zip(span, with_loss([mine_times.get(i, 0.0) for i in span], extra)))
+        times.update(mine_times)
     unit = min(unit, reference_seconds(passes))
+    out: list[float | None] = [None] * len(traced.nodes)
     for i, seconds in times.items():
         out[i] = seconds / unit
     return out
+
+
+def calibrated(times: dict[int, float], seconds: float) -> dict[int, float]:
+    """Per-node `times` of one partition scaled to add up to `seconds`, the partition's time as a step
+    runs it (pure). Timing each node costs a roughly fixed overhead per node, so the per-node sums
+    overweight a partition of many cheap nodes (GPT-2's embeddings and blocks against its LM head):
+    measured at the benchmark's GPT-2, P = 2, the node sums said even where one process ran the second
+    partition 12 % longer (docs/pipeline.md, "What balance="time" weighs"). Unchanged where either
+    total is zero."""
+    total = sum(times.values())
+    if total <= 0 or seconds <= 0:
+        return dict(times)
+    return {i: t * seconds / total for i, t in times.items()}
+
+
+def with_loss(costs: Sequence[float], loss: float) -> list[float]:
+    """`costs` per node with `loss` added to the last node's (pure): the node that produces the model's
+    output is always in the last partition, so the loss is weighed there wherever the cut lands."""
+    out = [float(c) for c in costs]
+    if out:
+        out[-1] += loss
+    return out
+
+
+def _loss_seconds(part: Partition, args: list[Any], loss: LossSample | None, traced: Traced,
+                  passes: int) -> float:
+    """Seconds of `loss` on the outputs of `part` (the last partition) for `args`, the targets moved to
+    the outputs' device as a step moves them; 0 without a loss or where it fails on the sample: the
+    loss then goes unweighed, and a loss that cannot run fails at the first step as it would have
+    (refusing it here, on this rank alone, would leave the others waiting in :func:`agree`)."""
+    if loss is None:
+        return 0.0
+
+    def on_outputs(leaves: list[Any]) -> torch.Tensor:
+        dev = next((t.device for t in leaves if isinstance(t, torch.Tensor)), torch.device("cpu"))
+        return loss.fn(pytree.tree_unflatten(leaves, traced.out_spec), to_device(loss.targets, dev))
+
+    try:
+        return measure_loss(part.module, args, on_outputs, passes)
+    except Exception:  # noqa: BLE001 - any error of the user's loss: see above
+        return 0.0
 
 
 def cut(comm: Communicator, layout: Layout, model: nn.Module, shapes: Shapes, spec: CutSpec) -> Cut:
@@ -209,7 +277,8 @@ def cut(comm: Communicator, layout: Layout, model: nn.Module, shapes: Shapes, sp
     timed = spec.balance == "time"
     at = bounds("params" if timed else spec.balance, n, param_counts(traced), cuts)
     error = hold(model, layout, traced, at, meta, spec) if shapes.on_meta else None
-    measured = measure_mine(layout, traced, at, shapes, spec.profile_passes) if timed and error is None else None
+    measured = (measure_mine(layout, traced, at, shapes, spec.profile_passes, spec.loss, spec.split_backward)
+                if timed and error is None else None)
     costs = agree(comm, key, measured, error)
     if costs is not None:
         at = bounds("time", n, costs, cuts)

@@ -24,7 +24,7 @@ import copy
 import inspect
 import operator
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,11 +36,12 @@ from torch import fx, nn
 from ..._utils.flat import group_by
 from .._batching import call_args
 from .._device import model_device, to_device
+from ._backward import input_gradients
 
 __all__ = ["TraceFailure", "ValueMeta", "Traced", "Partition", "capture", "trace", "export", "model_args",
            "profile", "measure", "measure_module", "check_shapes", "training_kwargs", "reference_seconds",
-           "param_counts", "cut_points", "split", "mutated_placeholders", "local_nodes", "tied_groups",
-           "set_training", "retarget"]
+           "measure_loss", "measure_plain", "param_counts", "cut_points", "split", "mutated_placeholders",
+           "local_nodes", "tied_groups", "set_training", "retarget"]
 
 
 class TraceFailure(ValueError):
@@ -413,6 +414,65 @@ def measure_module(gm: fx.GraphModule, inputs: Sequence[Any], passes: int = 3) -
     except RuntimeError:
         fwd, bwd = _timed_passes(gm, inputs, passes, train=False)
     return {name: t + bwd.get(name, 0.0) for name, t in fwd.items()}
+
+
+def measure_loss(gm: fx.GraphModule, inputs: Sequence[Any], loss: Callable[[list[Any]], torch.Tensor],
+                 passes: int = 3) -> float:
+    """Seconds of `loss` (a function of `gm`'s flat outputs: the user's loss on the model's outputs and
+    targets) forward plus backward down to those outputs, the fastest of `passes`: the work the
+    partition that holds the model's output does per micro-batch besides its nodes. `gm` runs once, in
+    training mode, without gradients; its buffers, gradients and RNG state are restored afterwards."""
+    with _undisturbed(gm, train=True), torch.no_grad():
+        out = gm(*inputs)
+    leaves = [t.detach().requires_grad_() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+              for t in pytree.tree_leaves(out)]
+    best = float("inf")
+    with torch.random.fork_rng(devices=[]):
+        for _ in range(max(passes, 1)):
+            t0 = time.perf_counter()
+            value = loss(leaves)
+            if value.requires_grad:
+                value.backward()
+            _finish([value])
+            best = min(best, time.perf_counter() - t0)
+            for t in leaves:
+                if isinstance(t, torch.Tensor):
+                    t.grad = None
+    return best
+
+
+def measure_plain(gm: fx.GraphModule, inputs: Sequence[Any], passes: int = 3, split: bool = False) -> float:
+    """Seconds of `gm`'s forward plus backward run as a step runs it (compiled, no per-node timing:
+    what :func:`measure_module`'s per-node times add up to, less their instrumentation), the fastest of
+    `passes` on `inputs`. `split`: the backward as the zero-bubble schedules run it, input half then
+    weight half (:mod:`._backward`; a partition without differentiable inputs has no input half: its
+    weight half is the plain backward). `gm`'s buffers, gradients and RNG state are restored afterwards."""
+    diff = [isinstance(a, torch.Tensor) and a.requires_grad for a in inputs]
+    best = float("inf")
+    with _undisturbed(gm, train=True):
+        _scratch_grads(gm)
+        params = [q for q in gm.parameters() if q.requires_grad]
+        for _ in range(max(passes, 1)):
+            leaves = [a.detach().requires_grad_() if d else a for a, d in zip(inputs, diff)]
+            t0 = time.perf_counter()
+            out = gm(*[t.clone() if d else t for t, d in zip(leaves, diff)])  # as received: in-place ops allowed
+            roots = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+            seeds = [torch.ones_like(t) for t in roots]
+            if split:
+                input_gradients(roots, seeds, [t for t, d in zip(leaves, diff) if d], params).run()
+            elif roots:
+                torch.autograd.backward(roots, seeds)
+            _finish([*roots, *leaves])
+            best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _finish(tensors: Sequence[Any]) -> None:
+    """Wait for the kernels queued on the CUDA device of `tensors` (if any): a timing ends when the
+    work does, not when it is queued."""
+    dev = next((t.device for t in tensors if isinstance(t, torch.Tensor) and t.device.type == "cuda"), None)
+    if dev is not None:
+        torch.cuda.synchronize(dev)
 
 
 def reference_seconds(passes: int = 5) -> float:

@@ -38,7 +38,7 @@ from .._buckets import Bucket
 from .._device import model_device
 from .._zero import Zero
 from ..base import FitError
-from ._cut import OWN_MAPPING_FROM, CutSpec, capture_model, cut, profile_sample
+from ._cut import OWN_MAPPING_FROM, CutSpec, LossSample, capture_model, cut, profile_sample
 from ._graph import Partition, Traced, model_args
 from ._layout import Layout
 from ._materialize import InitFn, is_meta
@@ -262,7 +262,8 @@ class Pipeline:
         check_divisible(B, self.R * self.M, f"replicas x micro-batches (R={self.R}, M={self.M})")
         per_sample(B, targets, inputs)  # targets follow the inputs' samples (k rows each): checked before set-up
         n = B // (self.R * self.M)
-        rt = self._runtime if self._runtime is not None else self.build(inputs, n)
+        rt = (self._runtime if self._runtime is not None
+              else self._build(flat, n, LossSample(loss_fn, target_rows(targets, B, 0, n))))
         off = self.replica * n * self.M
         # what .grad held; a copy where it is a bucket view (the user did not clear it), which this step reuses
         before = [None if q.grad is None else q.grad.clone() if rt.in_bucket(q, q.grad) else q.grad
@@ -278,32 +279,45 @@ class Pipeline:
         with rt.watched("the end-of-step loss allreduce"):
             return float(self.comm.allreduce(torch.tensor([mine / B], dtype=torch.float64))[0])
 
-    def setup_shared(self, inputs: Any | None, micro: int) -> None:
+    def setup_shared(self, inputs: Any | None, micro: int, loss: LossSample | None = None) -> None:
         """Collective, once, before the first :meth:`train_pass` of a pipeline whose ranks do not all
         hold the batch: world rank 0 passes rows of the inputs (the others pass None), which it repeats
         to ``max(2, micro)`` rows (`micro`: the first micro-batch's size, the same on every rank; two at
         least, as torch.export takes a batch of one for a constant) and broadcasts (pickled, one
-        message) so that every rank captures, measures and splits the model on the same sample."""
+        message) so that every rank captures, measures and splits the model on the same sample.
+        `loss`: the loss and targets for `micro` rows, on the ranks that hold targets (``balance="time"``
+        weighs the loss on the last partition where its rank has one)."""
         if self._runtime is not None:
             return
         mine = repeat(inputs, max(2, micro)) if self.comm.rank == 0 else None
         sample = self.comm.broadcast_object(mine)
-        self.build(sample, micro)
+        self._build(self._flat(sample), micro, loss)
 
-    def build(self, inputs: Any, micro: int | None = None) -> PipelineRuntime:
+    def build(self, inputs: Any, micro: int | None = None, *, targets: Any = None,
+              loss_fn: LossFn | None = None) -> PipelineRuntime:
         """Collective over `comm`, once (every rank, the same `inputs`: a batch as :meth:`step` takes
         it): capture the model (if not yet), cut it on the first `micro` rows of `inputs` (default: a
         micro-batch's share, ``rows // (R * M)``, at least 1) and build the runtime, which it returns.
-        What `example` does at construction. Every rank reaches the same verdicts; anything wrong is a
+        What `example` does at construction. With `targets` (of `inputs`' rows) and `loss_fn`,
+        ``balance="time"`` weighs the loss on the partition that holds the model's output (as
+        :meth:`step` does when it builds). Every rank reaches the same verdicts; anything wrong is a
         FitError on every rank."""
-        if self._runtime is not None:
-            raise RuntimeError("the pipeline is already built")
         flat = self._flat(inputs)
         micro = max(1, batch_size(flat) // (self.R * self.M)) if micro is None else micro
+        loss = None
+        if targets is not None and loss_fn is not None:
+            loss = LossSample(loss_fn, target_rows(targets, batch_size(flat), 0, micro))
+        return self._build(flat, micro, loss)
+
+    def _build(self, flat: list[Any], micro: int, loss: LossSample | None) -> PipelineRuntime:
+        """:meth:`build` on the flat inputs, `loss` holding the targets of their first `micro` rows."""
+        if self._runtime is not None:
+            raise RuntimeError("the pipeline is already built")
         traced = self._traced()
         shapes = profile_sample(traced, flat, micro, self.device, self.on_meta, self.autocast)
         settings = (self.P, self.R, self.M, self.V, self.schedule, self.checkpoint, repr(self.balance))
-        spec = CutSpec(self.balance, self.profile_passes, self.seed, self.init_fn, settings)
+        spec = CutSpec(self.balance, self.profile_passes, self.seed, self.init_fn, settings, loss,
+                       self.schedule in SPLIT)
         self._runtime = PipelineRuntime(self.comm, self.layout, self.groups,
                                         cut(self.comm, self.layout, self.model, shapes, spec), self.run_spec)
         return self._runtime

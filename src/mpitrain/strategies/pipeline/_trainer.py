@@ -30,7 +30,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from ...comm.base import Communicator, split_sizes
-from .._batching import even_share
+from .._batching import even_share, per_sample
 from .._reshard import NAMED, Held, assemble, load_named, optimizer_entries, tensor_entries, whole
 from .._zero import check_optimizer
 from ..base import (
@@ -46,8 +46,10 @@ from ..base import (
     is_int,
 )
 from ..step import StepTrainer
+from ._cut import LossSample
 from ._materialize import InitFn
 from ._pipe import CHECKPOINTS, Pipeline
+from ._shapes import repeat
 
 __all__ = ["make_trainer", "PipelineTrainer", "PipelineOptions"]
 
@@ -175,7 +177,8 @@ class PipelineTrainer(StepTrainer):
         pipe = self.pipe
         micro = -(-split_sizes(first.n, pipe.R)[0] // pipe.M)  # replica 0's first micro-batch, on every rank
         # world rank 0 is replica 0's pipeline rank 0: it has rows (n >= 1) and inputs
-        pipe.setup_shared(_own_rows(first.inputs, first) if self.comm.rank == 0 else None, micro)
+        pipe.setup_shared(_own_rows(first.inputs, first) if self.comm.rank == 0 else None, micro,
+                          self._loss_sample(first, micro))
         mine = {id(q) for q in pipe.parameters()}
         current = dict(pipe.model.named_parameters(remove_duplicate=False))
         for group in self.optimizer.param_groups:  # in place: an optimizer may hold the list itself
@@ -186,6 +189,18 @@ class PipelineTrainer(StepTrainer):
         if self._pending:
             self._load()
             self._pending = False
+
+    def _loss_sample(self, first: BatchShare, micro: int) -> LossSample | None:
+        """The loss and targets for `micro` rows (this rank's first targets repeated in order: the
+        shapes of the set-up sample's), where this rank holds targets; for ``balance="time"``."""
+        rows = first.share.stop - first.share.start
+        if first.targets is None or rows == 0:
+            return None
+        try:
+            k = per_sample(rows, first.targets)
+        except FitError:
+            return None  # not this rank's to refuse (the step does, on every rank): the loss goes unweighed
+        return LossSample(self.loss_fn, repeat(first.targets, k * micro))
 
     @property
     def bounds(self) -> list[int]:
