@@ -221,12 +221,7 @@ class Reducer:
         ts = list(tensors)
         span = joined(ts)
         flat = span if span is not None else flatten(ts)
-        if self.policy.ring:
-            self._ring(flat, feedback)
-        else:
-            with watched(self.name, lambda: f"a blocking allreduce of {flat.numel()} elements",
-                         self.stall.warn_after, self.stall.abort_after, self.comm.abort):
-                self.comm.allreduce(flat, self.policy.op)
+        self._allreduce(flat, feedback, lambda: f"a blocking allreduce of {flat.numel()} elements")
         if span is None:
             copy_from_flat(flat, ts)
 
@@ -308,12 +303,8 @@ class Reducer:
                 raise ReduceError("an earlier reduction failed") from self._error
             with (self._around(bucket) if self._around else nullcontext()), after(bucket.flat, handle.ready):
                 t0 = time.perf_counter()
-                if self.policy.ring:
-                    self._ring(bucket.flat, bucket.feedback)
-                else:
-                    with watched(self.name, lambda: f"the allreduce of bucket {bucket.index}",
-                                 self.stall.warn_after, self.stall.abort_after, self.comm.abort):
-                        self.comm.allreduce(bucket.flat, self.policy.op)
+                self._allreduce(bucket.flat, feedback=bucket.feedback,
+                                what=lambda: f"the allreduce of bucket {bucket.index}")
                 self.stats["comm_s"] = self.stats.get("comm_s", 0.0) + time.perf_counter() - t0
                 if not bucket.in_place:
                     copy_from_flat(bucket.flat, bucket.tensors)
@@ -324,6 +315,15 @@ class Reducer:
             handle.error = e
         finally:
             handle.done.set()
+
+    def _allreduce(self, flat: torch.Tensor, feedback: Hashable, what: Callable[[], str]) -> None:
+        """Reduce `flat` in place on this thread with the policy: the rings (with `feedback`'s residual),
+        or one blocking allreduce watched under the stall policy (`what` names it in the warning)."""
+        if self.policy.ring:
+            self._ring(flat, feedback)
+            return
+        with watched(self.name, what, self.stall.warn_after, self.stall.abort_after, self.comm.abort):
+            self.comm.allreduce(flat, self.policy.op)
 
     def _ring(self, flat: torch.Tensor, feedback: Hashable) -> None:
         """The ring policies on `flat` (a device buffer through a host mirror), with the group's residual."""
