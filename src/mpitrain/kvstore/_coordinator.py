@@ -44,7 +44,7 @@ from ..comm import after
 from ..comm.base import CommError, Communicator, Request
 from ..comm.reducer import Handle, ReduceError, ReducePolicy, Reducer
 from ._allreduce import AllreduceStore, Entry
-from ._interface import Key, KVStoreError, Value, log, pairs, split_private, tensors
+from ._interface import Key, KVStoreError, Value, check_key, log, pairs, split_private, tensors
 
 __all__ = ["CoordinatorStore"]
 
@@ -158,9 +158,9 @@ class CoordinatorStore(AllreduceStore):
             return f"keys must be a non-empty list without repeats, got {list(keys)!r}", []
         try:
             for k, v in zip(keys, values):
-                self._info(k, tensors(v, f"declare_order({k!r})")[0], "declare_order")
-                if not v.is_contiguous():
-                    raise KVStoreError(f"declare_order({k!r}): the tensor must be contiguous")
+                if not isinstance(v, torch.Tensor) or not v.is_contiguous():
+                    raise KVStoreError(f"declare_order({k!r}): the value must be one contiguous tensor")
+                self._info(check_key(k), v, "declare_order")
         except KVStoreError as e:
             return str(e), []
         return None, [(k, *_signature(v)) for k, v in zip(keys, values)]
@@ -461,6 +461,7 @@ class _Declared:
     def __init__(self, comm: Communicator, keys: list[Key], values: list[torch.Tensor], policy: Any,
                  codec: Any) -> None:
         self.comm, self.keys, self.values, self.policy = comm, keys, values, policy
+        self.value_of = dict(zip(keys, values))
         self.handles: dict[Key, Handle] = {}
         self.reducer, self.buckets = self._build(codec)
 
@@ -476,7 +477,7 @@ class _Declared:
         """Local: `value` (and `out`, if given) is the declared tensor, and `key` is not in flight."""
         v = tensors(value, f"pushpull({key!r})")
         o = None if out is None else tensors(out, f"pushpull({key!r}) outs")
-        declared = self.values[self.keys.index(key)]
+        declared = self.value_of[key]
         if len(v) != 1 or v[0] is not declared or (o is not None and (len(o) != 1 or o[0] is not declared)):
             raise KVStoreError(f"pushpull({key!r}): a declared key is summed in place in the tensor declared "
                                f"for it (declare_order); pass that tensor as ins and no other outs")
