@@ -81,16 +81,22 @@ def test_eager_store_declared_path_and_compression(comm):
     bufs = [torch.zeros(40), torch.zeros(9)]
     kv.init([0, 1], bufs)
     kv.declare_order([0, 1], bufs)
-    kv.set_gradient_compression({"type": "fp16"})
+    kv.set_gradient_compression({"type": "fp16"})  # after declaring: the declared keys take it too
+
+    def value(rank: int, i: int) -> torch.Tensor:
+        return (torch.arange(bufs[i].numel()) + 1) / 3 + rank / 7  # not exact in fp16
+
     for i in (1, 0) if comm.rank % 2 else (0, 1):
-        bufs[i].fill_(0.25 * (comm.rank + 1))
+        bufs[i].copy_(value(comm.rank, i))
         kv.pushpull(i, bufs[i])
     kv.wait([0, 1])
     slots = len(kv._slots)
     kv.close()
-    total = 0.25 * comm.size * (comm.size + 1) / 2  # exact in fp16 for these sizes
-    for t in bufs:
-        assert_close_all_ranks(comm, t, torch.full_like(t, total), what="compressed declared sum")
+    for i, t in enumerate(bufs):
+        exact = sum(value(r, i).double() for r in range(comm.size))
+        err = (t.double() - exact).abs().max().item()
+        # fp16 at every hop: an error far above float32 rounding (so the codec ran), within fp16's bound
+        assert_all_ranks(comm, 1e-4 < err < 0.05 * comm.size, f"key {i}: error {err} against the exact sum")
     assert_all_ranks(comm, slots == 0, f"declared keys reached the coordinator's cache: {slots} slots")
 
 
