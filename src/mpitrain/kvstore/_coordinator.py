@@ -39,10 +39,11 @@ from typing import Any
 import torch
 
 from .._utils.flat import copy_from_flat, flatten
-from .._utils.stall import Backoff, say, wait_until
+from .._utils.stall import Backoff, StallPolicy, say, wait_until
 from ..comm import after
 from ..comm.base import CommError, Communicator, Request
-from ..comm.reducer import Handle, ReduceError, ReducePolicy, Reducer
+from ..comm.codecs import Codec
+from ..comm.reducer import Bucket, Handle, ReduceError, ReducePolicy, Reducer
 from ._allreduce import AllreduceStore, Entry
 from ._interface import Key, KVStoreError, Value, check_key, log, pairs, split_private, tensors
 
@@ -154,13 +155,13 @@ class CoordinatorStore(AllreduceStore):
             return "declare_order was already called on this store", []
         if not isinstance(keys, (list, tuple)) or not isinstance(values, (list, tuple)) or len(keys) != len(values):
             return "keys and values must be lists of the same length", []
-        if not keys or len(set(keys)) != len(keys):
-            return f"keys must be a non-empty list without repeats, got {list(keys)!r}", []
-        try:
+        try:  # every check local, so a bad argument on one rank reaches the others as its error
+            if not keys or len(set(check_key(k) for k in keys)) != len(keys):
+                raise KVStoreError(f"keys must be a non-empty list without repeats, got {list(keys)!r}")
             for k, v in zip(keys, values):
                 if not isinstance(v, torch.Tensor) or not v.is_contiguous():
                     raise KVStoreError(f"declare_order({k!r}): the value must be one contiguous tensor")
-                self._info(check_key(k), v, "declare_order")
+                self._info(k, v, "declare_order")
         except KVStoreError as e:
             return str(e), []
         return None, [(k, *_signature(v)) for k, v in zip(keys, values)]
@@ -176,6 +177,8 @@ class CoordinatorStore(AllreduceStore):
         items = pairs(key, ins, "pushpull")
         out_items = pairs(key, outs, "pushpull outs") if outs is not None else [(k, None) for k, _ in items]
         mine = [(k, v, o) for (k, v), (_, o) in zip(items, out_items) if k in declared.buckets]
+        if len({k for k, _, _ in mine}) != len(mine):
+            raise KVStoreError("pushpull: a declared key goes once per round; this list repeats one")
         for k, v, o in mine:  # every declared key checked before any is submitted
             declared.check(k, v, o)
         rest = [(k, v, o) for (k, v), (_, o) in zip(items, out_items) if k not in declared.buckets]
@@ -458,14 +461,14 @@ class _Declared:
     (the coordinator's thread keeps cycling on the store's data communicator meanwhile), one bucket per
     key registered in the declared order, and the handle of each key pushed and not yet waited."""
 
-    def __init__(self, comm: Communicator, keys: list[Key], values: list[torch.Tensor], policy: Any,
-                 codec: Any) -> None:
+    def __init__(self, comm: Communicator, keys: list[Key], values: list[torch.Tensor], policy: StallPolicy,
+                 codec: Codec | None) -> None:
         self.comm, self.keys, self.values, self.policy = comm, keys, values, policy
         self.value_of = dict(zip(keys, values))
         self.handles: dict[Key, Handle] = {}
         self.reducer, self.buckets = self._build(codec)
 
-    def _build(self, codec: Any) -> tuple[Reducer, dict[Key, Any]]:
+    def _build(self, codec: Codec | None) -> tuple[Reducer, dict[Key, Bucket]]:
         """A reducer (flat sum, or the compressed ring when a codec is set) with every key registered."""
         kind = (ReducePolicy("compressed", op="sum", codec=codec) if codec is not None
                 else ReducePolicy("flat", op="sum"))
@@ -503,7 +506,7 @@ class _Declared:
                 raise KVStoreError(f"the allreduce of declared key {k!r} failed: {e}") from e
             del self.handles[k]
 
-    def set_codec(self, codec: Any) -> None:
+    def set_codec(self, codec: Codec | None) -> None:
         """Rebuild the reducer with `codec` (the store waited for everything first)."""
         self.reducer.close()
         self.reducer, self.buckets = self._build(codec)
