@@ -483,13 +483,17 @@ def _finish(tensors: Sequence[Any]) -> None:
 
 
 def work_clock(device: torch.device) -> Clock:
-    """The clock that times a partition's work for balancing on `device`: on the CPU this process's CPU
-    time (``time.process_time``, every thread of the process: intra-op threads count), so time a rank
-    spends waiting for a core while other processes run is not taken for work (on the shared 2-core VM
-    wall-time cuts of the benchmark's GPT-2 moved from node 231 to 234-272 under load, CPU-time cuts
-    stayed at 231-232, docs/pipeline.md); on an accelerator wall time (``time.perf_counter``), since
-    its kernels' time is not this process's CPU time (each timing ends with the device's queue)."""
-    return time.process_time if device.type == "cpu" else time.perf_counter
+    """The clock that times a partition's work for balancing on `device`. On the CPU with one intra-op
+    thread (the launcher's default, ``--threads 1``) the calling thread's CPU time
+    (``time.thread_time``): time a rank spends waiting for a core while other processes run is not
+    taken for work (on the shared 2-core VM, wall-time cuts of the benchmark's GPT-2 moved from node
+    231 to 234-272 under load while CPU-time cuts stayed at 231-232, docs/pipeline.md). Otherwise wall
+    time (``time.perf_counter``): an accelerator's kernels are not this process's CPU time (each timing
+    ends with the device's queue), and with several intra-op threads one thread's CPU time misses the
+    others' work while the process's counts their spin-waits between parallel regions."""
+    if device.type == "cpu" and torch.get_num_threads() == 1:
+        return time.thread_time
+    return time.perf_counter
 
 
 def reference_seconds(passes: int = 5, clock: Clock = time.perf_counter) -> float:
