@@ -4,7 +4,11 @@
 1. Per action kind (F, I, W, or B) per step and rank: thread-CPU time (``time.thread_time``: the time this
    rank computed, less sensitive to a loaded machine than wall time), wall time, and the wall time spent
    waiting for messages inside the actions; "outside" is the step's time between actions (loss,
-   gradient reductions, optimizer step). Timed by wrapping ``Stage``'s methods in this script.
+   gradient reductions, optimizer step), with the trainer's phases around the schedule apart
+   (``begin_step``: clearing gradients; ``finish_gradients``: the tied weight's allreduce, and the
+   replicas' where R > 1; ``update``: the optimizer step); the rest of "outside" is the loss, the loss
+   allreduce and the pass's own bookkeeping. Timed by wrapping ``Stage``'s and the trainer's methods in
+   this script, for 1f1b, zb1p and zbv.
 2. Per partition, in one process (each rank its own partition, no messages): one micro-batch's forward,
    its whole backward (B), and the split backward (I, then W) on the same inputs, alternated, medians of
    thread-CPU times; the gradients of both are compared (max abs difference).
@@ -12,7 +16,13 @@
    process running the same partitions' forwards and whole backwards, as measured, with the split's
    extra cost removed, with the same total work cut evenly, and with both.
 
-    PYTHONPATH=. .venv/bin/mpitrain run -n 2 -- .venv/bin/python benchmarks/zb_split_cost.py [STEPS] [REPS]
+    PYTHONPATH=. .venv/bin/mpitrain run -n 2 -- .venv/bin/python benchmarks/zb_split_cost.py \
+        [STEPS] [REPS] [CUT] [--gpt-...]
+
+CUT (P = 2 only; 0 or absent: ``balance="time"``): a hand cut in nodes per partition of the 4-layer
+GPT-2's 298-node graph, "c" for 1f1b and zb1p (``balance=[c, 298 - c]``) or "a,b,c,d" for zbv's four
+partitions. After it, the options of ``mpitrain bench pipeline`` for the GPT-2 (``--gpt-width 512
+--gpt-vocab 8000``: a bigger model).
 """
 
 from __future__ import annotations
@@ -28,7 +38,7 @@ import torch
 from mpitrain.bench.pipeline import _gpt2, _lm_loss, _parse, _sgd
 from mpitrain.runtime import init
 from mpitrain.strategies.base import FitSpec
-from mpitrain.strategies.pipeline import _stage
+from mpitrain.strategies.pipeline import _cut, _stage
 from mpitrain.strategies.pipeline._backward import input_gradients
 from mpitrain.strategies.pipeline._trainer import make_trainer
 from mpitrain.strategies.pipeline.schedule import simulate
@@ -52,7 +62,7 @@ def profile_actions(trainer: Any, ids: torch.Tensor, labels: torch.Tensor, steps
         def timed(self: Any, *a: Any, **kw: Any) -> Any:
             w, c, q = time.perf_counter(), time.thread_time(), waited[0]
             out = saved[name](self, *a, **kw)
-            v = acc.setdefault(KINDS[name](kw), [0.0, 0.0, 0.0, 0.0])
+            v = acc.setdefault(f"{KINDS[name](kw)} p{self.part.index}", [0.0, 0.0, 0.0, 0.0])
             v[0] += 1
             v[1] += time.thread_time() - c
             v[2] += time.perf_counter() - w
@@ -63,6 +73,21 @@ def profile_actions(trainer: Any, ids: torch.Tensor, labels: torch.Tensor, steps
     _stage.Stage._wait = wait  # type: ignore[method-assign]
     for name in KINDS:
         setattr(_stage.Stage, name, wrap(name))
+    outside: dict[str, list[float]] = {}  # the trainer's per-step work around the schedule, by phase
+    phases = {name: getattr(trainer, name) for name in ("begin_step", "finish_gradients", "update")}
+
+    def phase(name: str) -> Callable[..., Any]:
+        def timed(*a: Any, **kw: Any) -> Any:
+            w, c = time.perf_counter(), time.thread_time()
+            out = phases[name](*a, **kw)
+            v = outside.setdefault(name, [0.0, 0.0])
+            v[0] += time.thread_time() - c
+            v[1] += time.perf_counter() - w
+            return out
+        return timed
+
+    for name in phases:
+        setattr(trainer, name, phase(name))
     wall = cpu = 0.0
     try:
         for _ in range(steps):
@@ -74,11 +99,15 @@ def profile_actions(trainer: Any, ids: torch.Tensor, labels: torch.Tensor, steps
     finally:
         for name, fn in saved.items():
             setattr(_stage.Stage, name, fn)
+        for name in phases:
+            delattr(trainer, name)
     lines = [f"step: cpu {cpu / steps * 1e3:.1f} ms, wall {wall / steps * 1e3:.1f} ms"]
     for kind, (n, c, w, q) in sorted(acc.items()):
         lines.append(f"  {kind} x{n / steps:.0f}: cpu {c / steps * 1e3:6.2f}  wall {w / steps * 1e3:6.2f}  "
                      f"of which message waits {q / steps * 1e3:6.2f} ms per step")
         cpu, wall = cpu - c, wall - w
+    for name, (c, w) in outside.items():
+        lines.append(f"  outside, {name}: cpu {c / steps * 1e3:6.2f}  wall {w / steps * 1e3:6.2f} ms per step")
     lines.append(f"  outside actions: cpu {cpu / steps * 1e3:6.2f}  wall {wall / steps * 1e3:6.2f} ms per step")
     return "\n".join(lines)
 
@@ -160,23 +189,52 @@ def simulated(costs: list[dict[str, float]], M: int) -> list[str]:
     return lines
 
 
+def _model_shares(weighed: list[list[float]], at: list[int], cut: list[int]) -> str:
+    """Each partition's share of the per-node costs balance="time" weighed (what the cut assumes: compare
+    with the measured CPU of the actions per partition, p0, p1, ...)."""
+    if cut or not weighed:
+        return ""
+    costs = weighed[-1]
+    parts = [sum(costs[a:b]) for a, b in zip(at, at[1:])]
+    return " (weighed shares " + " / ".join(f"{c / sum(parts):.3f}" for c in parts) + ")"
+
+
+def _balance(cut: list[int], schedule: str) -> Any:
+    """The hand cut of the command line for `schedule`, or "time"."""
+    if len(cut) == 1 and schedule != "zbv":
+        return [cut[0], 298 - cut[0]]
+    return cut if len(cut) == 4 and schedule == "zbv" else "time"
+
+
 def main() -> None:
     steps = int(sys.argv[1]) if len(sys.argv) > 1 else 20
     reps = int(sys.argv[2]) if len(sys.argv) > 2 else 30
+    # CUT: nodes per partition at P = 2, "c" (zb1p, 1f1b: [c, rest]) or "a,b,c,d" (zbv's 4); 0: balance="time"
+    cut = [int(c) for c in sys.argv[3].split(",")] if len(sys.argv) > 3 and sys.argv[3] != "0" else []
     comm = init()
-    args = _parse([])
+    args = _parse(sys.argv[4:])  # the bench's GPT-2 options (--gpt-width ...), after STEPS REPS CUT
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, args.gpt_vocab, (args.gpt_batch, args.gpt_seq), generator=g)
     labels = torch.randint(0, args.gpt_vocab, (args.gpt_batch, args.gpt_seq), generator=g)
     report = []
     costs: dict[str, float] = {}
-    for schedule in ("1f1b", "zb1p"):
+    weighed: list[list[float]] = []  # the per-node costs balance="time" cut by (each cut)
+    bounds = _cut.bounds
+
+    def spy(balance: Any, parts: int, costs: Any, cuts: Any) -> list[int]:
+        if balance == "time":
+            weighed.append(list(costs))
+        return bounds(balance, parts, costs, cuts)
+
+    _cut.bounds = spy
+    for schedule in ("1f1b", "zb1p", "zbv"):
         spec = FitSpec(strategy="model", partitions=comm.size, micro_batches=args.gpt_micro, schedule=schedule,
-                       balance="time")
+                       balance=_balance(cut, schedule))
         trainer = make_trainer(_gpt2(args), _lm_loss, _sgd, comm, spec)
         for _ in range(3):
             trainer.train_step(ids, labels)
-        report.append(f"rank {comm.rank}, {schedule}, cuts {trainer.pipe.bounds}: "
+        report.append(f"rank {comm.rank}, {schedule}, cuts {trainer.pipe.bounds}"
+                      + _model_shares(weighed, trainer.pipe.bounds, cut) + ": "
                       + profile_actions(trainer, ids, labels, steps))
         if schedule == "zb1p":
             costs = split_against_whole(trainer, ids, labels, reps)

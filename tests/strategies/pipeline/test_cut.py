@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import random
 import time
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -24,7 +25,7 @@ from mpitrain.strategies.pipeline._cut import (
     profile_sample,
     with_loss,
 )
-from mpitrain.strategies.pipeline._graph import cut_points, measure_plain, model_args, split
+from mpitrain.strategies.pipeline._graph import cut_points, measure_plain, model_args, split, work_clock
 from mpitrain.strategies.pipeline._layout import Layout
 
 from .models import MLP
@@ -118,7 +119,7 @@ def test_the_loss_is_timed_on_the_partition_that_holds_the_output_only():
 
     def slow_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         calls.append((tuple(out.shape), tuple(y.shape)))
-        time.sleep(0.05)
+        _busy(0.05)  # work, not a sleep: partitions are timed in CPU time on the CPU
         return nn.functional.cross_entropy(out, y)
 
     loss = LossSample(slow_loss, targets)
@@ -131,11 +132,60 @@ def test_the_loss_is_timed_on_the_partition_that_holds_the_output_only():
             assert not calls and weighed[n - 1] is None
             continue
         assert calls and all(c == ((3, 5), (3,)) for c in calls)  # the model's output, the sample's targets
-        # the 50 ms sleep dwarfs the MLP's nodes (microseconds): unit-free, so a load change between
+        # the 50 ms of work dwarf the MLP's nodes (microseconds): unit-free, so a load change between
         # the calls cannot decide it
         assert weighed[n - 1] > 10 * plain[n - 1]
         ahead = [i for i in range(at[1], n - 1) if weighed[i] is not None]
         assert ahead and all(weighed[i] < weighed[n - 1] / 10 for i in ahead)  # on the last node only
+
+
+def _busy(seconds: float) -> None:
+    """Compute for `seconds` of this thread's CPU time."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """One intra-op thread, as the launcher runs ranks (``--threads 1``)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_work_clock_is_cpu_time_only_on_one_cpu_thread():
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert work_clock(torch.device("cpu")) is time.thread_time
+        assert work_clock(torch.device("cuda")) is time.perf_counter  # kernels' time is not the CPU's
+        torch.set_num_threads(2)
+        assert work_clock(torch.device("cpu")) is time.perf_counter  # one thread's CPU misses the others'
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_on_one_cpu_thread_a_partition_is_timed_in_cpu_time_so_waiting_for_a_core_is_not_work(one_thread: None):
+    _, traced, shapes = _mlp_shapes()
+    meta, n = shapes.first(), len(traced.nodes)
+    at = bounds("params", 2, [1.0] * n, cut_points(traced, meta))
+    layout, targets = Layout.of(2, 1, 2, 1, "1f1b"), torch.zeros(3, dtype=torch.long)
+
+    def waiting(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:  # a rank descheduled for 50 ms
+        time.sleep(0.05)
+        return nn.functional.cross_entropy(out, y)
+
+    def working(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:  # a rank computing for 50 ms
+        _busy(0.05)
+        return nn.functional.cross_entropy(out, y)
+
+    waited = measure_mine(layout, traced, at, shapes, passes=2, loss=LossSample(waiting, targets))
+    worked = measure_mine(layout, traced, at, shapes, passes=2, loss=LossSample(working, targets))
+    assert waited is not None and worked is not None
+    assert waited[n - 1] is not None and worked[n - 1] is not None
+    assert waited[n - 1] < worked[n - 1] / 10  # in wall time both would count the 50 ms
 
 
 def test_a_loss_that_fails_on_the_sample_goes_unweighed_and_the_partition_is_still_timed():

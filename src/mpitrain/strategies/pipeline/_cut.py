@@ -30,6 +30,7 @@ from ...comm.base import Communicator
 from .._device import to_device
 from ..base import FitError
 from ._graph import (
+    Clock,
     Partition,
     Traced,
     TraceFailure,
@@ -42,6 +43,7 @@ from ._graph import (
     param_counts,
     reference_seconds,
     split,
+    work_clock,
 )
 from ._layout import Layout
 from ._materialize import InitFn, materialize, release
@@ -183,7 +185,7 @@ def measure_mine(layout: Layout, traced: Traced, at: list[int], shapes: Shapes, 
     (:func:`measure_plain`, :func:`calibrated`), with `split_backward` its backward as the zero-bubble
     schedules' two halves (I then W); with `loss`, the loss's forward + backward on the partition that
     holds the model's output is counted on its last node (:func:`with_loss`), so it stays with that
-    partition wherever the cut lands. In units of
+    partition wherever the cut lands. Timed by :func:`._graph.work_clock` (CPU time on the CPU), in units of
     :func:`reference_seconds` timed around the measurement: ranks time different nodes at different
     moments, and a rank slowed by its neighbours meanwhile must not see its nodes as costlier. None
     where a partition cannot run on stand-ins (a received index computed from the data, e.g. a mixture
@@ -192,7 +194,8 @@ def measure_mine(layout: Layout, traced: Traced, at: list[int], shapes: Shapes, 
     meta, device = shapes.first(), shapes.device
     index = {n.name: i for i, n in enumerate(traced.nodes)}
     parts = split(traced, at, meta, device if shapes.on_meta else None)
-    unit = reference_seconds(passes)
+    clock = work_clock(device)  # CPU time on the CPU: a rank waiting for a core is not doing work
+    unit = reference_seconds(passes, clock)
     times: dict[int, float] = {}
     for part in mine(layout, parts):
         k = part.index
@@ -200,9 +203,9 @@ def measure_mine(layout: Layout, traced: Traced, at: list[int], shapes: Shapes, 
                 + [_stand_in(meta[v], device) for v in part.recv_inputs])
         try:
             with autocast(shapes.bf16, device):
-                timed = measure_module(part.module, args, passes)
-                plain = measure_plain(part.module, args, passes, split_backward)
-                extra = _loss_seconds(part, args, loss, traced, passes) if k == len(parts) - 1 else 0.0
+                timed = measure_module(part.module, args, passes, clock)
+                plain = measure_plain(part.module, args, passes, split_backward, clock)
+                extra = _loss_seconds(part, args, loss, traced, passes, clock) if k == len(parts) - 1 else 0.0
         except (IndexError, RuntimeError):
             return None
         mine_times = calibrated({i: s for name, s in timed.items()
@@ -211,7 +214,7 @@ def measure_mine(layout: Layout, traced: Traced, at: list[int], shapes: Shapes, 
             span = range(at[k], at[k + 1])
             mine_times = dict(zip(span, with_loss([mine_times.get(i, 0.0) for i in span], extra)))
         times.update(mine_times)
-    unit = min(unit, reference_seconds(passes))
+    unit = min(unit, reference_seconds(passes, clock))
     out: list[float | None] = [None] * len(traced.nodes)
     for i, seconds in times.items():
         out[i] = seconds / unit
@@ -241,7 +244,7 @@ def with_loss(costs: Sequence[float], loss: float) -> list[float]:
 
 
 def _loss_seconds(part: Partition, args: list[Any], loss: LossSample | None, traced: Traced,
-                  passes: int) -> float:
+                  passes: int, clock: Clock) -> float:
     """Seconds of `loss` on the outputs of `part` (the last partition) for `args`, the targets moved to
     the outputs' device as a step moves them; 0 without a loss or where it fails on the sample: the
     loss then goes unweighed, and a loss that cannot run fails at the first step as it would have
@@ -254,7 +257,7 @@ def _loss_seconds(part: Partition, args: list[Any], loss: LossSample | None, tra
         return loss.fn(pytree.tree_unflatten(leaves, traced.out_spec), to_device(loss.targets, dev))
 
     try:
-        return measure_loss(part.module, args, on_outputs, passes)
+        return measure_loss(part.module, args, on_outputs, passes, clock)
     except Exception:  # noqa: BLE001 - any error of the user's loss: see above
         return 0.0
 

@@ -41,7 +41,10 @@ from ._backward import input_gradients
 __all__ = ["TraceFailure", "ValueMeta", "Traced", "Partition", "capture", "trace", "export", "model_args",
            "profile", "measure", "measure_module", "check_shapes", "training_kwargs", "reference_seconds",
            "measure_loss", "measure_plain", "param_counts", "cut_points", "split", "mutated_placeholders",
-           "local_nodes", "tied_groups", "set_training", "retarget"]
+           "local_nodes", "tied_groups", "set_training", "retarget", "Clock", "work_clock"]
+
+#: A clock read before and after a timed piece of work: seconds as a float (wall or CPU time)
+Clock = Callable[[], float]
 
 
 class TraceFailure(ValueError):
@@ -351,21 +354,21 @@ class _Recorder(fx.Interpreter):
     """Runs the graph node by node, recording each node's output meta, forward seconds and (with
     `stamp`) a hook on each differentiable output that notes when backward reaches it."""
 
-    def __init__(self, gm: fx.GraphModule, stamp: bool = False) -> None:
+    def __init__(self, gm: fx.GraphModule, stamp: bool = False, clock: Clock = time.perf_counter) -> None:
         super().__init__(gm)
         self.meta: dict[str, ValueMeta | None] = {}
         self.seconds: dict[str, float] = {}
         self.stamps: list[tuple[float, str]] = []
-        self._stamp = stamp
+        self._stamp, self._clock = stamp, clock
 
     def run_node(self, n: fx.Node) -> Any:
-        t0 = time.perf_counter()
+        t0 = self._clock()
         out = super().run_node(n)
-        self.seconds[n.name] = time.perf_counter() - t0
+        self.seconds[n.name] = self._clock() - t0
         is_tensor = isinstance(out, torch.Tensor)
         self.meta[n.name] = ValueMeta(tuple(out.shape), out.dtype, out.requires_grad) if is_tensor else None
         if self._stamp and is_tensor and out.requires_grad:
-            out.register_hook(lambda g, name=n.name: self.stamps.append((time.perf_counter(), name)))
+            out.register_hook(lambda g, name=n.name: self.stamps.append((self._clock(), name)))
         return out
 
 
@@ -397,7 +400,8 @@ def measure(traced: Traced, inputs: Sequence[Any], passes: int = 3) -> list[floa
     return [times.get(n.name, 0.0) for n in traced.nodes]
 
 
-def measure_module(gm: fx.GraphModule, inputs: Sequence[Any], passes: int = 3) -> dict[str, float]:
+def measure_module(gm: fx.GraphModule, inputs: Sequence[Any], passes: int = 3,
+                   clock: Clock = time.perf_counter) -> dict[str, float]:
     """Seconds of forward plus backward per node of `gm` by node name (the fastest of `passes`
     training-mode passes on `inputs`, its placeholder values). A partition module's nodes keep the
     names of the captured graph's, so a partition can be measured alone. The module's buffers,
@@ -408,20 +412,21 @@ def measure_module(gm: fx.GraphModule, inputs: Sequence[Any], passes: int = 3) -
     A node's backward time runs from backward reaching its output until it reaches the next value
     (hooks on every differentiable output; backward starts from every differentiable output leaf): exact
     on a chain, an apportioning on branches; balancing only uses sums over the contiguous node ranges
-    that partitions are."""
+    that partitions are. `clock`: what a second is (:func:`work_clock`; default wall time)."""
     try:
-        fwd, bwd = _timed_passes(gm, inputs, passes, train=True)
+        fwd, bwd = _timed_passes(gm, inputs, passes, train=True, clock=clock)
     except RuntimeError:
-        fwd, bwd = _timed_passes(gm, inputs, passes, train=False)
+        fwd, bwd = _timed_passes(gm, inputs, passes, train=False, clock=clock)
     return {name: t + bwd.get(name, 0.0) for name, t in fwd.items()}
 
 
 def measure_loss(gm: fx.GraphModule, inputs: Sequence[Any], loss: Callable[[list[Any]], torch.Tensor],
-                 passes: int = 3) -> float:
+                 passes: int = 3, clock: Clock = time.perf_counter) -> float:
     """Seconds of `loss` (a function of `gm`'s flat outputs: the user's loss on the model's outputs and
     targets) forward plus backward down to those outputs, the fastest of `passes`: the work the
     partition that holds the model's output does per micro-batch besides its nodes. `gm` runs once, in
-    training mode, without gradients; its buffers, gradients and RNG state are restored afterwards."""
+    training mode, without gradients; its buffers, gradients and RNG state are restored afterwards.
+    `clock`: as :func:`measure_module`'s."""
     with _undisturbed(gm, train=True), torch.no_grad():
         out = gm(*inputs)
     leaves = [t.detach().requires_grad_() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
@@ -429,24 +434,26 @@ def measure_loss(gm: fx.GraphModule, inputs: Sequence[Any], loss: Callable[[list
     best = float("inf")
     with torch.random.fork_rng(devices=[]):
         for _ in range(max(passes, 1)):
-            t0 = time.perf_counter()
+            t0 = clock()
             value = loss(leaves)
             if value.requires_grad:
                 value.backward()
             _finish([value])
-            best = min(best, time.perf_counter() - t0)
+            best = min(best, clock() - t0)
             for t in leaves:
                 if isinstance(t, torch.Tensor):
                     t.grad = None
     return best
 
 
-def measure_plain(gm: fx.GraphModule, inputs: Sequence[Any], passes: int = 3, split: bool = False) -> float:
+def measure_plain(gm: fx.GraphModule, inputs: Sequence[Any], passes: int = 3, split: bool = False,
+                  clock: Clock = time.perf_counter) -> float:
     """Seconds of `gm`'s forward plus backward run as a step runs it (compiled, no per-node timing:
     what :func:`measure_module`'s per-node times add up to, less their instrumentation), the fastest of
     `passes` on `inputs`. `split`: the backward as the zero-bubble schedules run it, input half then
     weight half (:mod:`._backward`; a partition without differentiable inputs has no input half: its
-    weight half is the plain backward). `gm`'s buffers, gradients and RNG state are restored afterwards."""
+    weight half is the plain backward). `gm`'s buffers, gradients and RNG state are restored afterwards.
+    `clock`: as :func:`measure_module`'s."""
     diff = [isinstance(a, torch.Tensor) and a.requires_grad for a in inputs]
     best = float("inf")
     with _undisturbed(gm, train=True):
@@ -454,7 +461,7 @@ def measure_plain(gm: fx.GraphModule, inputs: Sequence[Any], passes: int = 3, sp
         params = [q for q in gm.parameters() if q.requires_grad]
         for _ in range(max(passes, 1)):
             leaves = [a.detach().requires_grad_() if d else a for a, d in zip(inputs, diff)]
-            t0 = time.perf_counter()
+            t0 = clock()
             out = gm(*[t.clone() if d else t for t, d in zip(leaves, diff)])  # as received: in-place ops allowed
             roots = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
             seeds = [torch.ones_like(t) for t in roots]
@@ -463,7 +470,7 @@ def measure_plain(gm: fx.GraphModule, inputs: Sequence[Any], passes: int = 3, sp
             elif roots:
                 torch.autograd.backward(roots, seeds)
             _finish([*roots, *leaves])
-            best = min(best, time.perf_counter() - t0)
+            best = min(best, clock() - t0)
     return best
 
 
@@ -475,23 +482,38 @@ def _finish(tensors: Sequence[Any]) -> None:
         torch.cuda.synchronize(dev)
 
 
-def reference_seconds(passes: int = 5) -> float:
+def work_clock(device: torch.device) -> Clock:
+    """The clock that times a partition's work for balancing on `device`. On the CPU with one intra-op
+    thread (the launcher's default, ``--threads 1``) the calling thread's CPU time
+    (``time.thread_time``): time a rank spends waiting for a core while other processes run is not
+    taken for work (on the shared 2-core VM, wall-time cuts of the benchmark's GPT-2 moved from node
+    231 to 234-272 under load while CPU-time cuts stayed at 231-232, docs/pipeline.md). Otherwise wall
+    time (``time.perf_counter``): an accelerator's kernels are not this process's CPU time (each timing
+    ends with the device's queue), and with several intra-op threads one thread's CPU time misses the
+    others' work while the process's counts their spin-waits between parallel regions."""
+    if device.type == "cpu" and torch.get_num_threads() == 1:
+        return time.thread_time
+    return time.perf_counter
+
+
+def reference_seconds(passes: int = 5, clock: Clock = time.perf_counter) -> float:
     """Seconds of a fixed small workload (matrix products driven from Python, like a graph's nodes;
     the fastest of `passes`): this process's speed at this moment. Per-node times measured by
     different ranks at different moments are divided by it before they are compared, so a rank slowed
-    by a neighbour during its measurement does not look like costlier nodes."""
+    by a neighbour during its measurement does not look like costlier nodes. `clock`: the one that timed
+    those nodes."""
     a = torch.ones(64, 64)
     best = float("inf")
     for _ in range(max(passes, 1)):
-        t0 = time.perf_counter()
+        t0 = clock()
         for _ in range(20):
             a = torch.mm(a, a).clamp_(-1.0, 1.0)
-        best = min(best, time.perf_counter() - t0)
+        best = min(best, clock() - t0)
     return best
 
 
 def _timed_passes(gm: fx.GraphModule, inputs: Sequence[Any], passes: int,
-                  train: bool) -> tuple[dict[str, float], dict[str, float]]:
+                  train: bool, clock: Clock = time.perf_counter) -> tuple[dict[str, float], dict[str, float]]:
     """Fastest forward and (when `train`) backward seconds per node over `passes` passes."""
     fwd: dict[str, float] = {}
     bwd: dict[str, float] = {}
@@ -499,13 +521,13 @@ def _timed_passes(gm: fx.GraphModule, inputs: Sequence[Any], passes: int,
         if train:
             _scratch_grads(gm)
         for _ in range(max(passes, 1)):
-            rec = _Recorder(gm, stamp=train)
+            rec = _Recorder(gm, stamp=train, clock=clock)
             out = rec.run(*inputs)
             fwd = {k: min(v, fwd.get(k, v)) for k, v in rec.seconds.items()}
             roots = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
             if roots:
                 torch.autograd.backward(roots, [torch.ones_like(t) for t in roots])
-                events = [*sorted(rec.stamps), (time.perf_counter(), "")]
+                events = [*sorted(rec.stamps), (clock(), "")]
                 spent: dict[str, float] = {}
                 for (t, name), (t_next, _) in zip(events, events[1:]):
                     spent[name] = spent.get(name, 0.0) + t_next - t
