@@ -422,16 +422,24 @@ def test_a_rank_that_never_posts_its_ordered_op_makes_the_waiting_rank_warn_then
 
 # -- policy "hierarchical" ---------------------------------------------------------------------------------
 
-def _emulated_hosts(comm):
-    """A duplicate MPI backend whose hierarchy takes rank parity as the host (tests/multihost's trick):
-    hosts {0, 2, ...} and {1, 3, ...}, so the real two-level path (reduce, leaders, broadcast) runs."""
+def _hosts(comm, emulated: bool):
+    """A duplicate MPI backend with its host hierarchy built here and counting the allreduces it runs:
+    emulated, rank parity is the host (tests/multihost's trick: hosts {0, 2, ...} and {1, 3, ...}, so the
+    real two-level path, reduce, leaders, broadcast, runs); else the real hosts (this machine: one)."""
     from mpitrain.comm._hierarchical import Hierarchy
     from mpitrain.comm._mpi import MPICommunicator
 
+    class Counting(Hierarchy):
+        calls = 0
+
+        def allreduce(self, *args, **kwargs):
+            self.calls += 1
+            super().allreduce(*args, **kwargs)
+
     sub = MPICommunicator(comm.mpi_comm.Dup())
-    sub._hierarchy = Hierarchy(sub.mpi_comm, ring_comm=lambda c: MPICommunicator(c, hierarchy=False),
-                               host_of=comm.rank % 2)
-    return sub
+    sub._hierarchy = Counting(sub.mpi_comm, ring_comm=lambda c: MPICommunicator(c, hierarchy=False),
+                              host_of=comm.rank % 2 if emulated else None)
+    return sub, sub._hierarchy
 
 
 @pytest.mark.mpi
@@ -447,7 +455,7 @@ def test_hierarchical_policy_equals_a_plain_allreduce(comm, hosts, thread):
         pytest.skip("the host hierarchy belongs to the mpi backend")  # same verdict on every rank
     from mpitrain.comm._hierarchical import HIERARCHY_ABOVE, RING_ABOVE
 
-    sub = _emulated_hosts(comm) if hosts == "emulated" else comm.split(0)
+    sub, hierarchy = _hosts(comm, hosts == "emulated")
     sizes = [(5,), (HIERARCHY_ABOVE // 8 + 3,), (2 * RING_ABOVE // 8 + 1,)]
     exact = _grads(comm.rank, sizes, integral=True, seed=31) + _grads(comm.rank, [(9,)], torch.int64, 32, True)
     rough = _grads(comm.rank, sizes, seed=33)
@@ -460,16 +468,14 @@ def test_hierarchical_policy_equals_a_plain_allreduce(comm, hosts, thread):
             red.submit(red.register([t]))
         red.wait_all()
         red.close()
-    from mpitrain.comm._layer import backend_of
-
-    hierarchy = backend_of(sub)._hierarchy  # built by the policy's first bucket
-    counted = hierarchy.hosts if hierarchy is not None else 0
+    counted, calls = hierarchy.hosts, hierarchy.calls
     sub.free()
     ok_exact = all(torch.equal(a, b) for a, b in zip(exact, want_exact))
     ok_rough = all(torch.allclose(a, b, rtol=1e-12, atol=1e-12) for a, b in zip(rough, want_rough))
     want_hosts = min(2, comm.size) if hosts == "emulated" else 1
-    assert_all_ranks(comm, ok_exact and ok_rough and counted == want_hosts,
-                     f"{hosts} thread={thread}: exact {ok_exact} rough {ok_rough} hosts {counted}")
+    ok_path = counted == want_hosts and calls == len(exact) + len(rough)  # every bucket, small ones too
+    assert_all_ranks(comm, ok_exact and ok_rough and ok_path,
+                     f"{hosts} thread={thread}: exact {ok_exact} rough {ok_rough} hosts {counted} calls {calls}")
 
 
 @pytest.mark.mpi
