@@ -99,11 +99,16 @@ def test_zero_collectives_all_run_on_its_one_reducer_thread_and_no_engine_thread
     opt = dp.shard_optimizer(OPTIMIZERS["sgd"](dp.parameters()))
     private = dp.zero._reducer.comm
     ran: list[tuple[str, str]] = []
+    def recorder(op: str):
+        call = getattr(private, op)
+
+        def record(*args, **kwargs):
+            ran.append((op, threading.current_thread().name))
+            return call(*args, **kwargs)
+        return record
+
     for op in ("allreduce", "reduce_scatter", "allgather"):
-        def record(*args, _op=op, _call=getattr(private, op), **kwargs):
-            ran.append((_op, threading.current_thread().name))
-            return _call(*args, **kwargs)
-        setattr(private, op, record)
+        setattr(private, op, recorder(op))
     x = torch.randn(comm.size * 2, 7, dtype=torch.float64)
     for _ in range(2):
         opt.zero_grad()
