@@ -168,6 +168,7 @@ class OpHandle:
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
     ready: Any = None  # a device op: the event after which the caller's stream has produced its input
+    stream: Any = None  # a device op: the caller's stream, which will read a reduce-scatter's new result
     result: torch.Tensor | None = None
     finished: bool = False
 
@@ -332,7 +333,9 @@ class Reducer:
 
     def _post_op(self, handle: OpHandle) -> OpHandle:
         assert handle.tensor is not None
-        handle.ready = None if handle.tensor.is_cpu else ready_event(handle.tensor)
+        if not handle.tensor.is_cpu:
+            handle.ready = ready_event(handle.tensor)
+            handle.stream = torch.cuda.current_stream(handle.tensor.device)
         self._inflight.append(handle)
         if self._thread:
             self._start_worker()
@@ -451,6 +454,8 @@ class Reducer:
                                  self.comm.abort):
                         if handle.kind == "reduce_scatter":
                             handle.result = self.comm.reduce_scatter(t, self.policy.op)[0]
+                            if handle.stream is not None:  # made on the side stream, used on the caller's:
+                                handle.result.record_stream(handle.stream)  # its memory waits for that too
                         else:
                             handle.result = self.comm.allgather(t, out=handle.out)
                 self.stats["comm_s"] = self.stats.get("comm_s", 0.0) + time.perf_counter() - t0
