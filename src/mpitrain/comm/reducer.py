@@ -2,7 +2,8 @@
 
 Every strategy that averages gradients hands its buckets to a :class:`Reducer` (issue #29 item 1):
 pipeline (``strategies/_grad_allreduce``), spatial (``spatial/_reduce.GradBucket``), Pipe-SGD
-(``strategies/pipesgd.CommThread``), the collective kvstore types' reductions and Horovod's allreduces.
+(``strategies/pipesgd.CommThread``), ZeRO (``strategies/_zero``, through the ordered ops below), the
+collective kvstore types' reductions and Horovod's allreduces.
 
 A bucket is a list of tensors of one dtype and device, reduced as ONE flat buffer: the tensors' own
 memory when they already lie back to back (``_utils/flat.joined``: views of one gradient buffer, or one
@@ -25,7 +26,8 @@ order the program reaches them, the same on every rank. The policy applies to al
 :meth:`~Reducer.post_allreduce`); reduce-scatters and allgathers are the communicator's own.
 
 Who posts: with ``thread=False`` the caller does, at submit (a flat policy posts a nonblocking allreduce
-and returns at once: several buckets are in flight in MPI; a ring runs to completion inside submit);
+and returns at once: several buckets are in flight in MPI; a ring or the hierarchy runs to completion
+inside submit, an ordered op inside its post);
 with ``thread=True`` ONE worker thread per reducer runs the collectives in order (blocking ones, which
 release the GIL: the caller computes meanwhile). Every wait has the stall policy's way out: a request is
 waited blocking inside MPI under :func:`~mpitrain._utils.stall.watched` (warning after ``warn_after``,
