@@ -174,3 +174,24 @@ def test_every_type_is_a_kvstore_and_takes_the_stall_options():
         cls = getattr(importlib.import_module(f"mpitrain.kvstore.{module}"), cls_name)
         params = inspect.signature(cls).parameters
         assert issubclass(cls, kvstore.KVStore) and {"warn_after", "abort_after"} <= set(params), name
+
+
+DECLARED_STALL_SCRIPT = textwrap.dedent("""
+    import time, torch, mpitrain
+    from mpitrain import kvstore
+    comm = mpitrain.init()
+    kv = kvstore.create("dist_sync_mpi", comm, warn_after=0.5, abort_after=2.0, lazy_thread=True)
+    dp = mpitrain.DataParallel(torch.nn.Linear(4, 2), kvstore=kv, comm=comm)
+    if comm.rank == 0:
+        dp(torch.ones(3, 4)).sum().backward()   # its buckets wait for rank 1's, which never come
+    else:
+        time.sleep(600)  # longer than the test's timeout: only rank 0's stall abort ends the job in time
+""")
+
+
+def test_dist_sync_mpi_declared_path_stall_ends_the_job_with_the_stall_message():
+    proc = run_job(DECLARED_STALL_SCRIPT, timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    gave_up = [line for line in out.splitlines() if "dist_sync_mpi (declared)" in line and "gave up after" in line]
+    assert gave_up and "aborting the job" in gave_up[0], out

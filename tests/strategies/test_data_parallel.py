@@ -388,3 +388,47 @@ def test_fit_data_strategy_slices_dict_inputs_of_a_transformer_like_one_process(
             assert_close_all_ranks(comm, p.detach(), q.detach(), atol=1e-10, what=f"{what}: {name}")
         assert_close_all_ranks(comm, torch.tensor(result.history[0]["eval_loss"]), torch.tensor(want_eval),
                                atol=1e-10, what=f"{what}: eval loss")
+
+
+def test_dist_sync_mpi_reduces_the_declared_buckets_with_no_negotiation_float64(comm):
+    """The default store is told the bucket order once (declare_order) and reduces the buckets through its
+    gradient reducer: the parameters after STEPS steps equal one process's in float64, and the store's
+    coordinator ran no negotiation cycle (its count is a real observable: every cycle increments it)."""
+    torch.manual_seed(1234)
+    ref = SmallCNN().double()
+    replica = copy.deepcopy(ref) if comm.rank == 0 else SmallCNN().double()
+    dp = DataParallel(replica, **SMALL)  # kvstore="dist_sync_mpi", the default
+    o = torch.optim.SGD(dp.parameters(), lr=0.1, momentum=0.9)
+    ro = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for x, y in batches(comm.size, STEPS, seed=3):
+        x = x.double()
+        o.zero_grad()
+        F.cross_entropy(dp(my_slice(x, comm)), my_slice(y, comm)).backward()
+        o.step()
+        ro.zero_grad()
+        F.cross_entropy(ref(x), y).backward()
+        ro.step()
+    declared, cycles, buckets = dp.kv._declared is not None, dp.kv.cycles, len(dp.buckets)
+    dp.close()
+    assert_all_ranks(comm, declared and cycles == 0 and buckets >= 3,
+                     f"declared={declared}, {cycles} negotiation cycles, {buckets} buckets")
+    for (name, p), q in zip(replica.named_parameters(), ref.parameters()):
+        assert_close_all_ranks(comm, p.detach(), q.detach(), atol=1e-12, what=f"float64 {name}")
+
+
+def test_a_store_object_declared_twice_is_refused_on_every_rank_before_gradients_move(comm):
+    """A user-given dist_sync_mpi store takes the declared path too; a second DataParallel on it (other keys)
+    cannot declare another order: KVStoreError on every rank, naming the ranks, at construction."""
+    from mpitrain import kvstore as kvmod
+
+    kv = kvmod.create("dist_sync_mpi", comm, lazy_thread=True)
+    first = DataParallel(SmallCNN(), kvstore=kv, **SMALL)
+    try:
+        DataParallel(SmallCNN(), kvstore=kv, name="dp2", **SMALL)  # the same store declared twice
+        msg = ""
+    except Exception as e:  # noqa: BLE001 - the message is what is checked
+        msg = f"{type(e).__name__}: {e}"
+    first.close()
+    kv.close()
+    assert_all_ranks(comm, "KVStoreError" in msg and "already" in msg and f"rank {comm.size - 1}" in msg,
+                     f"got {msg!r}")

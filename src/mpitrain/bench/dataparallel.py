@@ -6,7 +6,9 @@ batch, so machine noise hits every contender alike; the table reports the median
 reference rows are timed in the same rounds: ``solo`` (rank 0 trains alone while the others sleep) and
 ``pair-local`` (every rank trains alone at once, no communication): scaling efficiency is a
 contender's steps/s over ``solo``, and ``pair-local`` over ``solo`` is the ceiling that two
-processes sharing the cores and the memory bus already impose.
+processes sharing the cores and the memory bus already impose. The ``dist_sync_mpi`` row measures
+DataParallel's declared order (its buckets go straight to the store's gradient reducer, no negotiation);
+the negotiated coordinator is measured by ``mpitrain bench kvstore`` (the store API used directly).
 
 ``--device cuda`` times ResNet-50 on the GPU instead: DataParallel vs DDP (NCCL) vs plain torch, fp32
 and bf16, in ms/step (:mod:`mpitrain.bench._dataparallel_cuda`); without CUDA it exits with status 2

@@ -10,6 +10,9 @@ small CNN where every parameter's gradient is its own key, pushed by a post-accu
 moment autograd produces it (``pushpull`` in place, ``wait`` after backward, SGD step). Epochs of
 every type are interleaved so machine noise hits them alike; "compute only" trains without
 communication (the ceiling).
+
+Both tables use the store API directly, without ``declare_order``: their ``dist_sync_mpi`` rows measure
+the negotiated coordinator (``mpitrain bench dataparallel``'s row measures the declared order).
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ def create(name: str = "local", comm: Communicator | None = None, **options: Any
 
     Collective over `comm` for every type but ``local`` (it splits private communicators, so the
     store's traffic never mixes with the caller's). `options` go to the type's constructor, e.g.
-    ``num_comms``/``outstanding`` (concurrent), ``fusion_bytes`` (dist_sync_mpi), ``num_servers``
+    ``num_comms``/``outstanding`` (concurrent), ``fusion_bytes``/``lazy_thread`` (dist_sync_mpi), ``num_servers``
     (dist_sync), ``warn_after``/``abort_after`` (all: seconds before a stalled wait warns, and before
     it ends the job or raises). dist_sync_mpi's former ``stall_timeout``/``stall_abort`` still work for
     one release, with a DeprecationWarning.

@@ -15,7 +15,14 @@ Pacing: a rank posts its next cycle at once while it has work queued (the cycle 
 with sleeps, for the ranks that have none yet, so their push completes it); a rank with nothing
 queued sits out until a local push or for at most 50 ms (which keeps the watchdog and ``close``
 informed). A caller blocked in ``wait`` runs the cycles itself (one thread at a time holds the turn),
-and the data allreduces are MPI's blocking ones: every rank has just agreed to run them.
+and the data allreduces are MPI's blocking ones: every rank has just agreed to run them. With
+``lazy_thread=True`` the comm thread starts at the first negotiated operation (or at ``close``) instead of
+at construction, so a store used only through its declared order (below) runs no cycle at all.
+
+Declared order (:meth:`CoordinatorStore.declare_order`, issue #29 item 1): a caller that pushes some keys
+in one fixed order every round on every rank (DataParallel's buckets) declares them once; their
+``pushpull`` then goes straight to a :class:`~mpitrain.comm.reducer.Reducer` (one worker thread, the keys
+registered in the declared order, on a private communicator of its own) with no negotiation cycle.
 """
 
 from __future__ import annotations
@@ -26,15 +33,19 @@ import threading
 import time
 import weakref
 from collections import deque
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from .._utils.flat import copy_from_flat, flatten
-from .._utils.stall import Backoff, say, wait_until
+from .._utils.stall import Backoff, StallPolicy, say, wait_until
 from ..comm import after
-from ..comm.base import Communicator, Request
+from ..comm.base import CommError, Communicator, Request
+from ..comm.codecs import Codec
+from ..comm.reducer import Bucket, Handle, ReduceError, ReducePolicy, Reducer
 from ._allreduce import AllreduceStore, Entry
-from ._interface import Key, KVStoreError, log, split_private
+from ._interface import Key, KVStoreError, Value, check_key, log, pairs, split_private, tensors
 
 __all__ = ["CoordinatorStore"]
 
@@ -48,12 +59,15 @@ class CoordinatorStore(AllreduceStore):
     ranks, in cache-slot order, on one comm thread; so the order is identical by construction and
     ranks may push keys in any order. ``pushpull`` needs no ``init`` (the first use negotiates).
     Consecutive ready keys of one dtype totalling at most `fusion_bytes` are reduced as one fused
-    allreduce (one copy in and out of a reused buffer); larger keys are reduced in place, no copy."""
+    allreduce (one copy in and out of a reused buffer); larger keys are reduced in place, no copy.
+    Keys declared with :meth:`declare_order` are not negotiated: the reducer posts them in the declared
+    order, the same on every rank by the declaration's check, on its own communicator.
+    `lazy_thread`: start the comm thread at the first negotiated operation (see the module docstring)."""
 
     type = "dist_sync_mpi"
 
     def __init__(self, comm: Communicator, warn_after: float = 60.0, abort_after: float | None = 300.0,
-                 fusion_bytes: int = 1 << 20) -> None:
+                 fusion_bytes: int = 1 << 20, lazy_thread: bool = False) -> None:
         if fusion_bytes < 0:
             raise KVStoreError(f"fusion_bytes must be >= 0, got {fusion_bytes}")
         super().__init__(comm, warn_after, abort_after)
@@ -74,8 +88,17 @@ class CoordinatorStore(AllreduceStore):
         self._turn = threading.Lock()  # held while a thread runs a cycle (see _take_turn)
         self._finished = False  # the cycles ended on every rank
         self._draining = 0  # callers running cycles in wait (the comm thread pauses meanwhile)
+        #: negotiation cycles this rank has run (the comm thread's and draining callers'): 0 while the store
+        #: is used only through its declared order
+        self.cycles = 0
+        # lazy_thread: started by the first negotiated operation or by close (every rank's first cycle
+        # meets the others' first, whenever each starts: the cycles are one sequence per rank). Eager by
+        # default: a rank that never pushes a key then still cycles, so rank 0 reports that key missing
+        # on it by name; a lazy rank that never starts shows as a negotiation cycle not answered.
         self._thread = threading.Thread(target=self._loop, name="kvstore-coordinator", daemon=True)
-        self._thread.start()
+        self._declared: _Declared | None = None
+        if not lazy_thread:
+            self._thread.start()
         atexit.register(_close_at_exit, weakref.ref(self))
 
     def _check_tensor(self, key: Key, t: torch.Tensor, what: str) -> None:
@@ -83,14 +106,106 @@ class CoordinatorStore(AllreduceStore):
             raise KVStoreError(f"{what}({key!r}): tensors must be contiguous (pass t.contiguous())")
         self._check_codec(key, t, what)
 
+    def _start_thread(self) -> None:
+        """Start the comm thread once (under ``self._cv``): the first negotiated operation, or close."""
+        if self._thread.ident is None:
+            self._thread.start()
+
     def _enqueue(self, entry: Entry) -> None:
         with self._cv:
+            self._start_thread()
             if not self._thread.is_alive():
                 raise KVStoreError("the dist_sync_mpi comm thread has stopped (an earlier error)")
             self._tracker.start(entry.key)
             self._pending.setdefault(entry.key, deque()).append(entry)
             self._arrivals += 1
             self._cv.notify()
+
+    # -- the declared order ---------------------------------------------------------------------
+    def declare_order(self, keys: Sequence[Key], values: Sequence[torch.Tensor]) -> None:
+        """Collective over the workers (every worker calls it once, at the same point of its operations
+        on this store, with the same keys in the same order): from now on each round ``pushpull(k, v)``
+        of a declared key `k`, with ``v`` its declared tensor summed in place (`outs` omitted or ``v``),
+        goes straight to the gradient reducer, posted in the declared order with no negotiation cycle.
+
+        `keys` must be initialized (:meth:`init`) and `values[i]` is the contiguous tensor pushed under
+        ``keys[i]`` every round (its shape and dtype those of ``init``; any device). Each round every
+        worker must push every declared key exactly once (in any order: a key pushed early is held
+        until the keys declared before it are pushed) and ``wait`` before pushing a key again.
+
+        Checked before any data moves, with one pickled allgather: every worker raises the same
+        :class:`KVStoreError` if any worker's arguments are wrong (naming its rank and what) or the
+        workers declared different keys, order, shapes, dtypes or device types. Other keys, and
+        ``push``/``pull`` of declared keys, keep the negotiated path."""
+        self._check_open()
+        error, sig = self._declaration(keys, values)
+        everyone = self._ctl.allgather_object((error, sig))
+        errors = [f"rank {r}: {e}" for r, (e, _) in enumerate(everyone) if e is not None]
+        if errors:
+            raise KVStoreError(f"declare_order: {'; '.join(errors)}")
+        if any(s != everyone[0][1] for _, s in everyone):
+            lines = "; ".join(f"rank {r}: {s}" for r, (_, s) in enumerate(everyone))
+            raise KVStoreError(f"declare_order: workers declared different keys/order/shapes/dtypes: {lines}")
+        self._declared = _Declared(split_private(self._ctl), list(keys), list(values), self._policy, self._codec)
+
+    def _declaration(self, keys: Sequence[Key], values: Sequence[torch.Tensor]
+                     ) -> tuple[str | None, list[tuple[Key, tuple[int, ...], str]]]:
+        """This worker's (error or None, signature) for :meth:`declare_order`: local checks only."""
+        if self._declared is not None:
+            return "declare_order was already called on this store", []
+        if not isinstance(keys, (list, tuple)) or not isinstance(values, (list, tuple)) or len(keys) != len(values):
+            return "keys and values must be lists of the same length", []
+        try:  # every check local, so a bad argument on one rank reaches the others as its error
+            if not keys or len(set(check_key(k) for k in keys)) != len(keys):
+                raise KVStoreError(f"keys must be a non-empty list without repeats, got {list(keys)!r}")
+            for k, v in zip(keys, values):
+                if not isinstance(v, torch.Tensor) or not v.is_contiguous():
+                    raise KVStoreError(f"declare_order({k!r}): the value must be one contiguous tensor")
+                self._info(k, v, "declare_order")
+        except KVStoreError as e:
+            return str(e), []
+        return None, [(k, *_signature(v)) for k, v in zip(keys, values)]
+
+    def pushpull(self, key: Key | Sequence[Key], ins: Value | Sequence[Value], outs: Any = None,
+                 priority: int = 0) -> None:
+        """As :meth:`AllreduceStore.pushpull`; a declared key (:meth:`declare_order`) goes to the reducer."""
+        declared = self._declared
+        if declared is None:
+            super().pushpull(key, ins, outs, priority)
+            return
+        self._check_open()
+        items = pairs(key, ins, "pushpull")
+        out_items = pairs(key, outs, "pushpull outs") if outs is not None else [(k, None) for k, _ in items]
+        mine = [(k, v, o) for (k, v), (_, o) in zip(items, out_items) if k in declared.buckets]
+        if len({k for k, _, _ in mine}) != len(mine):
+            raise KVStoreError("pushpull: a declared key goes once per round; this list repeats one")
+        for k, v, o in mine:  # every declared key checked before any is submitted
+            declared.check(k, v, o)
+        rest = [(k, v, o) for (k, v), (_, o) in zip(items, out_items) if k not in declared.buckets]
+        if rest:
+            super().pushpull([k for k, _, _ in rest], [v for _, v, _ in rest],
+                             None if outs is None else [o for _, _, o in rest], priority)
+        for k, _, _ in mine:
+            declared.submit(k)
+
+    def wait(self, keys: Key | Sequence[Key] | None = None) -> None:
+        """As :meth:`AllreduceStore.wait`; declared keys are waited through the reducer's handles (its
+        stall policy: a warning every ``warn_after``, the job ended after ``abort_after``)."""
+        declared = self._declared
+        if declared is None:
+            super().wait(keys)
+            return
+        ks = None if keys is None else [k for k, _ in pairs(keys, None, "wait")]
+        declared.wait(ks)
+        rest = None if ks is None else [k for k in ks if k not in declared.buckets]
+        if rest is None or rest:
+            super().wait(rest)
+
+    def set_gradient_compression(self, compression_params: dict[str, Any]) -> None:
+        """As :meth:`AllreduceStore.set_gradient_compression`; the declared keys' reducer takes the codec too."""
+        super().set_gradient_compression(compression_params)
+        if self._declared is not None:
+            self._declared.set_codec(self._codec)
 
     # -- the comm thread -------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -158,6 +273,7 @@ class CoordinatorStore(AllreduceStore):
     def _cycle(self) -> tuple[bool, list[bool], bool]:
         """One negotiation + execution round. Returns (ran something, which ranks have work queued or
         are closing, finished)."""
+        self.cycles += 1
         row, announce = self._local_state()
         size, rank = self._data.size, self._data.rank
         table = torch.zeros((size, len(row)), dtype=torch.int32)
@@ -326,7 +442,10 @@ class CoordinatorStore(AllreduceStore):
 
     # -- lifecycle -------------------------------------------------------------------------------
     def _shutdown(self) -> None:
+        if self._declared is not None:
+            self._declared.close()
         with self._cv:
+            self._start_thread()  # the closing cycles: another rank's thread may be waiting in its first
             self._close_requested = True
             self._arrivals += 1
             self._cv.notify()
@@ -335,6 +454,66 @@ class CoordinatorStore(AllreduceStore):
             if self._thread.is_alive():
                 log.warning("dist_sync_mpi close on rank %d: waiting for the other ranks to close", self.rank)
         self._data.free()
+
+
+class _Declared:
+    """The declared keys of a store: a reducer with one worker thread on its own communicator `comm`
+    (the coordinator's thread keeps cycling on the store's data communicator meanwhile), one bucket per
+    key registered in the declared order, and the handle of each key pushed and not yet waited."""
+
+    def __init__(self, comm: Communicator, keys: list[Key], values: list[torch.Tensor], policy: StallPolicy,
+                 codec: Codec | None) -> None:
+        self.comm, self.keys, self.values, self.policy = comm, keys, values, policy
+        self.value_of = dict(zip(keys, values))
+        self.handles: dict[Key, Handle] = {}
+        self.reducer, self.buckets = self._build(codec)
+
+    def _build(self, codec: Codec | None) -> tuple[Reducer, dict[Key, Bucket]]:
+        """A reducer (flat sum, or the compressed ring when a codec is set) with every key registered."""
+        kind = (ReducePolicy("compressed", op="sum", codec=codec) if codec is not None
+                else ReducePolicy("flat", op="sum"))
+        reducer = Reducer(self.comm, kind, self.policy, thread=True, name="kvstore dist_sync_mpi (declared)")
+        buckets = {k: reducer.register([v]) for k, v in zip(self.keys, self.values)}
+        return reducer, buckets
+
+    def check(self, key: Key, value: Any, out: Any) -> None:
+        """Local: `value` (and `out`, if given) is the declared tensor, and `key` is not in flight."""
+        v = tensors(value, f"pushpull({key!r})")
+        o = None if out is None else tensors(out, f"pushpull({key!r}) outs")
+        declared = self.value_of[key]
+        if len(v) != 1 or v[0] is not declared or (o is not None and (len(o) != 1 or o[0] is not declared)):
+            raise KVStoreError(f"pushpull({key!r}): a declared key is summed in place in the tensor declared "
+                               f"for it (declare_order); pass that tensor as ins and no other outs")
+        if key in self.handles:
+            raise KVStoreError(f"pushpull({key!r}): pushed again before wait covered it (a declared key "
+                               f"goes once per round)")
+
+    def submit(self, key: Key) -> None:
+        self.handles[key] = self.reducer.submit(self.buckets[key])
+
+    def wait(self, keys: list[Key] | None) -> None:
+        """Wait the handles of `keys` (every pushed declared key if None), in the declared order."""
+        want = [k for k in self.keys if k in self.handles and (keys is None or k in keys)]
+        for k in want:
+            try:
+                self.reducer.wait(self.handles[k], f"the allreduce of declared key {k!r}")
+            except CommError as e:  # a key declared before it was not pushed this round
+                missing = [d for d in self.keys if d not in self.handles]
+                raise KVStoreError(f"wait({k!r}): declared keys go in the declared order and every one each "
+                                   f"round; not pushed yet: {missing[:20]} ({e})") from e
+            except ReduceError as e:
+                del self.handles[k]
+                raise KVStoreError(f"the allreduce of declared key {k!r} failed: {e}") from e
+            del self.handles[k]
+
+    def set_codec(self, codec: Codec | None) -> None:
+        """Rebuild the reducer with `codec` (the store waited for everything first)."""
+        self.reducer.close()
+        self.reducer, self.buckets = self._build(codec)
+
+    def close(self) -> None:
+        self.reducer.close()
+        self.comm.free()
 
 
 def _itemsize(dtype: torch.dtype) -> int:

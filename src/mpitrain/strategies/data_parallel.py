@@ -73,6 +73,10 @@ class DataParallel(nn.Module):
       order only, so every rank issues the same keys in the same order whatever the kvstore type; a
       bucket whose parameters did not all get a gradient (unused this step, data-dependent branches)
       is pushed at the end of backward with its current contents (zeros for a gradient that was None).
+      A store that offers ``declare_order`` (``dist_sync_mpi``) is told this order once, at
+      construction (collective; a rank with other buckets gets KVStoreError on every rank before any
+      gradient moves): it then reduces the buckets through its gradient reducer in bucket order, one
+      worker thread, with no negotiation cycle. Other stores order the pushes their own way.
     * When ``loss.backward()`` returns, every ``.grad`` holds the mean over ranks of the local
       gradients (a final autograd callback waits for the buckets). A parameter that no rank used keeps
       ``grad=None``, as in one process; one used on some rank gets the average. Tied parameters are
@@ -157,6 +161,7 @@ class DataParallel(nn.Module):
         if self._kv is not None:
             for b in self.buckets:
                 self._kv.init(b.key, b.buffer)
+            self._declare_order()
         self.zero = Zero([b.params for b in self.buckets], comm, zero, name=f"{name}.zero") if zero else None
         self._gathers = ModuleGathers(self.zero, module) if self.zero is not None and zero == 3 else None
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
@@ -164,6 +169,15 @@ class DataParallel(nn.Module):
         self._sync_graph = True     # decided by the forward that built the graph being differentiated
         self._closed = False
         self._reset()
+
+    def _declare_order(self) -> None:
+        """Collective: tell a store that offers ``declare_order`` (dist_sync_mpi) the bucket order, which
+        is the same on every rank and every backward, so it reduces the buckets in that order through its
+        gradient reducer with no negotiation. Any other store (the sequenced types, ``dist_sync``, a
+        duck-typed object) orders the pushes its own way."""
+        declare = getattr(self._kv, "declare_order", None)
+        if declare is not None and not self._solo:
+            declare(self._keys, [b.buffer for b in self.buckets])
 
     @property
     def kv(self) -> KVStore:
@@ -432,7 +446,10 @@ def _make_kvstore(kvstore: str | KVStore, comm: Communicator) -> KVStore:
     # create() splits private communicators: the store's traffic never mixes with ours on comm.
     # depchain's copy of the input exists so a caller may reuse it at once; our buckets are not
     # touched until the final wait, so they are reduced in place (two fewer passes over them).
-    options = {"copy_inputs": False} if kvstore == "depchain" else {}
+    # dist_sync_mpi: DataParallel declares its bucket order (declare_order), so the store never
+    # negotiates for it; its comm thread starts only if someone pushes other keys through `kv`
+    options: dict[str, object] = ({"copy_inputs": False} if kvstore == "depchain" else
+                                  {"lazy_thread": True} if kvstore == "dist_sync_mpi" else {})
     return kvmod.create(kvstore, comm=comm, **options)
 
 
