@@ -287,3 +287,215 @@ def test_a_flat_bucket_the_communicator_refuses_raises_at_submit_on_the_callers_
         raised = True
     red.wait_all()  # nothing in flight: returns
     assert_all_ranks(comm, raised, "no CommError at submit")
+
+
+# -- ordered ops: posted in call order on the same worker ------------------------------------------------
+
+def _rows(comm, numel_per_rank: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed * 1000 + comm.rank)
+    return torch.randn(comm.size, numel_per_rank, generator=g, dtype=torch.float64)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("thread", MODES)
+def test_ordered_ops_equal_the_plain_collectives_to_the_bit(comm, thread):
+    """post_allreduce / post_reduce_scatter / post_allgather, several in flight at once, against the
+    communicator's blocking allreduce, reduce_scatter and allgather of the same float64 data."""
+    red = Reducer(comm.split(0), ReducePolicy("flat", op="sum"), thread=thread)
+    flat = _grads(comm.rank, [(37,)], seed=21)[0]
+    rows = _rows(comm, 11, seed=22)
+    out = torch.zeros(comm.size * 5, dtype=torch.float64)
+    block = out[comm.rank * 5:(comm.rank + 1) * 5]
+    block.copy_(torch.arange(5, dtype=torch.float64) + 10 * comm.rank)  # in place: this rank's block of out
+    want_all = comm.allreduce(flat.clone(), "sum")
+    want_rs = comm.reduce_scatter(rows.clone(), "sum")[0]
+    want_ag = comm.allgather(block.clone())
+    handles = [red.post_allreduce(flat), red.post_reduce_scatter(rows), red.post_allgather(block, out)]
+    for h in reversed(handles):  # waited in any order
+        red.wait(h)
+    red.close()
+    red.comm.free()
+    a, r, g = (h.result for h in handles)
+    ok = (a is flat and torch.equal(flat, want_all) and r is not None and torch.equal(r, want_rs)
+          and g is out and torch.equal(out, want_ag) and handles[1].tensor is None)
+    assert_all_ranks(comm, ok, f"thread={thread}")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("thread", MODES)
+def test_rounds_and_ordered_ops_interleave_in_program_order_and_an_op_inside_an_open_round_is_refused(comm, thread):
+    """Registered buckets submitted in a different order on every rank, with ordered ops of the same sizes
+    between rounds: a bucket and an op swapped on one rank would sum different data, so every result
+    checks the order. An op while a round is open is a local CommError, on every rank."""
+    n = 4
+    bufs = [torch.zeros(8, dtype=torch.float64) for _ in range(n)]
+    red = Reducer(comm.split(0), ReducePolicy("flat", op="sum"), thread=thread)
+    buckets = [red.register([b]) for b in bufs]
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(comm.rank + 3)).tolist()
+    ranks = float(sum(range(comm.size)))
+    ok, refused = True, []
+    for rnd in range(3):
+        extra = torch.full((8,), 1000.0 * (rnd + 1) + comm.rank, dtype=torch.float64)
+        rows = torch.full((comm.size, 8), 500.0 + rnd + comm.rank, dtype=torch.float64)
+        before = red.post_allreduce(extra)  # between rounds: fine
+        for i, b in enumerate(bufs):
+            b.fill_(100 * i + comm.rank)
+        for k, i in enumerate(order):
+            red.submit(buckets[i])
+            if k == 0:
+                try:
+                    red.post_allgather(torch.zeros(1, dtype=torch.float64),
+                                       torch.zeros(comm.size, dtype=torch.float64))
+                    refused.append(False)
+                except CommError:
+                    refused.append(True)
+        after_round = red.post_reduce_scatter(rows)
+        red.wait_all()
+        ok = ok and torch.equal(extra, torch.full((8,), 1000.0 * (rnd + 1) * comm.size + ranks, dtype=torch.float64))
+        ok = ok and all(torch.equal(b, torch.full((8,), 100.0 * i * comm.size + ranks, dtype=torch.float64))
+                        for i, b in enumerate(bufs))
+        assert after_round.result is not None and before.finished
+        ok = ok and torch.equal(after_round.result, torch.full((8,), (500.0 + rnd) * comm.size + ranks,
+                                                               dtype=torch.float64))
+    red.close()
+    red.comm.free()
+    assert_all_ranks(comm, ok and all(refused) and len(refused) == 3, f"order {order} thread={thread} "
+                     f"equal {ok} refused {refused}")
+
+
+@pytest.mark.mpi
+def test_ordered_ops_refuse_bad_tensors_locally_before_any_message(comm):
+    red = Reducer(comm, ReducePolicy("flat", op="sum"), thread=True)
+    attempts = [lambda: red.post_allreduce(torch.zeros(4, 2)[:, 0]),
+                lambda: red.post_reduce_scatter(torch.zeros(comm.size + 1, 3)),
+                lambda: red.post_allgather(torch.zeros(3), torch.zeros(3 * comm.size + 1))]
+    refused = []
+    for attempt in attempts:
+        try:
+            attempt()
+            refused.append(False)
+        except CommError:
+            refused.append(True)
+    red.close()
+    assert_all_ranks(comm, all(refused), f"refused {refused}")
+
+
+@pytest.mark.mpi
+def test_a_failed_ordered_op_on_the_worker_raises_reduce_error_in_its_wait_and_every_later_wait(comm):
+    red = Reducer(comm.split(0), ReducePolicy("flat", op="avg"), thread=True)
+    bad = red.post_reduce_scatter(torch.zeros(comm.size, 3, dtype=torch.int64))  # avg of integers: refused
+    later = red.post_allgather(torch.zeros(2), torch.zeros(2 * comm.size))
+    raised = []
+    for h in (bad, later):
+        try:
+            red.wait(h)
+            raised.append(False)
+        except ReduceError:
+            raised.append(True)
+    red.close()
+    red.comm.free()
+    assert_all_ranks(comm, raised == [True, True], f"raised {raised}")
+
+
+def test_a_rank_that_never_posts_its_ordered_op_makes_the_waiting_rank_warn_then_end_the_job():
+    t0 = time.monotonic()
+    job = run_job("""
+        import time
+        import torch
+        import mpitrain
+        from mpitrain._utils.stall import StallPolicy
+        from mpitrain.comm.reducer import Reducer, ReducePolicy
+
+        comm = mpitrain.init()
+        red = Reducer(comm, ReducePolicy("flat"), StallPolicy(warn_after=1.0, abort_after=2.0), thread=True,
+                      name="zero")
+        if comm.rank == 1:
+            time.sleep(60)
+        red.wait(red.post_reduce_scatter(torch.zeros(comm.size, 500), what="zero.b3 reduce-scatter"))
+        print("rank", comm.rank, "completed")
+    """, timeout=60)
+    assert job.returncode != 0 and "completed" not in job.stdout, job.stdout + job.stderr
+    assert re.search(r"zero rank 0: still waiting after 1s for zero.b3 reduce-scatter", job.stderr), job.stderr[-2000:]
+    assert "aborting the job" in job.stderr
+    assert time.monotonic() - t0 < 40
+
+
+# -- policy "hierarchical" ---------------------------------------------------------------------------------
+
+def _hosts(comm, emulated: bool):
+    """A duplicate MPI backend with its host hierarchy built here and counting the allreduces it runs:
+    emulated, rank parity is the host (tests/multihost's trick: hosts {0, 2, ...} and {1, 3, ...}, so the
+    real two-level path, reduce, leaders, broadcast, runs); else the real hosts (this machine: one)."""
+    from mpitrain.comm._hierarchical import Hierarchy
+    from mpitrain.comm._mpi import MPICommunicator
+
+    class Counting(Hierarchy):
+        calls = 0
+
+        def allreduce(self, *args, **kwargs):
+            self.calls += 1
+            super().allreduce(*args, **kwargs)
+
+    sub = MPICommunicator(comm.mpi_comm.Dup())
+    sub._hierarchy = Counting(sub.mpi_comm, ring_comm=lambda c: MPICommunicator(c, hierarchy=False),
+                              host_of=comm.rank % 2 if emulated else None)
+    return sub, sub._hierarchy
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("hosts", ["emulated", "one"])
+@pytest.mark.parametrize("thread", MODES)
+def test_hierarchical_policy_equals_a_plain_allreduce(comm, hosts, thread):
+    """Every size goes through the hierarchy (a few elements, a 256 KiB-plus bucket, one above the leaders'
+    ring threshold). Integer-valued float64 and int64: equal to the bit (exact sums in any order). Random
+    float64: within 1e-12 relative, since the hierarchy sums per host first, then across hosts, a different
+    order from the plain allreduce's. On one host: the two host stages only, still the plain result."""
+    if comm.backend != "mpi":
+        pytest.skip("the host hierarchy belongs to the mpi backend")  # same verdict on every rank
+    from mpitrain.comm._hierarchical import HIERARCHY_ABOVE, RING_ABOVE
+
+    sub, hierarchy = _hosts(comm, hosts == "emulated")
+    sizes = [(5,), (HIERARCHY_ABOVE // 8 + 3,), (2 * RING_ABOVE // 8 + 1,)]
+    exact = _grads(comm.rank, sizes, integral=True, seed=31) + _grads(comm.rank, [(9,)], torch.int64, 32, True)
+    rough = _grads(comm.rank, sizes, seed=33)
+    want_exact = _expected(comm, exact, "sum")
+    want_rough = _expected(comm, rough, "avg")
+    red_sum = Reducer(sub, ReducePolicy("hierarchical", op="sum"), thread=thread)
+    red_avg = Reducer(sub, ReducePolicy("hierarchical", op="avg"), thread=thread)
+    for red, ts in ((red_sum, exact), (red_avg, rough)):
+        for t in ts:
+            red.submit(red.register([t]))
+        red.wait_all()
+        red.close()
+    counted, calls = hierarchy.hosts, hierarchy.calls
+    sub.free()
+    ok_exact = all(torch.equal(a, b) for a, b in zip(exact, want_exact))
+    ok_rough = all(torch.allclose(a, b, rtol=1e-12, atol=1e-12) for a, b in zip(rough, want_rough))
+    want_hosts = min(2, comm.size) if hosts == "emulated" else 1
+    ok_path = counted == want_hosts and calls == len(exact) + len(rough)  # every bucket, small ones too
+    assert_all_ranks(comm, ok_exact and ok_rough and ok_path,
+                     f"{hosts} thread={thread}: exact {ok_exact} rough {ok_rough} hosts {counted} calls {calls}")
+
+
+@pytest.mark.mpi
+def test_hierarchical_policy_is_refused_without_the_mpi_backend_and_needs_no_floating_buckets(comm):
+    from mpitrain.comm.base import Communicator
+
+    class NotMPI(Communicator):  # only its backend name matters: refused before anything is called
+        backend = "torch"
+
+        def __getattr__(self, name):
+            raise AssertionError(name)
+    NotMPI.__abstractmethods__ = frozenset()
+    try:
+        Reducer(NotMPI(), ReducePolicy("hierarchical"))
+        refused = False
+    except CommError as e:
+        refused = "MPI backend" in str(e)
+    red = Reducer(comm.split(0), ReducePolicy("hierarchical", op="sum"))
+    t = torch.full((6,), comm.rank + 1, dtype=torch.int32)  # integers are fine: no ring codec involved
+    red.reduce([t])
+    red.comm.free()
+    ok = torch.equal(t, torch.full((6,), sum(r + 1 for r in range(comm.size)), dtype=torch.int32))
+    assert_all_ranks(comm, refused and ok, f"refused {refused} equal {ok}")

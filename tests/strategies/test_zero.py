@@ -88,6 +88,41 @@ def test_dataparallel_zero_steps_like_one_process_for_adam_adamw_and_momentum_sg
             if s.params[c.param] is model.unused.weight), "a parameter no rank used got a gradient")
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_collectives_all_run_on_its_one_reducer_thread_and_no_engine_thread_exists(comm, stage):
+    """Issue #29 item 1: ZeRO's allreduces (1), reduce-scatters (2, 3) and allgathers go through its
+    Reducer's ordered ops, so each runs on that reducer's one worker thread, and no engine thread is made."""
+    import threading
+
+    model = net()
+    dp = DataParallel(model, zero=stage, **TINY)
+    opt = dp.shard_optimizer(OPTIMIZERS["sgd"](dp.parameters()))
+    private = dp.zero._reducer.comm
+    ran: list[tuple[str, str]] = []
+    def recorder(op: str):
+        call = getattr(private, op)
+
+        def record(*args, **kwargs):
+            ran.append((op, threading.current_thread().name))
+            return call(*args, **kwargs)
+        return record
+
+    for op in ("allreduce", "reduce_scatter", "allgather"):
+        setattr(private, op, recorder(op))
+    x = torch.randn(comm.size * 2, 7, dtype=torch.float64)
+    for _ in range(2):
+        opt.zero_grad()
+        dp(x[rows(len(x), comm)]).sum().backward()
+        opt.step()
+    engines = [t.name for t in threading.enumerate() if t.name.startswith("engine-")]
+    dp.close()
+    kinds = {k for k, _ in ran}
+    want = {"allreduce", "allgather"} if stage == 1 else {"reduce_scatter", "allgather"}
+    threads = {t for _, t in ran}
+    assert_all_ranks(comm, kinds == want and threads == {f"mpitrain-{dp.zero.name}"} and not engines,
+                     f"stage {stage}: ops {kinds}, threads {threads}, engine threads {engines}")
+
+
 def test_zero3_holds_parameters_whole_only_around_their_use(comm):
     """Between steps no bucket is gathered; inside a module's forward its own buckets are, plus at most a
     prefetched one and the ones whose other modules have not run yet."""

@@ -135,9 +135,35 @@ class MPICommunicator(Communicator):
         nbytes = t.numel() * t.element_size()
         if nbytes < HIERARCHY_ABOVE or not self._hierarchical:
             return None
+        hier = self.hierarchy()
+        return hier if hier.applies(nbytes) else None
+
+    def hierarchy(self) -> Hierarchy:
+        """The host hierarchy of this communicator, built by the first call (collective: every rank must
+        reach it at the same point of its collectives), whatever the sizes reduced."""
         if self._hierarchy is None:
             self._hierarchy = Hierarchy(self._comm, ring_comm=_ring_comm)
-        return self._hierarchy if self._hierarchy.applies(nbytes) else None
+        return self._hierarchy
+
+    def hierarchical_allreduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """`allreduce` through the host hierarchy whatever the size of `t` and however many hosts (the
+        reducer's "hierarchical" policy): reduce onto each host's leader, the leaders' allreduce (their
+        ring for floating sums of at least RING_ABOVE bytes), broadcast from the leader. On one host only
+        the two host stages run: still the reduction on every rank. Host memory only (a device tensor
+        goes through a host mirror first: the caller's). bfloat16 reduces in a float32 copy, as
+        :meth:`allreduce` does; the same checks (CommError before any message)."""
+        self._check(t, "t", op)
+        if not t.is_cpu:
+            raise CommError(f"hierarchical_allreduce works on host memory, got a tensor on {t.device}")
+        if not t.numel() or self._size == 1:
+            return t
+        work = t.to(_WIDE[t.dtype]) if widened(t) else t
+        self.hierarchy().allreduce(_buf(work), work, _op(op, t.dtype), op in ("sum", "avg"))
+        if op == "avg":
+            work.div_(self._size)
+        if work is not t:
+            t.copy_(work)  # one rounding, as allreduce's
+        return t
 
     @property
     def rank(self) -> int:

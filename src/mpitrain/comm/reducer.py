@@ -2,7 +2,8 @@
 
 Every strategy that averages gradients hands its buckets to a :class:`Reducer` (issue #29 item 1):
 pipeline (``strategies/_grad_allreduce``), spatial (``spatial/_reduce.GradBucket``), Pipe-SGD
-(``strategies/pipesgd.CommThread``), the collective kvstore types' reductions and Horovod's allreduces.
+(``strategies/pipesgd.CommThread``), ZeRO (``strategies/_zero``, through the ordered ops below), the
+collective kvstore types' reductions and Horovod's allreduces.
 
 A bucket is a list of tensors of one dtype and device, reduced as ONE flat buffer: the tensors' own
 memory when they already lie back to back (``_utils/flat.joined``: views of one gradient buffer, or one
@@ -13,19 +14,41 @@ rank; each round every bucket is submitted once, in any order, and the reducer p
 order (a bucket submitted early is held until the ones registered before it are submitted). So ranks may
 finish their buckets in different orders and still issue identical collectives, with no negotiation.
 
+Ordered ops: :meth:`Reducer.post_allreduce`, :meth:`Reducer.post_reduce_scatter` and
+:meth:`Reducer.post_allgather` take buffers that are not registered (ZeRO's transient reduce buffers, its
+parameter blocks) and are posted the moment they are called, in call order (FIFO), on the same thread and
+in the same queue as the buckets. Their order on the wire is the caller's: every rank must call them in
+the same order. How both kinds coexist: a round is *open* from its first bucket's submission until its last
+bucket is posted, and while it is open the place an ordered op would take among the round's buckets would
+depend on each rank's submission order, so an ordered op is refused then (CommError, local, before any
+message). Between rounds they mix freely: the collectives on `comm` are the rounds and the ordered ops in the
+order the program reaches them, the same on every rank. The policy applies to allreduces (buckets and
+:meth:`~Reducer.post_allreduce`); reduce-scatters and allgathers are the communicator's own.
+
 Who posts: with ``thread=False`` the caller does, at submit (a flat policy posts a nonblocking allreduce
-and returns at once: several buckets are in flight in MPI; a ring runs to completion inside submit);
+and returns at once: several buckets are in flight in MPI; a ring or the hierarchy runs to completion
+inside submit, an ordered op inside its post);
 with ``thread=True`` ONE worker thread per reducer runs the collectives in order (blocking ones, which
 release the GIL: the caller computes meanwhile). Every wait has the stall policy's way out: a request is
 waited blocking inside MPI under :func:`~mpitrain._utils.stall.watched` (warning after ``warn_after``,
 ending the job after ``abort_after``); a worker's result is waited with
-:func:`~mpitrain._utils.stall.wait_until`.
+:func:`~mpitrain._utils.stall.wait_until`. A failure on the worker is raised by the wait of the bucket or op
+it failed, and of every later one (:class:`ReduceError`, the original as its cause). Device buffers are
+produced on the caller's stream: each bucket or op records a ready event there when submitted or posted
+(``comm/_cuda.ready_event``) and its collective runs on the device's side stream after it (``after``).
 
 Policies (:class:`ReducePolicy`):
 
 - ``"flat"``: one allreduce per bucket, the backend's (the MPI backend takes its host hierarchy,
-  ``comm/_hierarchical.py``, for buckets of at least 256 KiB when the ranks span hosts: that is where the
-  hierarchical reduction lives, chosen by size and hosts, the same verdict on every rank).
+  ``comm/_hierarchical.py``, for buckets of at least 256 KiB when the ranks span hosts: chosen by size
+  and hosts, the same verdict on every rank).
+- ``"hierarchical"``: every bucket through the host hierarchy, whatever its size (MPI backend only;
+  :meth:`~mpitrain.comm._mpi.MPICommunicator.hierarchical_allreduce`, the same code the flat policy's large
+  buckets take): a reduce onto one leader per host, the leaders' allreduce across hosts, a broadcast from
+  each leader. On one host it is the first and last stage alone (reduce onto the host's leader, broadcast
+  back): correct, the same result on every rank, no network stage. Integers and integer-valued floats give
+  a plain allreduce's result to the bit; other floats agree within rounding (the sum's order differs:
+  per host first, then across hosts). A device bucket goes through a pinned host mirror.
 - ``"ring"``: :func:`mpitrain.comm.ring.ring_allreduce` without a codec (exact, bitwise the same on every
   rank, the sum in ring order), floating buckets only; a device bucket goes through a pinned host mirror.
 - ``"compressed"``: the same ring with a codec at every hop (:mod:`mpitrain.comm.codecs`), optionally with
@@ -41,22 +64,30 @@ import time
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .._utils.flat import copy_from_flat, flatten, joined
 from .._utils.stall import DEFAULT_POLICY, StallPolicy, wait_until, watched
 from ._cuda import after, ready_event
+from ._layer import backend_of
 from ._staging import Staging
 from .base import CommError, Communicator, Request
 from .codecs import Codec, get_codec
 from .ring import DEFAULT_CHUNK_BYTES, ring_allreduce
 
-__all__ = ["Reducer", "ReducePolicy", "Bucket", "Handle", "ReduceError", "POLICIES"]
+if TYPE_CHECKING:
+    from ._mpi import MPICommunicator
+
+__all__ = ["Reducer", "ReducePolicy", "Bucket", "Handle", "OpHandle", "ReduceError", "POLICIES", "OPS"]
 
 #: The reducing policies, by name (see the module docstring).
-POLICIES = ("flat", "ring", "compressed")
+POLICIES = ("flat", "ring", "compressed", "hierarchical")
+
+
+#: The ordered ops (see "Ordered ops" in the module docstring).
+OPS = ("allreduce", "reduce_scatter", "allgather")
 
 
 class ReduceError(RuntimeError):
@@ -88,7 +119,8 @@ class ReducePolicy:
 
     @property
     def ring(self) -> bool:
-        return self.kind != "flat"
+        """Whether buckets go through :func:`~mpitrain.comm.ring.ring_allreduce` ("ring", "compressed")."""
+        return self.kind in ("ring", "compressed")
 
     @property
     def codec_obj(self) -> Codec:
@@ -122,6 +154,27 @@ class Handle:
     finished: bool = False  # copied back (where not in place)
 
 
+@dataclass(eq=False)
+class OpHandle:
+    """One ordered op (:meth:`Reducer.post_allreduce`, :meth:`~Reducer.post_reduce_scatter`,
+    :meth:`~Reducer.post_allgather`); :meth:`Reducer.wait` completes it (idempotent). `result`: the
+    reduced tensor (allreduce: `tensor` itself; reduce-scatter: this rank's block; allgather: `out`).
+    A reduce-scatter drops its input rows once it has run, so they are freed then, not at the wait."""
+
+    kind: str  # one of OPS
+    tensor: torch.Tensor | None  # allreduce: reduced in place; reduce_scatter: the rows; allgather: the block
+    out: torch.Tensor | None  # allgather: the whole buffer written in place
+    what: str  # names it in a stall warning and a ReduceError
+    around: Callable[[], AbstractContextManager[Any]] | None = None  # wraps the collective on the worker
+    feedback: Hashable = None  # an allreduce's error-feedback group
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+    ready: Any = None  # a device op: the event after which the caller's stream has produced its input
+    stream: Any = None  # a device op: the caller's stream, which will read a reduce-scatter's new result
+    result: torch.Tensor | None = None
+    finished: bool = False
+
+
 class Reducer:
     """Reduces registered buckets over `comm` in registration order with `policy` (see the module docstring).
 
@@ -130,7 +183,9 @@ class Reducer:
     Every rank of `comm` must register the same buckets (sizes, dtypes) in the same order and submit
     each of them once per round. `stats` (optional) accumulates ``codec_s`` (ring codecs) and ``comm_s``
     (seconds inside the collectives on the thread that ran them). `around(bucket)` (a context manager)
-    wraps, and `after_reduce(bucket)` follows, each registered bucket's reduction where it runs."""
+    wraps, and `after_reduce(bucket)` follows, each registered bucket's reduction where it runs (not the
+    ordered ops'). Policy "hierarchical" needs the MPI backend under `comm`'s layers (CommError otherwise,
+    at construction, before any message)."""
 
     def __init__(self, comm: Communicator, policy: ReducePolicy | None = None, stall: StallPolicy = DEFAULT_POLICY,
                  *, thread: bool = False, name: str = "reducer", stats: dict[str, float] | None = None,
@@ -147,13 +202,15 @@ class Reducer:
         self._around, self._after_reduce = around, after_reduce
         self._held: dict[int, Handle] = {}  # submitted, waiting for an earlier bucket of the round
         self._next = 0  # registration index of the next bucket to post
-        self._inflight: list[Handle] = []  # posted, not yet waited
+        self._inflight: list[Handle | OpHandle] = []  # posted, not yet waited
         self._codec = self.policy.codec_obj
         self._staging: Staging | None = None  # device buckets of the rings: host mirrors (made on first use)
         self._thread = thread
-        self._queue: queue.Queue[Handle | None] = queue.Queue()
+        self._queue: queue.Queue[Handle | OpHandle | None] = queue.Queue()
         self._worker: threading.Thread | None = None
         self._error: BaseException | None = None
+        if self.policy.kind == "hierarchical":
+            _hierarchy_backend(comm, name)  # refused here, on every rank alike, not at the first bucket
 
     # -- registration and submission ---------------------------------------------------------------
     def register(self, tensors: Sequence[torch.Tensor], *, feedback: Hashable = None) -> Bucket:
@@ -169,9 +226,7 @@ class Reducer:
             raise CommError(f"{self.name}: a bucket holds one dtype on one device, got "
                             f"{sorted({f'{t.dtype}/{t.device}' for t in ts})}")
         if self.policy.ring:
-            if not first.is_floating_point():
-                raise CommError(f"{self.name}: policy {self.policy.kind!r} reduces floating tensors, got {first.dtype}")
-            self._codec.check_input(first.detach()[:0].reshape(-1), "bucket")
+            self._check_ring_input(first)
         span = joined(ts)
         flat = span if span is not None else torch.empty(sum(t.numel() for t in ts), dtype=first.dtype,
                                                           device=first.device)
@@ -205,6 +260,11 @@ class Reducer:
             self._next = due + 1
         return handle
 
+    def _check_ring_input(self, t: torch.Tensor) -> None:
+        if not t.is_floating_point():
+            raise CommError(f"{self.name}: policy {self.policy.kind!r} reduces floating tensors, got {t.dtype}")
+        self._codec.check_input(t.detach()[:0].reshape(-1), "bucket")
+
     @property
     def _due(self) -> int:
         """The index of the bucket to post next: a round ends after the last registered bucket (so one
@@ -225,12 +285,77 @@ class Reducer:
         if span is None:
             copy_from_flat(flat, ts)
 
+    # -- ordered ops ---------------------------------------------------------------------------------
+    def post_allreduce(self, flat: torch.Tensor, *, feedback: Hashable = "unregistered",
+                       what: str | None = None) -> OpHandle:
+        """Post the allreduce of `flat` (contiguous) in place with the policy, in call order (module docstring,
+        "Ordered ops"). Do not touch `flat` until :meth:`wait`. `feedback`: the residual's group (compressed
+        with error feedback). CommError (local) while a round of registered buckets is open."""
+        self._check_op(flat, "post_allreduce")
+        if self.policy.ring:
+            self._check_ring_input(flat)
+        return self._post_op(OpHandle("allreduce", flat, None, what or f"an allreduce of {flat.numel()} elements",
+                                      feedback=feedback))
+
+    def post_reduce_scatter(self, rows: torch.Tensor, *, what: str | None = None) -> OpHandle:
+        """Post the reduce-scatter (the policy's op) of `rows` (contiguous, ``size`` rows along dim 0): the
+        handle's `result` is this rank's row of the reduction. The reducer lets go of `rows` once the
+        collective has run (a transient buffer is freed then). Call order; CommError while a round is open."""
+        self._check_op(rows, "post_reduce_scatter")
+        if rows.dim() == 0 or rows.shape[0] != self.comm.size:
+            raise CommError(f"{self.name}: post_reduce_scatter needs {self.comm.size} rows along dim 0, "
+                            f"got shape {tuple(rows.shape)}")
+        return self._post_op(OpHandle("reduce_scatter", rows, None,
+                                      what or f"a reduce-scatter of {rows.numel()} elements"))
+
+    def post_allgather(self, block: torch.Tensor, out: torch.Tensor, *, what: str | None = None,
+                       around: Callable[[], AbstractContextManager[Any]] | None = None) -> OpHandle:
+        """Post the allgather of every rank's `block` into `out` (in place where `block` is this rank's block
+        of `out`), in call order; CommError while a round is open. `around()` (a context manager, e.g.
+        ``torch.autograd._unsafe_preserve_version_counter(out)``) wraps the collective where it runs."""
+        self._check_op(block, "post_allgather")
+        self._check_op(out, "post_allgather")
+        if out.numel() != block.numel() * self.comm.size or out.dtype != block.dtype:
+            raise CommError(f"{self.name}: post_allgather of {block.numel()} x {block.dtype} needs an out of "
+                            f"{block.numel() * self.comm.size} x {block.dtype}, got {out.numel()} x {out.dtype}")
+        return self._post_op(OpHandle("allgather", block, out, what or f"an allgather of {out.numel()} elements",
+                                      around))
+
+    @property
+    def round_open(self) -> bool:
+        """Whether a round of registered buckets has begun and not all of its buckets are posted yet."""
+        return bool(self._held) or 0 < self._next < len(self.buckets)
+
+    def _check_op(self, t: torch.Tensor, what: str) -> None:
+        if self.round_open:
+            raise CommError(f"{self.name}: {what} while a round of registered buckets is open (bucket {self._due} "
+                            "not submitted yet) would take a different place among them on each rank")
+        if not t.is_contiguous():
+            raise CommError(f"{self.name}: {what} needs contiguous tensors, got strides {t.stride()}")
+
+    def _post_op(self, handle: OpHandle) -> OpHandle:
+        assert handle.tensor is not None
+        if not handle.tensor.is_cpu:
+            handle.ready = ready_event(handle.tensor)
+            handle.stream = torch.cuda.current_stream(handle.tensor.device)
+        self._inflight.append(handle)
+        if self._thread:
+            self._start_worker()
+            self._queue.put(handle)
+        else:
+            self._execute_op(handle)
+        return handle
+
     # -- completion ----------------------------------------------------------------------------------
-    def wait(self, handle: Handle, what: str | None = None) -> None:
-        """Block until `handle`'s bucket is reduced and its tensors hold the result (idempotent).
-        Raises ReduceError where the worker failed it; a stall warns ("<name> rank R: still waiting after
-        Ns for <what>", by default naming the bucket) and ends the job as the policy says."""
+    def wait(self, handle: Handle | OpHandle, what: str | None = None) -> None:
+        """Block until `handle`'s bucket is reduced and its tensors hold the result, or its ordered op is
+        done (idempotent). Raises ReduceError where the worker failed it; a stall warns ("<name> rank R:
+        still waiting after Ns for <what>", by default naming the bucket or op) and ends the job as the
+        policy says."""
         if handle.finished:
+            return
+        if isinstance(handle, OpHandle):
+            self._wait_op(handle, what or handle.what)
             return
         if self._held.get(handle.bucket.index) is handle:
             raise CommError(f"{self.name}: bucket {handle.bucket.index} waits for bucket {self._due} to be "
@@ -243,9 +368,7 @@ class Reducer:
                     req.wait()
             handle.done.set()
         else:
-            nap = min(1.0, self.stall.warn_after / 4)  # blocks on the Event: woken as soon as it is set
-            wait_until(lambda: handle.done.wait(nap), what, self.stall, who=f"{self.name} rank {self.comm.rank}",
-                       abort=self.comm.abort)
+            self._wait_done(handle.done, what)
         if handle in self._inflight:
             self._inflight.remove(handle)
         if handle.error is not None:
@@ -254,8 +377,22 @@ class Reducer:
             copy_from_flat(handle.bucket.flat, handle.bucket.tensors)
         handle.finished = True
 
+    def _wait_done(self, done: threading.Event, what: str) -> None:
+        nap = min(1.0, self.stall.warn_after / 4)  # blocks on the Event: woken as soon as it is set
+        wait_until(lambda: done.wait(nap), what, self.stall, who=f"{self.name} rank {self.comm.rank}",
+                   abort=self.comm.abort)
+
+    def _wait_op(self, handle: OpHandle, what: str) -> None:
+        self._wait_done(handle.done, what)
+        if handle in self._inflight:
+            self._inflight.remove(handle)
+        if handle.error is not None:
+            raise ReduceError(f"{what} failed on rank {self.comm.rank}: {handle.error!r}") from handle.error
+        handle.finished = True
+
     def wait_all(self) -> None:
-        """Complete every posted bucket, in order (buckets still held are an error: a round was left open)."""
+        """Complete every posted bucket and ordered op, in order (buckets still held are an error: a round
+        was left open)."""
         if self._held:
             raise CommError(f"{self.name}: buckets {sorted(self._held)} are held for bucket {self._due}, "
                             "which was never submitted")
@@ -278,11 +415,9 @@ class Reducer:
     def _post(self, handle: Handle) -> None:
         self._inflight.append(handle)
         if self._thread:
-            if self._worker is None:
-                self._worker = threading.Thread(target=self._run, name=f"mpitrain-{self.name}", daemon=True)
-                self._worker.start()
+            self._start_worker()
             self._queue.put(handle)
-        elif not self.policy.ring:
+        elif self.policy.kind == "flat":
             try:
                 handle.request = self.comm.iallreduce(handle.bucket.flat, self.policy.op)
             except BaseException:  # refused before any message (the caller's thread): raised at submit
@@ -291,9 +426,49 @@ class Reducer:
         else:
             self._execute(handle)
 
+    def _start_worker(self) -> None:
+        if self._worker is None:
+            self._worker = threading.Thread(target=self._run, name=f"mpitrain-{self.name}", daemon=True)
+            self._worker.start()
+
     def _run(self) -> None:
         while (handle := self._queue.get()) is not None:
-            self._execute(handle)
+            if isinstance(handle, OpHandle):
+                self._execute_op(handle)
+            else:
+                self._execute(handle)
+        # (`handle` of the last op stays referenced here until the next one: ops let go of their inputs)
+
+    def _execute_op(self, handle: OpHandle) -> None:
+        """Run one ordered op on this thread (the worker, or the caller without one)."""
+        t = handle.tensor
+        assert t is not None
+        try:
+            if self._error is not None:
+                raise ReduceError("an earlier reduction failed") from self._error
+            with after(t, handle.ready), (handle.around() if handle.around else nullcontext()):
+                t0 = time.perf_counter()
+                if handle.kind == "allreduce":
+                    self._allreduce(t, handle.feedback, lambda: handle.what)
+                    handle.result = t
+                else:
+                    with watched(self.name, lambda: handle.what, self.stall.warn_after, self.stall.abort_after,
+                                 self.comm.abort):
+                        if handle.kind == "reduce_scatter":
+                            handle.result = self.comm.reduce_scatter(t, self.policy.op)[0]
+                            if handle.stream is not None:  # made on the side stream, used on the caller's:
+                                handle.result.record_stream(handle.stream)  # its memory waits for that too
+                        else:
+                            handle.result = self.comm.allgather(t, out=handle.out)
+                self.stats["comm_s"] = self.stats.get("comm_s", 0.0) + time.perf_counter() - t0
+        except BaseException as e:  # handed to the waiting thread, which re-raises it
+            self._error = self._error or e
+            handle.error = e
+        finally:
+            if handle.kind == "reduce_scatter":
+                handle.tensor = None  # the rows are freed now (ZeRO: at most one reduce buffer in flight)
+            del t
+            handle.done.set()
 
     def _execute(self, handle: Handle) -> None:
         """Reduce one bucket on this thread (the worker, or the caller of a ring without one)."""
@@ -322,6 +497,9 @@ class Reducer:
         if self.policy.ring:
             self._ring(flat, feedback)
             return
+        if self.policy.kind == "hierarchical":
+            self._hierarchical(flat, what)
+            return
         with watched(self.name, what, self.stall.warn_after, self.stall.abort_after, self.comm.abort):
             self.comm.allreduce(flat, self.policy.op)
 
@@ -336,6 +514,14 @@ class Reducer:
             ring_allreduce(self.comm, host, self._codec, self.policy.op, self.policy.chunk_bytes, residual,
                            self.stall.warn_after, stats=self.stats)
 
+    def _hierarchical(self, flat: torch.Tensor, what: Callable[[], str]) -> None:
+        """Policy "hierarchical": the backend's host hierarchy on `flat` whatever its size (a device buffer
+        through a host mirror: the hierarchy's stages work on host memory)."""
+        backend = _hierarchy_backend(self.comm, self.name)
+        with self._on_host(flat) as host, watched(self.name, what, self.stall.warn_after, self.stall.abort_after,
+                                                  self.comm.abort):
+            backend.hierarchical_allreduce(host, self.policy.op)
+
     @contextmanager
     def _on_host(self, flat: torch.Tensor) -> Iterator[torch.Tensor]:
         if flat.is_cpu:
@@ -346,3 +532,17 @@ class Reducer:
         host = self._staging.to_host(flat)
         yield host
         self._staging.back(flat, host)
+
+
+def _hierarchy_backend(comm: Communicator, name: str) -> MPICommunicator:
+    """The MPI backend under `comm`'s layers, which holds the host hierarchy (CommError for another backend)."""
+    backend = backend_of(comm)
+    if backend.backend != "mpi":
+        raise CommError(f"{name}: policy 'hierarchical' is the MPI backend's host hierarchy; this communicator's "
+                        f"backend is {backend.backend!r} (use 'flat')")
+    # imported here, not at the top: importing the MPI backend initialises MPI, which a torch-backend job
+    # of this module must not pay; here the backend is already MPI's
+    from ._mpi import MPICommunicator
+
+    assert isinstance(backend, MPICommunicator)
+    return backend

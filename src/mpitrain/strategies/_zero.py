@@ -21,9 +21,11 @@ kept. Stepping pieces equals stepping whole parameters only for element-wise opt
   (:meth:`Zero.gather`, :meth:`Zero.release`): their storage is resized to zero in between, so what
   autograd saved comes back with the next gather. :class:`ModuleGathers` drives this from module hooks.
 
-Collectives run in one order on every rank on a private duplicate of the communicator, queued to one
-communication thread of an :class:`~mpitrain.engine.Engine` (a waiting caller runs queued ones itself),
-so a gather or a reduce-scatter overlaps the caller's compute.
+Collectives run in one order on every rank on a private duplicate of the communicator, posted as the
+ordered ops of one :class:`~mpitrain.comm.reducer.Reducer` (policy flat, sum: gradients are pre-scaled)
+with its one worker thread: stage-1 allreduces, stage-2/3 reduce-scatters, allgathers, in the order the
+methods below are called (FIFO), so a gather or a reduce-scatter overlaps the caller's compute. Every
+wait is the reducer's (the stall policy's way out; a failure on the worker is a ReduceError).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from .._utils.flat import spans, views
 from .._utils.malloc import lower_mmap_threshold, release_free_memory
 from .._utils.stall import DEFAULT_POLICY, StallPolicy
 from ..comm.base import Communicator
-from ..engine import Engine, Var
+from ..comm.reducer import OpHandle, ReducePolicy, Reducer
 
 __all__ = ["Zero", "FlatShard", "Piece", "ModuleGathers", "ELEMENTWISE", "STAGES", "check_stage",
            "check_optimizer", "storage_bytes", "module_units", "release_freed_memory"]
@@ -235,9 +237,10 @@ class Zero:
     a partition's replicas for a pipeline).
 
     Construction is collective (it splits a private communicator). Every method that communicates is
-    collective over `comm` and must be called in the same order on every rank; each queues its
-    collectives in that order (one communication thread). Waits end the job's patience after
-    ``stall.abort_after`` seconds (an EngineError names what is pending)."""
+    collective over `comm` and must be called in the same order on every rank; each posts its
+    collectives in that order to the reducer's one worker thread. A wait warns after
+    ``stall.warn_after`` seconds naming the bucket and op, and ends the job after ``stall.abort_after``;
+    a collective that failed on the worker raises :class:`~mpitrain.comm.reducer.ReduceError`."""
 
     def __init__(self, buckets: Sequence[Sequence[nn.Parameter]], comm: Communicator, stage: int,
                  stall: StallPolicy = DEFAULT_POLICY, name: str = "zero") -> None:
@@ -250,11 +253,9 @@ class Zero:
         self._comm = private  # our collectives never interleave with the caller's on `comm`
         self.shards = [FlatShard(i, ps, comm.size, comm.rank, stage) for i, ps in enumerate(buckets)]
         self.slot = {p: (s, i) for s in self.shards for i, p in enumerate(s.params)}
-        self._engine = Engine({"comm": 1}, warn_after=stall.warn_after)
-        self._order = Var(f"{name}.order")
-        self._vars = [Var(f"{name}.b{s.index}") for s in self.shards]
-        self._reduced: dict[int, torch.Tensor] = {}  # written by the communication thread
-        self._reducing: list[FlatShard] = []          # reductions queued, in order
+        self._reducer = Reducer(private, ReducePolicy("flat", op="sum"), stall, thread=True, name=name)
+        self._posted: dict[int, list[OpHandle]] = {}  # per bucket: its ops posted, not yet waited, in order
+        self._reducing: list[tuple[FlatShard, OpHandle]] = []  # reductions posted, in order
         self._inflight: set[int] = set()  # stage 3: gathers queued, not yet waited for
         self._hooked: list[torch.optim.Optimizer] = []
         self._closed = False
@@ -315,7 +316,7 @@ class Zero:
     def gather_all(self) -> None:
         """Collective: every bucket's blocks allgathered in place (below stage 3, after a step)."""
         for s in self.shards:
-            self._run(s, functools.partial(self._comm.allgather, s.shard, out=s.flat), "allgather")
+            self._post(s, functools.partial(self._reducer.post_allgather, s.shard, s.flat), "allgather")
         for s in self.shards:
             self._wait(s)
 
@@ -336,33 +337,29 @@ class Zero:
         return True
 
     def reduce(self, s: FlatShard) -> None:
-        """Queue the reduce-scatter (sum) of `s`'s buffer (zeros where no gradient was taken); the
-        buffer is released when it is done."""
+        """Post the reduce-scatter (sum) of `s`'s buffer (zeros where no gradient was taken); the buffer
+        is released when the collective has run (the reducer lets go of it)."""
         if s.buffer is None:
             s.buffer = torch.zeros(s.size * s.row, dtype=s.flat.dtype, device=s.flat.device)
-        box = [s.buffer]
-        s.buffer = None
-        self._queue(s)
-
-        def run() -> None:
-            self._reduced[s.index] = self._comm.reduce_scatter(box.pop().view(s.size, s.row), "sum")[0]
-        self._run(s, run, "reduce-scatter")
+        rows, s.buffer = s.buffer.view(s.size, s.row), None
+        self._reducing.append((s, self._post(s, functools.partial(self._reducer.post_reduce_scatter, rows),
+                                             "reduce-scatter")))
+        del rows  # the reducer holds the buffer now, and drops it once reduce-scattered
 
     def allreduce(self, s: FlatShard, buffer: torch.Tensor) -> None:
-        """Stage 1: queue the allreduce (sum, in place) of `s`'s whole gradients in `buffer`."""
-        self._queue(s)
-        self._run(s, functools.partial(self._comm.allreduce, buffer, "sum"), "allreduce")
-
-    def _queue(self, s: FlatShard) -> None:
-        self._reducing.append(s)
+        """Stage 1: post the allreduce (sum, in place) of `s`'s whole gradients in `buffer`."""
+        self._reducing.append((s, self._post(s, functools.partial(self._reducer.post_allreduce, buffer),
+                                             "allreduce")))
 
     def finish_reduce(self) -> None:
-        """Wait for the queued reductions; reduce-scattered blocks become the pieces' gradients."""
+        """Wait for the posted reductions; reduce-scattered blocks become the pieces' gradients."""
         reducing, self._reducing = self._reducing, []
-        for s in reducing:
+        for s, handle in reducing:
             self._wait(s)
-            if s.index in self._reduced:
-                s.apply(self._reduced.pop(s.index))
+            if handle.kind == "reduce_scatter":
+                assert handle.result is not None
+                s.apply(handle.result)
+                handle.result = None
 
     def drop_state(self, optimizer: torch.optim.Optimizer) -> None:
         """Training is over (``trained_model``): free the optimizer's state, its pieces and the gradient
@@ -404,17 +401,15 @@ class Zero:
 
     # -- parameters (stage 3) -----------------------------------------------------------------------------
     def gather(self, s: FlatShard) -> None:
-        """Queue the allgather that makes `s`'s parameters whole (nothing if they are, or it is queued)."""
+        """Post the allgather that makes `s`'s parameters whole (nothing if they are, or it is posted)."""
         if s.gathered:
             return
         s.allocate()
         self._inflight.add(s.index)
-
-        def run() -> None:
-            # MPI writes the memory directly; the counter stays what autograd saved with the parameters
-            with torch.autograd._unsafe_preserve_version_counter(s.flat):
-                self._comm.allgather(s.shard, out=s.flat)
-        self._run(s, run, "gather")
+        # MPI writes the memory directly; the counter stays what autograd saved with the parameters
+        keep_version = functools.partial(torch.autograd._unsafe_preserve_version_counter, s.flat)
+        self._post(s, functools.partial(self._reducer.post_allgather, s.shard, s.flat, around=keep_version),
+                   "gather")
 
     def ready(self, s: FlatShard) -> None:
         """`s`'s parameters whole on return (waits for its gather)."""
@@ -433,13 +428,17 @@ class Zero:
         for s in self.shards:
             self.release(s)
 
-    # -- engine -------------------------------------------------------------------------------------------
-    def _run(self, s: FlatShard, fn: Callable[[], object], what: str) -> None:
-        self._engine.push(fn, mutates=[self._vars[s.index], self._order], pool="comm",
-                          name=f"{self.name}.b{s.index} {what}")
+    # -- the reducer's ordered ops ------------------------------------------------------------------------
+    def _post(self, s: FlatShard, post: Callable[..., OpHandle], what: str) -> OpHandle:
+        """Post one op of bucket `s` (`post(what=...)`: a Reducer.post_* method, its tensors bound)."""
+        handle = post(what=f"{self.name}.b{s.index} {what} ({s.flat.numel()} elements)")
+        self._posted.setdefault(s.index, []).append(handle)
+        return handle
 
     def _wait(self, s: FlatShard) -> None:
-        self._engine.wait(self._vars[s.index], timeout=self.stall.abort_after, help="comm")
+        """Every op posted for bucket `s` so far is done (in posting order)."""
+        for handle in self._posted.pop(s.index, []):
+            self._reducer.wait(handle)
 
     def close(self) -> None:
         """Stage 3: gather every parameter for good (the model becomes a plain module). Stops the
@@ -453,7 +452,7 @@ class Zero:
                 # the block is in `flat` now: its own copy (and the pieces viewing it) go
                 s.shard = s.flat[s.lo:s.lo + s.block]
                 s.piece_params = [nn.Parameter(s.shard[c.offset:c.offset + c.stop - c.start]) for c in s.pieces]
-        self._engine.close()
+        self._reducer.close()
         self._comm.free()
 
 
