@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -218,17 +219,7 @@ def test_a_failed_reduction_on_the_worker_raises_reduce_error_in_wait_and_every_
     bad = red.register([torch.zeros(4)])
     bad.flat = torch.zeros(4, 2)[:, 0]  # not contiguous: the backend refuses it locally on every rank
     ok_bucket = red.register([torch.zeros(4)])
-    first, second = red.submit(bad), red.submit(ok_bucket)
-    raised = []
-    for h in (first, second):
-        try:
-            red.wait(h)
-            raised.append(False)
-        except ReduceError:
-            raised.append(True)
-    red.close()
-    red.comm.free()
-    assert_all_ranks(comm, raised == [True, True], f"raised {raised}")
+    _assert_each_wait_raises(comm, red, [red.submit(bad), red.submit(ok_bucket)])
 
 
 def test_a_rank_that_never_submits_makes_the_waiting_rank_warn_then_end_the_job_naming_the_bucket():
@@ -385,16 +376,7 @@ def test_a_failed_ordered_op_on_the_worker_raises_reduce_error_in_its_wait_and_e
     red = Reducer(comm.split(0), ReducePolicy("flat", op="avg"), thread=True)
     bad = red.post_reduce_scatter(torch.zeros(comm.size, 3, dtype=torch.int64))  # avg of integers: refused
     later = red.post_allgather(torch.zeros(2), torch.zeros(2 * comm.size))
-    raised = []
-    for h in (bad, later):
-        try:
-            red.wait(h)
-            raised.append(False)
-        except ReduceError:
-            raised.append(True)
-    red.close()
-    red.comm.free()
-    assert_all_ranks(comm, raised == [True, True], f"raised {raised}")
+    _assert_each_wait_raises(comm, red, [bad, later])
 
 
 def test_a_rank_that_never_posts_its_ordered_op_makes_the_waiting_rank_warn_then_end_the_job():
@@ -499,3 +481,18 @@ def test_hierarchical_policy_is_refused_without_the_mpi_backend_and_needs_no_flo
     red.comm.free()
     ok = torch.equal(t, torch.full((6,), sum(r + 1 for r in range(comm.size)), dtype=torch.int32))
     assert_all_ranks(comm, refused and ok, f"refused {refused} equal {ok}")
+
+
+def _assert_each_wait_raises(comm: Any, red: Reducer, handles: list[Any]) -> None:
+    """Every handle's wait raises ReduceError (the first failure and each later one), on every rank;
+    then the reducer and its communicator are closed."""
+    raised = []
+    for h in handles:
+        try:
+            red.wait(h)
+            raised.append(False)
+        except ReduceError:
+            raised.append(True)
+    red.close()
+    red.comm.free()
+    assert_all_ranks(comm, all(raised), f"raised {raised}")

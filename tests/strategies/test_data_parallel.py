@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterable
+from typing import Any
 
 import pytest
 import torch
@@ -104,13 +106,7 @@ def test_training_equals_one_process_on_concatenated_batch(comm, kvstore, opt):
     dp = DataParallel(replica, kvstore=kvstore, overlap=opt == "sgd", **SMALL)  # both push modes
     assert_all_ranks(comm, len(dp.buckets) >= 3, f"expected several buckets, got {dp.buckets}")
     o, ro = optimizer_for(opt)(dp.parameters()), optimizer_for(opt)(ref.parameters())
-    for x, y in batches(comm.size, STEPS):
-        o.zero_grad()
-        F.cross_entropy(dp(my_slice(x, comm)), my_slice(y, comm)).backward()
-        o.step()
-        ro.zero_grad()
-        F.cross_entropy(ref(x), y).backward()
-        ro.step()
+    _train_side_by_side(comm, dp, ref, o, ro, batches(comm.size, STEPS))
     dp.close()
     assert_same_params(comm, replica, ref, f"{kvstore}/{opt}")
 
@@ -204,13 +200,7 @@ def test_parameter_server_kvstore_trains_like_one_process(comm):
             replica = rank0_copy(ref, workers)
             dp = DataParallel(replica, kvstore=kv, comm=workers, **SMALL)
             o, ro = optimizer_for("sgd")(dp.parameters()), optimizer_for("sgd")(ref.parameters())
-            for x, y in batches(workers.size, STEPS, seed=11):
-                o.zero_grad()
-                F.cross_entropy(dp(my_slice(x, workers)), my_slice(y, workers)).backward()
-                o.step()
-                ro.zero_grad()
-                F.cross_entropy(ref(x), y).backward()
-                ro.step()
+            _train_side_by_side(workers, dp, ref, o, ro, batches(workers.size, STEPS, seed=11))
             dp.close()
             err = max_param_diff(replica, ref)
         finally:
@@ -400,14 +390,7 @@ def test_dist_sync_mpi_reduces_the_declared_buckets_with_no_negotiation_float64(
     dp = DataParallel(replica, **SMALL)  # kvstore="dist_sync_mpi", the default
     o = torch.optim.SGD(dp.parameters(), lr=0.1, momentum=0.9)
     ro = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-    for x, y in batches(comm.size, STEPS, seed=3):
-        x = x.double()
-        o.zero_grad()
-        F.cross_entropy(dp(my_slice(x, comm)), my_slice(y, comm)).backward()
-        o.step()
-        ro.zero_grad()
-        F.cross_entropy(ref(x), y).backward()
-        ro.step()
+    _train_side_by_side(comm, dp, ref, o, ro, [(x.double(), y) for x, y in batches(comm.size, STEPS, seed=3)])
     declared, cycles, buckets = dp.kv._declared is not None, dp.kv.cycles, len(dp.buckets)
     dp.close()
     assert_all_ranks(comm, declared and cycles == 0 and buckets >= 3,
@@ -432,3 +415,15 @@ def test_a_store_object_declared_twice_is_refused_on_every_rank_before_gradients
     kv.close()
     assert_all_ranks(comm, "KVStoreError" in msg and "already" in msg and f"rank {comm.size - 1}" in msg,
                      f"got {msg!r}")
+
+
+def _train_side_by_side(comm: Any, dp: DataParallel, ref: nn.Module, o: torch.optim.Optimizer,
+                        ro: torch.optim.Optimizer, data: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Step `dp` on this rank's slice of each batch and `ref` on the whole batch (cross-entropy)."""
+    for x, y in data:
+        o.zero_grad()
+        F.cross_entropy(dp(my_slice(x, comm)), my_slice(y, comm)).backward()
+        o.step()
+        ro.zero_grad()
+        F.cross_entropy(ref(x), y).backward()
+        ro.step()
