@@ -146,7 +146,8 @@ class CoordinatorStore(AllreduceStore):
         if any(s != everyone[0][1] for _, s in everyone):
             lines = "; ".join(f"rank {r}: {s}" for r, (_, s) in enumerate(everyone))
             raise KVStoreError(f"declare_order: workers declared different keys/order/shapes/dtypes: {lines}")
-        self._declared = _Declared(split_private(self._ctl), list(keys), list(values), self._policy, self._codec)
+        # split from the store's communicator, not from _ctl: the torch backend splits only the world
+        self._declared = _Declared(split_private(self._world), list(keys), list(values), self._policy, self._codec)
 
     def _declaration(self, keys: Sequence[Key], values: Sequence[torch.Tensor]
                      ) -> tuple[str | None, list[tuple[Key, tuple[int, ...], str]]]:
