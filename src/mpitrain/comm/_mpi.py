@@ -155,12 +155,8 @@ class MPICommunicator(Communicator):
         self._check(t, "t", op)
         if not t.is_cpu:
             raise CommError(f"hierarchical_allreduce works on host memory, got a tensor on {t.device}")
-        if not t.numel() or self._size == 1:
-            return t
         work = t.to(_WIDE[t.dtype]) if widened(t) else t
-        self.hierarchy().allreduce(_buf(work), work, _op(op, t.dtype), op in ("sum", "avg"))
-        if op == "avg":
-            work.div_(self._size)
+        self._allreduce_inplace(work, op, hierarchy=True)
         if work is not t:
             t.copy_(work)  # one rounding, as allreduce's
         return t
@@ -187,12 +183,14 @@ class MPICommunicator(Communicator):
         self.iallreduce(t, op).wait()  # through a float32 copy, copied back into t
         return t
 
-    def _allreduce_inplace(self, t: torch.Tensor, op: str) -> torch.Tensor:
-        """The direct allreduce of a checked `t` (see :meth:`allreduce`)."""
-        hier = self.hierarchy_for(t) if t.numel() and self._size > 1 else None
+    def _allreduce_inplace(self, t: torch.Tensor, op: str, hierarchy: bool = False) -> torch.Tensor:
+        """The direct allreduce of a checked `t` (see :meth:`allreduce`); through the host hierarchy where
+        :meth:`hierarchy_for` picks it, or always with `hierarchy` (:meth:`hierarchical_allreduce`)."""
+        busy = bool(t.numel()) and self._size > 1
+        hier = (self.hierarchy() if hierarchy else self.hierarchy_for(t)) if busy else None
         if hier is not None:
             hier.allreduce(_buf(t), t, _op(op, t.dtype), op in ("sum", "avg"))
-        elif t.numel() and self._size > 1:
+        elif busy:
             for piece in pieces(t):
                 self._comm.Allreduce(MPI.IN_PLACE, _buf(piece), op=_op(op, t.dtype))
         if op == "avg":

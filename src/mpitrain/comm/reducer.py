@@ -209,8 +209,8 @@ class Reducer:
         self._queue: queue.Queue[Handle | OpHandle | None] = queue.Queue()
         self._worker: threading.Thread | None = None
         self._error: BaseException | None = None
-        if self.policy.kind == "hierarchical":
-            _hierarchy_backend(comm, name)  # refused here, on every rank alike, not at the first bucket
+        # refused here, on every rank alike, not at the first bucket; found once, not per bucket
+        self._hierarchy = _hierarchy_backend(comm, name) if self.policy.kind == "hierarchical" else None
 
     # -- registration and submission ---------------------------------------------------------------
     def register(self, tensors: Sequence[torch.Tensor], *, feedback: Hashable = None) -> Bucket:
@@ -343,7 +343,7 @@ class Reducer:
             self._start_worker()
             self._queue.put(handle)
         else:
-            self._execute_op(handle)
+            self._execute(handle)
         return handle
 
     # -- completion ----------------------------------------------------------------------------------
@@ -354,41 +354,35 @@ class Reducer:
         policy says."""
         if handle.finished:
             return
+        request = None
         if isinstance(handle, OpHandle):
-            self._wait_op(handle, what or handle.what)
-            return
-        if self._held.get(handle.bucket.index) is handle:
-            raise CommError(f"{self.name}: bucket {handle.bucket.index} waits for bucket {self._due} to be "
-                            "submitted first (registration order)")
-        what = what or f"the reduction of bucket {handle.bucket.index} ({handle.bucket.numel} elements)"
-        if handle.request is not None:
-            req = handle.request
-            if not req.test():
-                with watched(self.name, what, self.stall.warn_after, self.stall.abort_after, self.comm.abort):
-                    req.wait()
+            what = what or handle.what
+        else:
+            if self._held.get(handle.bucket.index) is handle:
+                raise CommError(f"{self.name}: bucket {handle.bucket.index} waits for bucket {self._due} to be "
+                                "submitted first (registration order)")
+            what = what or f"the reduction of bucket {handle.bucket.index} ({handle.bucket.numel} elements)"
+            request = handle.request
+        if request is not None:
+            if not request.test():
+                with self._watched(what):
+                    request.wait()
             handle.done.set()
         else:
-            self._wait_done(handle.done, what)
+            nap = min(1.0, self.stall.warn_after / 4)  # blocks on the Event: woken as soon as it is set
+            wait_until(lambda: handle.done.wait(nap), what, self.stall, who=f"{self.name} rank {self.comm.rank}",
+                       abort=self.comm.abort)
         if handle in self._inflight:
             self._inflight.remove(handle)
         if handle.error is not None:
             raise ReduceError(f"{what} failed on rank {self.comm.rank}: {handle.error!r}") from handle.error
-        if not handle.bucket.in_place and handle.request is not None:
+        if isinstance(handle, Handle) and request is not None and not handle.bucket.in_place:
             copy_from_flat(handle.bucket.flat, handle.bucket.tensors)
         handle.finished = True
 
-    def _wait_done(self, done: threading.Event, what: str) -> None:
-        nap = min(1.0, self.stall.warn_after / 4)  # blocks on the Event: woken as soon as it is set
-        wait_until(lambda: done.wait(nap), what, self.stall, who=f"{self.name} rank {self.comm.rank}",
-                   abort=self.comm.abort)
-
-    def _wait_op(self, handle: OpHandle, what: str) -> None:
-        self._wait_done(handle.done, what)
-        if handle in self._inflight:
-            self._inflight.remove(handle)
-        if handle.error is not None:
-            raise ReduceError(f"{what} failed on rank {self.comm.rank}: {handle.error!r}") from handle.error
-        handle.finished = True
+    def _watched(self, what: str | Callable[[], str]) -> AbstractContextManager[None]:
+        """A blocking collective or wait on this thread under the stall policy, `what` naming it."""
+        return watched(self.name, what, self.stall.warn_after, self.stall.abort_after, self.comm.abort)
 
     def wait_all(self) -> None:
         """Complete every posted bucket and ordered op, in order (buckets still held are an error: a round
@@ -433,63 +427,61 @@ class Reducer:
 
     def _run(self) -> None:
         while (handle := self._queue.get()) is not None:
-            if isinstance(handle, OpHandle):
-                self._execute_op(handle)
-            else:
-                self._execute(handle)
+            self._execute(handle)
         # (`handle` of the last op stays referenced here until the next one: ops let go of their inputs)
 
-    def _execute_op(self, handle: OpHandle) -> None:
-        """Run one ordered op on this thread (the worker, or the caller without one)."""
-        t = handle.tensor
-        assert t is not None
+    def _execute(self, handle: Handle | OpHandle) -> None:
+        """Run a bucket's reduction or an ordered op on this thread (the worker, or the caller without one)
+        and mark `handle` done. Refused after an earlier failure; a failure is kept on `handle` (and as the
+        reducer's first) for the waiting thread to re-raise."""
         try:
             if self._error is not None:
                 raise ReduceError("an earlier reduction failed") from self._error
-            with after(t, handle.ready), (handle.around() if handle.around else nullcontext()):
-                t0 = time.perf_counter()
-                if handle.kind == "allreduce":
-                    self._allreduce(t, handle.feedback, lambda: handle.what)
-                    handle.result = t
-                else:
-                    with watched(self.name, lambda: handle.what, self.stall.warn_after, self.stall.abort_after,
-                                 self.comm.abort):
-                        if handle.kind == "reduce_scatter":
-                            handle.result = self.comm.reduce_scatter(t, self.policy.op)[0]
-                            if handle.stream is not None:  # made on the side stream, used on the caller's:
-                                handle.result.record_stream(handle.stream)  # its memory waits for that too
-                        else:
-                            handle.result = self.comm.allgather(t, out=handle.out)
-                self.stats["comm_s"] = self.stats.get("comm_s", 0.0) + time.perf_counter() - t0
+            if isinstance(handle, OpHandle):
+                self._run_op(handle)
+            else:
+                self._reduce_bucket(handle)
         except BaseException as e:  # handed to the waiting thread, which re-raises it
             self._error = self._error or e
             handle.error = e
         finally:
-            if handle.kind == "reduce_scatter":
+            if isinstance(handle, OpHandle) and handle.kind == "reduce_scatter":
                 handle.tensor = None  # the rows are freed now (ZeRO: at most one reduce buffer in flight)
-            del t
             handle.done.set()
 
-    def _execute(self, handle: Handle) -> None:
-        """Reduce one bucket on this thread (the worker, or the caller of a ring without one)."""
+    def _run_op(self, handle: OpHandle) -> None:
+        t = handle.tensor
+        assert t is not None
+        with after(t, handle.ready), (handle.around() if handle.around else nullcontext()), self._timed():
+            if handle.kind == "allreduce":
+                self._allreduce(t, handle.feedback, lambda: handle.what)
+                handle.result = t
+                return
+            with self._watched(handle.what):
+                if handle.kind == "reduce_scatter":
+                    handle.result = self.comm.reduce_scatter(t, self.policy.op)[0]
+                    if handle.stream is not None:  # made on the side stream, used on the caller's:
+                        handle.result.record_stream(handle.stream)  # its memory waits for that too
+                else:
+                    handle.result = self.comm.allgather(t, out=handle.out)
+
+    def _reduce_bucket(self, handle: Handle) -> None:
         bucket = handle.bucket
-        try:
-            if self._error is not None:
-                raise ReduceError("an earlier reduction failed") from self._error
-            with (self._around(bucket) if self._around else nullcontext()), after(bucket.flat, handle.ready):
-                t0 = time.perf_counter()
+        with (self._around(bucket) if self._around else nullcontext()), after(bucket.flat, handle.ready):
+            with self._timed():
                 self._allreduce(bucket.flat, feedback=bucket.feedback,
                                 what=lambda: f"the allreduce of bucket {bucket.index}")
-                self.stats["comm_s"] = self.stats.get("comm_s", 0.0) + time.perf_counter() - t0
-                if not bucket.in_place:
-                    copy_from_flat(bucket.flat, bucket.tensors)
-                if self._after_reduce is not None:
-                    self._after_reduce(bucket)
-        except BaseException as e:  # handed to the waiting thread, which re-raises it
-            self._error = self._error or e
-            handle.error = e
-        finally:
-            handle.done.set()
+            if not bucket.in_place:
+                copy_from_flat(bucket.flat, bucket.tensors)
+            if self._after_reduce is not None:
+                self._after_reduce(bucket)
+
+    @contextmanager
+    def _timed(self) -> Iterator[None]:
+        """Adds the seconds of the collective it wraps to ``stats["comm_s"]``."""
+        t0 = time.perf_counter()
+        yield
+        self.stats["comm_s"] = self.stats.get("comm_s", 0.0) + time.perf_counter() - t0
 
     def _allreduce(self, flat: torch.Tensor, feedback: Hashable, what: Callable[[], str]) -> None:
         """Reduce `flat` in place on this thread with the policy: the rings (with `feedback`'s residual),
@@ -497,10 +489,10 @@ class Reducer:
         if self.policy.ring:
             self._ring(flat, feedback)
             return
-        if self.policy.kind == "hierarchical":
+        if self._hierarchy is not None:
             self._hierarchical(flat, what)
             return
-        with watched(self.name, what, self.stall.warn_after, self.stall.abort_after, self.comm.abort):
+        with self._watched(what):
             self.comm.allreduce(flat, self.policy.op)
 
     def _ring(self, flat: torch.Tensor, feedback: Hashable) -> None:
@@ -517,10 +509,9 @@ class Reducer:
     def _hierarchical(self, flat: torch.Tensor, what: Callable[[], str]) -> None:
         """Policy "hierarchical": the backend's host hierarchy on `flat` whatever its size (a device buffer
         through a host mirror: the hierarchy's stages work on host memory)."""
-        backend = _hierarchy_backend(self.comm, self.name)
-        with self._on_host(flat) as host, watched(self.name, what, self.stall.warn_after, self.stall.abort_after,
-                                                  self.comm.abort):
-            backend.hierarchical_allreduce(host, self.policy.op)
+        assert self._hierarchy is not None
+        with self._on_host(flat) as host, self._watched(what):
+            self._hierarchy.hierarchical_allreduce(host, self.policy.op)
 
     @contextmanager
     def _on_host(self, flat: torch.Tensor) -> Iterator[torch.Tensor]:
