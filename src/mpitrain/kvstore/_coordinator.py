@@ -139,13 +139,7 @@ class CoordinatorStore(AllreduceStore):
         ``push``/``pull`` of declared keys, keep the negotiated path."""
         self._check_open()
         error, sig = self._declaration(keys, values)
-        everyone = self._ctl.allgather_object((error, sig))
-        errors = [f"rank {r}: {e}" for r, (e, _) in enumerate(everyone) if e is not None]
-        if errors:
-            raise KVStoreError(f"declare_order: {'; '.join(errors)}")
-        if any(s != everyone[0][1] for _, s in everyone):
-            lines = "; ".join(f"rank {r}: {s}" for r, (_, s) in enumerate(everyone))
-            raise KVStoreError(f"declare_order: workers declared different keys/order/shapes/dtypes: {lines}")
+        self._registry.check_same(sig, "declare_order", error)
         # split from the store's communicator, not from _ctl: the torch backend splits only the world
         self._declared = _Declared(split_private(self._world), list(keys), list(values), self._policy, self._codec)
 
@@ -464,8 +458,9 @@ class _Declared:
 
     def __init__(self, comm: Communicator, keys: list[Key], values: list[torch.Tensor], policy: StallPolicy,
                  codec: Codec | None) -> None:
-        self.comm, self.keys, self.values, self.policy = comm, keys, values, policy
-        self.value_of = dict(zip(keys, values))
+        self.comm, self.policy = comm, policy
+        self.value_of = dict(zip(keys, values))  # in the declared order
+        self.keys = keys
         self.handles: dict[Key, Handle] = {}
         self.reducer, self.buckets = self._build(codec)
 
@@ -474,7 +469,7 @@ class _Declared:
         kind = (ReducePolicy("compressed", op="sum", codec=codec) if codec is not None
                 else ReducePolicy("flat", op="sum"))
         reducer = Reducer(self.comm, kind, self.policy, thread=True, name="kvstore dist_sync_mpi (declared)")
-        buckets = {k: reducer.register([v]) for k, v in zip(self.keys, self.values)}
+        buckets = {k: reducer.register([v]) for k, v in self.value_of.items()}
         return reducer, buckets
 
     def check(self, key: Key, value: Any, out: Any) -> None:

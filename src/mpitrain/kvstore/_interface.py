@@ -121,12 +121,17 @@ class Registry:
         self.ctl = ctl
         self.keys: dict[Key, KeyInfo] = {}
 
-    def check_same(self, sigs: list[Any], what: str) -> None:
-        """Collective, one pickled allgather: every worker raises the same error if `sigs` differ."""
-        everyone = self.ctl.allgather_object(sigs)
-        if any(s != everyone[0] for s in everyone):
-            lines = "; ".join(f"rank {r}: {s}" for r, s in enumerate(everyone))
-            raise KVStoreError(f"{what}: workers passed different keys/shapes/dtypes: {lines}")
+    def check_same(self, sigs: list[Any], what: str, error: str | None = None) -> None:
+        """Collective, one pickled allgather: every worker raises the same error if some worker found its
+        own arguments wrong (`error`, named with its rank) or the workers' `sigs` differ (in content or
+        order)."""
+        everyone = self.ctl.allgather_object((error, sigs))
+        errors = [f"rank {r}: {e}" for r, (e, _) in enumerate(everyone) if e is not None]
+        if errors:
+            raise KVStoreError(f"{what}: {'; '.join(errors)}")
+        if any(s != everyone[0][1] for _, s in everyone):
+            lines = "; ".join(f"rank {r}: {s}" for r, (_, s) in enumerate(everyone))
+            raise KVStoreError(f"{what}: workers passed different keys/shapes/dtypes (or order): {lines}")
 
     def items(self, key: Key | Sequence[Key], value: Any) -> list[tuple[Key, torch.Tensor]]:
         """The (key, first tensor) pairs of an ``init``, checked locally (not yet registered)."""
