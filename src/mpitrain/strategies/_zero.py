@@ -363,7 +363,8 @@ class Zero:
 
     def drop_state(self, optimizer: torch.optim.Optimizer) -> None:
         """Training is over (``trained_model``): free the optimizer's state, its pieces and the gradient
-        blocks before stage 3 gathers the whole parameters for good (:meth:`close`)."""
+        blocks, and return the freed memory to the kernel, before stage 3 gathers the whole parameters for
+        good (:meth:`close`)."""
         optimizer.state.clear()
         for group in optimizer.param_groups:
             group["params"].clear()
@@ -371,6 +372,13 @@ class Zero:
             s.grad = None
             for q in s.piece_params:
                 q.grad = None
+        # Why trim: a rank whose pieces fall just under the mmap threshold (MMAP_FROM) got its optimizer
+        # state from glibc's heap, which keeps freed memory resident (the launcher's 1 GiB trim threshold),
+        # while the gathered buckets below are mapped afresh: that rank's peak was the whole model on top
+        # of its freed state. At 4 ranks on 16 x Linear(2048, 2048) only rank 0's pieces (bias + 1047040
+        # weight elements: 4188160 bytes < 4 MiB) were so: 0.35-0.36 against 0.32 on ranks 1-3
+        # (docs/data-parallel.md, "Memory per rank").
+        release_free_memory()
 
     def attach_full_grads(self) -> None:
         for s in self.shards:
