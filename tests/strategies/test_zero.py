@@ -296,3 +296,47 @@ def test_fit_zero_keeps_parameters_identical_on_every_rank(comm):
         theirs = comm.allgather(t.reshape(1, -1).contiguous())
         assert_all_ranks(comm, bool((theirs == theirs[0]).all()), f"{name} differs between ranks")
 
+
+
+def test_zero3_over_host_staging_keeps_what_autograd_saved_and_equals_one_process(comm):
+    """Stage 3 over the MPI backend's host-staging path (CUDA tensors without CUDA-aware MPI; forced here
+    for CPU tensors): a gather's result is copied into the bucket's flat buffer, a write counted on the
+    buffer's version counter (MPI's direct write is counted nowhere). Backward gathers again the
+    parameters forward saved (a Linear's weight); they view the buffer through ``p.data = view``, which
+    keeps each parameter's own counter, so autograd's saved-tensor check passes without any version
+    handling in ``Zero.gather``: the buffers' counters move, the parameters' do not, and three steps equal
+    one process."""
+    from mpitrain.comm.compose import mpi_communicator
+
+    if comm.backend != "mpi":
+        pytest.skip("host staging is the MPI backend's path")
+    staged = mpi_communicator(comm.mpi_comm, direct=frozenset())
+    g = torch.Generator().manual_seed(2)
+    ref, model = net(), net()
+    dp = DataParallel(model, comm=staged, zero=3, **TINY)
+    opt, ref_opt = dp.shard_optimizer(OPTIMIZERS["adam"](dp.parameters())), OPTIMIZERS["adam"](ref.parameters())
+    flats = [s.flat._version for s in dp.zero.shards]
+    params = [p._version for p in model.parameters()]
+    error = ""
+    for _ in range(3):
+        n = 2 * comm.size + 1
+        x, y = torch.randn(n, 7, generator=g, dtype=torch.float64), torch.randn(n, 5, generator=g, dtype=torch.float64)
+        r = rows(n, comm)
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        try:
+            (F.mse_loss(dp(x[r]), y[r]) * (r.stop - r.start) * comm.size / n).backward()
+        except RuntimeError as e:  # the same on every rank: each gathers the same buckets
+            error = str(e).splitlines()[0]
+            break
+        F.mse_loss(ref(x), y).backward()
+        opt.step()
+        ref_opt.step()
+    assert_all_ranks(comm, not error, f"stage-3 backward over staging: {error}")
+    moved = [s.flat._version - v for s, v in zip(dp.zero.shards, flats)
+             if not any(p is model.unused.weight for p in s.params)]  # no forward gathers that one
+    kept = [p._version - v for p, v in zip(model.parameters(), params)]
+    assert_all_ranks(comm, all(m > 0 for m in moved) and not any(kept),
+                     f"version counters: the buffers' moved by {moved}, the parameters' by {kept}")
+    dp.close()
+    same(comm, model, ref, "zero=3 over staging")

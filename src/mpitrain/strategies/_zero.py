@@ -414,10 +414,13 @@ class Zero:
             return
         s.allocate()
         self._inflight.add(s.index)
-        # MPI writes the memory directly; the counter stays what autograd saved with the parameters
-        keep_version = functools.partial(torch.autograd._unsafe_preserve_version_counter, s.flat)
-        self._post(s, functools.partial(self._reducer.post_allgather, s.shard, s.flat, around=keep_version),
-                   "gather")
+        # No version-counter care is needed: a gather's write can count on `flat`'s counter (the staging
+        # path's copy, the torch backend's collective; MPI's direct write counts nowhere), but the
+        # parameters became views of `flat` through `p.data = view` (FlatShard), which keeps each
+        # parameter's own counter, so what autograd saved of them still checks out in backward (a former
+        # `_unsafe_preserve_version_counter(flat)` here changed nothing: tests/strategies/test_zero.py,
+        # the host-staging test, asserts both counters and one process's result)
+        self._post(s, functools.partial(self._reducer.post_allgather, s.shard, s.flat), "gather")
 
     def ready(self, s: FlatShard) -> None:
         """`s`'s parameters whole on return (waits for its gather)."""
