@@ -219,7 +219,12 @@ class DataParallel(nn.Module):
         scaled); returns the norm. Call it after backward, before the step."""
         if self.zero is not None:
             return self.zero.clip_grad_norm_(max_norm)
-        return float(torch.nn.utils.clip_grad_norm_([p for b in self.buckets for p in b.params], max_norm))
+        return float(self._clip(max_norm))
+
+    def _clip(self, max_norm: float) -> torch.Tensor:
+        """Without ``zero``: clip as :meth:`clip_grad_norm_` and return the norm unread (a tensor on the
+        gradients' device: no wait for it)."""
+        return torch.nn.utils.clip_grad_norm_([p for b in self.buckets for p in b.params], max_norm)
 
     def held_bytes(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
         """Bytes this rank holds for the trainable parameters, their gradients (buckets, ``.grad``, ZeRO's
@@ -551,8 +556,12 @@ class DataTrainer(StepTrainer):
         return local
 
     def clip_grad_norm_(self, max_norm: float) -> None:
-        """Gradients are averaged: every rank clips the same global norm (ZeRO: over the pieces)."""
-        self.dp.clip_grad_norm_(max_norm)
+        """Gradients are averaged: every rank clips the same global norm (ZeRO: over the pieces). The norm
+        is not read back (fit does not use it): on a GPU the step does not wait for it."""
+        if self.dp.zero is None:
+            self.dp._clip(max_norm)
+        else:
+            self.dp.clip_grad_norm_(max_norm)
 
     def _check_passes(self, batches: Sequence[BatchShare]) -> None:
         """zero=3: every rank runs as many forward/backward passes (each gathers every bucket, a
