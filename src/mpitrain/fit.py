@@ -599,7 +599,11 @@ def fit(model: nn.Module, data: Any, loss_fn: LossFn,
     optimizer step; `grad_clip` clips the global gradient norm as ``clip_grad_norm_`` in one process;
     ``precision="bf16"`` runs forward and loss under CPU bf16 autocast. `steps` caps the optimizer steps
     per epoch. Callbacks ``on_step_end(state)`` / ``on_epoch_end(state)`` get a :class:`LoopState`;
-    returning True or raising :class:`StopTraining` ends the run after that step.
+    returning True or raising :class:`StopTraining` ends the run after that step. Without
+    ``on_step_end`` nothing reads a step's loss before the epoch ends: the step losses stay on the
+    device and are summed over the ranks in one message per epoch (and before a checkpoint), so the
+    loop neither sends a message nor waits for the device per step; the history holds the same floats
+    either way, and the progress bar shows the epoch's mean loss when the epoch ends.
 
     ``checkpoint_dir=DIR, checkpoint_every=N`` saves an atomic sharded checkpoint (docs/training-runs.md)
     after every N optimizer steps (counted across epochs) and at the end; ``resume=True`` continues
