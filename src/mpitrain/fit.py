@@ -323,7 +323,7 @@ class _PendingLosses:
 
     def add(self, local: torch.Tensor, total: int) -> bool:
         """Hold one step's `local` sum (a device copy, no wait); True when the buffer is full."""
-        if self.buffer is None or self.buffer.device != local.device:
+        if self.buffer is None:  # on the device of the trainer's losses (copy_ would move another's)
             self.buffer = torch.empty(self.CAPACITY, dtype=torch.float64, device=local.device)
         self.buffer[len(self.totals):len(self.totals) + 1].copy_(local.reshape(1))
         self.totals.append(total)
