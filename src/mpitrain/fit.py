@@ -308,13 +308,16 @@ def _data_signature(s: _Settings) -> dict[str, object]:
 class _PendingLosses:
     """The step losses of a loop without ``on_step_end`` (nothing reads one before the epoch ends): each
     step's local loss sum is copied into a buffer on its device, unread, and one collective
-    (:meth:`StepTrainer.step_losses`) sums them over the ranks at the epoch's end, before a checkpoint,
-    or every :data:`CAPACITY` steps. So the loop sends no message and waits for no device per step (on a
-    GPU the host runs ahead, as a hand-written loop does), and each step's loss is still the same float
+    (:meth:`StepTrainer.step_losses`) sums them over the ranks every :data:`CAPACITY` steps, at the
+    epoch's end and before a checkpoint. So the loop sends no message and waits for no device on the
+    other steps (on a GPU the host runs ahead, as a hand-written loop does), and each step's loss is the same float
     as :meth:`StepTrainer.train_shares` returns: the history does not depend on when they were read."""
 
-    #: steps held at most (8 KiB of float64): a long epoch still reads them in bounded messages
-    CAPACITY = 1024
+    #: steps held at most. Small, so that the progress bar's loss is at most this many steps old; the read
+    #: it costs (one message, and the host waits for the device once) is then spread over 16 steps: on a
+    #: GPU the queue runs dry once per 16 steps, for the time the host takes to queue the next kernels. A
+    #: count of steps, not of seconds, since every rank must read at the same step.
+    CAPACITY = 16
 
     def __init__(self, stepper: StepTrainer) -> None:
         self.stepper = stepper
@@ -362,6 +365,7 @@ class _Loop:
         # on_step_end reads every step's loss (and a strategy without StepTrainer returns it): only then is
         # it summed over the ranks per step. A choice every rank makes alike (not the bar, shown on rank 0).
         self.pending = _PendingLosses(self.stepper) if self.stepper is not None and s.on_step_end is None else None
+        self.shown_loss: float | None = None  # the progress bar's: the latest step loss read
         self.pos = _Position()
         self.history: list[dict[str, Any]] = []
         self.saved_step = -1
@@ -400,10 +404,12 @@ class _Loop:
         return self.trainer.train_step(inputs, targets), samples(inputs, targets)
 
     def _read_losses(self) -> None:
-        """Collective: add the held steps' losses to the epoch's sum, as the steps would have one by one."""
+        """Collective: add the held steps' losses to the epoch's sum, as the steps would have one by one;
+        the latest becomes the progress bar's."""
         if self.pending is not None:
             for loss, n in self.pending.drain():
                 self.pos.loss_sum += loss * n
+                self.shown_loss = loss
 
     # -- the loop -----------------------------------------------------------------------------------------
     def run(self, eval_data: Any, loss_fn: LossFn, metrics: dict[str, Metric]) -> None:
@@ -431,8 +437,7 @@ class _Loop:
                 self._after_step(bar, loss, lr)
             self._read_losses()
             if bar is not None:
-                if self.pending is not None:  # the step losses were not read: the epoch's mean
-                    bar.set_postfix(loss=f"{self.pos.loss_sum / max(self.pos.samples, 1):.4f}", refresh=False)
+                self._show_loss(bar)
                 bar.close()
             if self.stop and s.checkpoint_dir is not None and self.saved_step != self.pos.step:
                 self.checkpoint()  # stopped mid-epoch: a resume continues this epoch where it stopped
@@ -456,15 +461,21 @@ class _Loop:
     def _after_step(self, bar: _Bar | None, loss: float | None, lr: float | None) -> None:
         """The progress bar, ``on_step_end`` (which reads `loss`: never None with it) and the checkpoint due."""
         p, s = self.pos, self.s
+        if loss is not None:
+            self.shown_loss = loss
         if bar is not None:
-            if loss is not None:
-                bar.set_postfix(loss=f"{loss:.4f}", refresh=False)  # update() redraws, at most 10 times a second
+            self._show_loss(bar)
             bar.update(1)
         if s.on_step_end is not None:
             assert loss is not None
             self._callback(s.on_step_end, LoopState(p.epoch + 1, p.step, loss, lr, self.history))
         if s.checkpoint_every and p.step % s.checkpoint_every == 0:
             self.checkpoint()
+
+    def _show_loss(self, bar: _Bar) -> None:
+        """The latest step loss read (held ones are read every :attr:`_PendingLosses.CAPACITY` steps)."""
+        if self.shown_loss is not None:
+            bar.set_postfix(loss=f"{self.shown_loss:.4f}", refresh=False)  # update() redraws, at most 10 a second
 
     def _steps_in_epoch(self) -> int | None:
         s = self.s
@@ -600,10 +611,10 @@ def fit(model: nn.Module, data: Any, loss_fn: LossFn,
     ``precision="bf16"`` runs forward and loss under CPU bf16 autocast. `steps` caps the optimizer steps
     per epoch. Callbacks ``on_step_end(state)`` / ``on_epoch_end(state)`` get a :class:`LoopState`;
     returning True or raising :class:`StopTraining` ends the run after that step. Without
-    ``on_step_end`` nothing reads a step's loss before the epoch ends: the step losses stay on the
-    device and are summed over the ranks in one message per epoch (and before a checkpoint), so the
-    loop neither sends a message nor waits for the device per step; the history holds the same floats
-    either way, and the progress bar shows the epoch's mean loss when the epoch ends.
+    ``on_step_end`` nothing needs a step's loss at once: the step losses stay on the device and are
+    summed over the ranks in one message every 16 steps (and at the epoch's end, before a checkpoint),
+    so the loop sends no message and waits for no device on the other steps; the history holds the same
+    floats either way, and the progress bar shows the latest step loss read.
 
     ``checkpoint_dir=DIR, checkpoint_every=N`` saves an atomic sharded checkpoint (docs/training-runs.md)
     after every N optimizer steps (counted across epochs) and at the end; ``resume=True`` continues

@@ -17,7 +17,7 @@ order of a step is written once (:meth:`StepTrainer.train_shares`):
 6. :meth:`~StepTrainer.step_losses`: one allgather of the ranks' loss sums over :attr:`~StepTrainer.comm`,
    added up correctly rounded and divided by ``total``: the step's mean loss, equal on every rank. Steps
    1-5 alone are :meth:`~StepTrainer.train_shares_local`; fit (without ``on_step_end``) gathers an
-   epoch's step losses in one message, so its loop neither waits for the device nor sends per step.
+   step losses of 16 steps in one message, so its loop neither waits for the device nor sends per step.
 
 A strategy supplies its share of a global batch (:meth:`~StepTrainer.share`), those hooks, and its layout
 (:meth:`~StepTrainer.layout`, :meth:`~StepTrainer.state_dict`, :meth:`~StepTrainer.load_state_dict`:
@@ -108,7 +108,7 @@ class StepTrainer(ABC):
         """Steps 1-5 of :meth:`train_shares`: the same optimizer step, without the loss's message. Returns
         this rank's sum of per-sample losses (float64, one element, on this rank's device) unread, so
         nothing waits for the device here; :meth:`step_losses` sums it over the ranks later, alone or with
-        other steps' (fit reduces an epoch's losses in one message). Collective as the step is."""
+        other steps' (fit reduces 16 steps' losses in one message). Collective as the step is."""
         if self.closed:
             raise RuntimeError(f"this {self.label} trainer is finished (trained_model() closed it)")
         self.begin_step(batches)
