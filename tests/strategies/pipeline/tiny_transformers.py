@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 __all__ = ["TRANSFORMERS", "DROPOUT", "FLOAT32", "NORM_IN_FLOAT32", "ENCODER_DECODER", "SEQUENCE_CLASSIFIERS", "PAD",
-           "LABELS", "build", "lm_batches", "lm_loss", "own_loss"]
+           "LABELS", "build", "encoded", "lm_batches", "lm_loss", "own_loss"]
 
 VOCAB, SEQ = 100, 8
 PAD, LABELS = 0, 3  # the pad token of the classification batches (eos, as HF's examples pad GPT-2); classes
@@ -143,6 +143,13 @@ def lm_batches(n: int, steps: int, seed: int = 0, mask: bool = True, lengths: tu
             inputs["labels"] = targets
         out.append((inputs, targets))
     return out
+
+
+def encoded(batches: list[tuple[dict[str, torch.Tensor], torch.Tensor]]) -> list[tuple[Any, torch.Tensor]]:
+    """The batches with their inputs as a tokenizer returns them (``tokenizer(texts, padding=True,
+    return_tensors="pt")``): a ``BatchEncoding``, a mapping that is not a dict."""
+    batch_encoding = _transformers().BatchEncoding
+    return [(batch_encoding(x), y) for x, y in batches]
 
 
 def lm_loss(out: Any, labels: torch.Tensor) -> torch.Tensor:
