@@ -237,8 +237,8 @@ def compare_held(comm, got, want, what: str) -> None:
 @pytest.mark.mpi
 def test_meta_transformer_in_the_loop_api_trains_and_evaluates_like_one_process(comm):
     """A meta GPT-2 in the user's own loop: AdamW built right after construction (before the set-up
-    materialises anything), default balance="time"; the held weights after 2 steps and pipe.eval's
-    logits on an uneven batch equal one process's."""
+    materialises anything), default balance="time", inputs as a tokenizer's BatchEncoding; the held
+    weights after 2 steps and pipe.eval's logits on an uneven batch equal one process's."""
     model = build("gpt2", meta=True)
     want = build("gpt2", meta=True)
     materialize(want, seed=SEED, init_fn=want._init_weights)
@@ -246,7 +246,7 @@ def test_meta_transformer_in_the_loop_api_trains_and_evaluates_like_one_process(
                              init_fn=model._init_weights)
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(want.parameters(), lr=1e-2)
-    for inputs, labels in lm_batches(4, STEPS, seed=1):
+    for inputs, labels in encoded(lm_batches(4, STEPS, seed=1)):  # captured from a BatchEncoding
         opt.zero_grad()
         pipe.step(inputs, labels, lm_loss)
         opt.step()
