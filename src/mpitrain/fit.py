@@ -21,7 +21,7 @@ from ._utils.deprecation import renamed_options
 from ._utils.stall import StallPolicy
 from .comm.base import Communicator
 from .runtime import world
-from .strategies import NAMED, StepTrainer, samples, slice_share
+from .strategies import NAMED, StepTrainer, plain_inputs, samples, slice_share
 from .strategies.base import (
     Balance,
     Batch,
@@ -141,7 +141,8 @@ def _evaluate(trainer: Trainer, data: Iterable[tuple[Batch, torch.Tensor]], loss
               metrics: dict[str, Metric]) -> dict[str, float]:
     totals: dict[str, float] = {}
     count = 0
-    for inputs, targets in data:
+    for batch_inputs, targets in data:
+        inputs = plain_inputs(batch_inputs)
         outputs = trainer.eval_step(inputs, targets)
         n = samples(inputs, targets)
         with torch.no_grad():
@@ -255,7 +256,7 @@ def _check_first_batch(data: object) -> None:
     list or tuple of batches, before the trainer is built (no message yet). Other iterables cannot be
     peeked without reading them: their batches are checked as they are cut, on every rank alike."""
     if isinstance(data, (list, tuple)) and data and isinstance(data[0], (list, tuple)) and len(data[0]) == 2:
-        samples(*data[0])
+        samples(plain_inputs(data[0][0]), data[0][1])
 
 
 def _settings(data: object, epochs: int, steps: int | None, batch_size: int | None, shuffle: bool, seed: int,
@@ -383,7 +384,8 @@ class _Loop:
             else:
                 yield from read_global(plan, epoch, start)
             return
-        for i, (inputs, targets) in enumerate(skip(self.data, start)):
+        for i, (batch_inputs, targets) in enumerate(skip(self.data, start)):
+            inputs = plain_inputs(batch_inputs)  # a tokenizer's BatchEncoding: its dict
             if i == 0:
                 check_same_first_batch(self.comm, (inputs, targets), epoch)
             if stepper is not None:

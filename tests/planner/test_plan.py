@@ -4,6 +4,7 @@ message, the disk cache, and fit(strategy="auto") against one process training t
 from __future__ import annotations
 
 import copy
+from collections import UserDict
 
 import pytest
 import torch
@@ -32,6 +33,26 @@ def test_every_rank_reaches_the_same_ranked_plans(comm, tmp_path_factory):
     assert_all_ranks(comm, keys == sorted(keys), "not fastest first (up to the tie margin)")
     names = {p.strategy for p in plans}
     assert_all_ranks(comm, "data" in names and (comm.size == 1 or "pipe-sgd" in names), f"{names}")
+
+
+class Keywords(nn.Module):
+    """A model called with keyword arguments, as a Hugging Face model is."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return self.inner(features)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_mapping_that_is_no_dict_plans_as_its_dict(comm):
+    """A tokenizer's BatchEncoding (a UserDict) as the sample batch's inputs: planned as its dict."""
+    (x, y), = mlp_batches(1)
+    plans = plan(Keywords(tiny_mlp().double()), (UserDict(features=x), y), CE, comm=comm, cache=False)
+    names = {p.strategy for p in plans}
+    assert_all_ranks(comm, "data" in names and (comm.size == 1 or "model" in names), f"{names}")
 
 
 @pytest.mark.mpi(min_size=1)

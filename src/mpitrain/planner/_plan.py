@@ -23,6 +23,7 @@ from ..perf.calibrate import (
     measure_network,
 )
 from ..runtime import world
+from ..strategies import plain_inputs
 from ..strategies.base import Batch, LossFn, is_int, is_number
 from ._candidates import STRATEGY_NAMES, Measured, candidates
 from ._measure import measure_plan
@@ -225,6 +226,8 @@ def plan(model: nn.Module, sample_batch: tuple[Batch, torch.Tensor], loss_fn: Lo
     signature) in `cache` (True: ``~/.cache/mpitrain/planner``; False: not cached). Every rank
     returns the same plans in the same order."""
     comm = comm or world()
+    if isinstance(sample_batch, (tuple, list)) and len(sample_batch) == 2:  # a BatchEncoding: its dict, as fit
+        sample_batch = (plain_inputs(sample_batch[0]), sample_batch[1])
     names, limit = _check(model, sample_batch, loss_fn, comm, world_size, memory_limit, strategies)
     W = comm.size if world_size is None else int(world_size)
     key = model_signature(model, sample_batch, W)
