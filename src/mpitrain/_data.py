@@ -18,6 +18,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from .comm.base import Communicator
+from .strategies import plain_inputs
 from .strategies.base import Batch, BatchShare, FitError, Share
 
 __all__ = ["DataPlan", "epoch_order", "global_batches", "batch_count", "is_map_dataset", "read_shares", "read_global",
@@ -79,7 +80,7 @@ def _split_sample(batch: Any) -> tuple[Batch, torch.Tensor]:
         raise FitError("a Dataset for fit must return (inputs, target) or (input_1, ..., input_k, target) per "
                        "index")
     if len(batch) == 2:
-        return batch[0], batch[1]
+        return plain_inputs(batch[0]), batch[1]
     return tuple(batch[:-1]), batch[-1]
 
 

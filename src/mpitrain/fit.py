@@ -21,7 +21,7 @@ from ._utils.deprecation import renamed_options
 from ._utils.stall import StallPolicy
 from .comm.base import Communicator
 from .runtime import world
-from .strategies import NAMED, StepTrainer, samples, slice_share
+from .strategies import NAMED, StepTrainer, plain_inputs, samples, slice_share
 from .strategies.base import (
     Balance,
     Batch,
@@ -141,7 +141,8 @@ def _evaluate(trainer: Trainer, data: Iterable[tuple[Batch, torch.Tensor]], loss
               metrics: dict[str, Metric]) -> dict[str, float]:
     totals: dict[str, float] = {}
     count = 0
-    for inputs, targets in data:
+    for batch_inputs, targets in data:
+        inputs = plain_inputs(batch_inputs)
         outputs = trainer.eval_step(inputs, targets)
         n = samples(inputs, targets)
         with torch.no_grad():
@@ -255,7 +256,7 @@ def _check_first_batch(data: object) -> None:
     list or tuple of batches, before the trainer is built (no message yet). Other iterables cannot be
     peeked without reading them: their batches are checked as they are cut, on every rank alike."""
     if isinstance(data, (list, tuple)) and data and isinstance(data[0], (list, tuple)) and len(data[0]) == 2:
-        samples(*data[0])
+        samples(plain_inputs(data[0][0]), data[0][1])
 
 
 def _settings(data: object, epochs: int, steps: int | None, batch_size: int | None, shuffle: bool, seed: int,
@@ -305,6 +306,45 @@ def _data_signature(s: _Settings) -> dict[str, object]:
             "seed": p.seed, "drop_last": p.drop_last, "accumulate": s.accumulate}
 
 
+class _PendingLosses:
+    """The step losses of a loop without ``on_step_end`` (nothing reads one before the epoch ends): each
+    step's local loss sum is copied into a buffer on its device, unread, and one collective
+    (:meth:`StepTrainer.step_losses`) sums them over the ranks every :data:`CAPACITY` steps, at the
+    epoch's end and before a checkpoint. So the loop sends no message and waits for no device on the
+    other steps (on a GPU the host runs ahead, as a hand-written loop does), and each step's loss is the same float
+    as :meth:`StepTrainer.train_shares` returns: the history does not depend on when they were read."""
+
+    #: steps held at most. Small, so that the progress bar's loss is at most this many steps old; the read
+    #: it costs (one message, and the host waits for the device once) is then spread over 16 steps: on a
+    #: GPU the queue runs dry once per 16 steps, for the time the host takes to queue the next kernels. A
+    #: count of steps, not of seconds, since every rank must read at the same step.
+    CAPACITY = 16
+
+    def __init__(self, stepper: StepTrainer) -> None:
+        self.stepper = stepper
+        self.buffer: torch.Tensor | None = None
+        self.totals: list[int] = []  # each held step's sample count (the same on every rank)
+
+    def add(self, local: torch.Tensor, total: int) -> bool:
+        """Hold one step's `local` sum (a device copy, no wait); True when the buffer is full."""
+        if self.buffer is None:  # on the device of the trainer's losses (copy_ would move another's)
+            self.buffer = torch.empty(self.CAPACITY, dtype=torch.float64, device=local.device)
+        self.buffer[len(self.totals):len(self.totals) + 1].copy_(local.reshape(1))
+        self.totals.append(total)
+        return len(self.totals) == self.CAPACITY
+
+    def drain(self) -> list[tuple[float, int]]:
+        """Collective (one allgather; nothing when no step is held, on every rank alike: the ranks take the
+        same steps): each held step's mean loss and sample count, in order."""
+        if not self.totals:
+            return []
+        assert self.buffer is not None
+        sums = self.stepper.step_losses(self.buffer[:len(self.totals)])
+        out = [(total_loss / n, n) for total_loss, n in zip(sums, self.totals)]
+        self.totals = []
+        return out
+
+
 class _Loop:
     """One fit run: epochs of steps over the data, callbacks, checkpoints. Every rank runs it alike."""
 
@@ -323,6 +363,10 @@ class _Loop:
         self.read_plan: DataPlan | None = s.plan
         if self.stepper is not None and s.plan is not None:
             self.read_plan = replace(s.plan, dataset=self.stepper.rank_view(s.plan.dataset))
+        # on_step_end reads every step's loss (and a strategy without StepTrainer returns it): only then is
+        # it summed over the ranks per step. A choice every rank makes alike (not the bar, shown on rank 0).
+        self.pending = _PendingLosses(self.stepper) if self.stepper is not None and s.on_step_end is None else None
+        self.shown_loss: float | None = None  # the progress bar's: the latest step loss read
         self.pos = _Position()
         self.history: list[dict[str, Any]] = []
         self.saved_step = -1
@@ -340,7 +384,8 @@ class _Loop:
             else:
                 yield from read_global(plan, epoch, start)
             return
-        for i, (inputs, targets) in enumerate(skip(self.data, start)):
+        for i, (batch_inputs, targets) in enumerate(skip(self.data, start)):
+            inputs = plain_inputs(batch_inputs)  # a tokenizer's BatchEncoding: its dict
             if i == 0:
                 check_same_first_batch(self.comm, (inputs, targets), epoch)
             if stepper is not None:
@@ -348,12 +393,25 @@ class _Loop:
             else:
                 yield inputs, targets
 
-    def _step(self, group: list[Any]) -> tuple[float, int]:
+    def _step(self, group: list[Any]) -> tuple[float | None, int]:
+        """One optimizer step: its mean loss (None while :attr:`pending` holds it) and sample count."""
         if self.stepper is not None:
             total = sum(b.n for b in group)
-            return self.stepper.train_shares(group, total), total
+            if self.pending is None:
+                return self.stepper.train_shares(group, total), total
+            if self.pending.add(self.stepper.train_shares_local(group, total), total):
+                self._read_losses()
+            return None, total
         inputs, targets = group[0]
         return self.trainer.train_step(inputs, targets), samples(inputs, targets)
+
+    def _read_losses(self) -> None:
+        """Collective: add the held steps' losses to the epoch's sum, as the steps would have one by one;
+        the latest becomes the progress bar's."""
+        if self.pending is not None:
+            for loss, n in self.pending.drain():
+                self.pos.loss_sum += loss * n
+                self.shown_loss = loss
 
     # -- the loop -----------------------------------------------------------------------------------------
     def run(self, eval_data: Any, loss_fn: LossFn, metrics: dict[str, Metric]) -> None:
@@ -375,14 +433,13 @@ class _Loop:
                     self.scheduler.step()
                 p = self.pos
                 p.batch, p.epoch_steps, p.step = p.batch + len(group), p.epoch_steps + 1, p.step + 1
-                p.loss_sum, p.samples = p.loss_sum + loss * n, p.samples + n
-                if bar is not None:
-                    bar.set_postfix(loss=f"{loss:.4f}", refresh=False)  # update() redraws, at most 10 times a second
-                    bar.update(1)
-                self._callback(s.on_step_end, LoopState(p.epoch + 1, p.step, loss, lr, self.history))
-                if s.checkpoint_every and p.step % s.checkpoint_every == 0:
-                    self.checkpoint()
+                p.samples += n
+                if loss is not None:
+                    p.loss_sum += loss * n
+                self._after_step(bar, loss, lr)
+            self._read_losses()
             if bar is not None:
+                self._show_loss(bar)
                 bar.close()
             if self.stop and s.checkpoint_dir is not None and self.saved_step != self.pos.step:
                 self.checkpoint()  # stopped mid-epoch: a resume continues this epoch where it stopped
@@ -402,6 +459,25 @@ class _Loop:
             self._callback(s.on_epoch_end, LoopState(p.epoch + 1, p.step, record["loss"], lr, self.history))
         if s.checkpoint_dir is not None and self.saved_step != self.pos.step:
             self.checkpoint()
+
+    def _after_step(self, bar: _Bar | None, loss: float | None, lr: float | None) -> None:
+        """The progress bar, ``on_step_end`` (which reads `loss`: never None with it) and the checkpoint due."""
+        p, s = self.pos, self.s
+        if loss is not None:
+            self.shown_loss = loss
+        if bar is not None:
+            self._show_loss(bar)
+            bar.update(1)
+        if s.on_step_end is not None:
+            assert loss is not None
+            self._callback(s.on_step_end, LoopState(p.epoch + 1, p.step, loss, lr, self.history))
+        if s.checkpoint_every and p.step % s.checkpoint_every == 0:
+            self.checkpoint()
+
+    def _show_loss(self, bar: _Bar) -> None:
+        """The latest step loss read (held ones are read every :attr:`_PendingLosses.CAPACITY` steps)."""
+        if self.shown_loss is not None:
+            bar.set_postfix(loss=f"{self.shown_loss:.4f}", refresh=False)  # update() redraws, at most 10 a second
 
     def _steps_in_epoch(self) -> int | None:
         s = self.s
@@ -435,6 +511,7 @@ class _Loop:
     def checkpoint(self) -> None:
         """Collective: save the trainer's shard, this rank's RNG and the loop position (atomically)."""
         assert self.s.checkpoint_dir is not None
+        self._read_losses()  # the position saved holds every step's loss so far
         trainer = self._checkpointer()
         shard = {"trainer": trainer.state_dict(), "rng": checkpoint.rng_state(),
                  "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None}
@@ -535,7 +612,11 @@ def fit(model: nn.Module, data: Any, loss_fn: LossFn,
     optimizer step; `grad_clip` clips the global gradient norm as ``clip_grad_norm_`` in one process;
     ``precision="bf16"`` runs forward and loss under CPU bf16 autocast. `steps` caps the optimizer steps
     per epoch. Callbacks ``on_step_end(state)`` / ``on_epoch_end(state)`` get a :class:`LoopState`;
-    returning True or raising :class:`StopTraining` ends the run after that step.
+    returning True or raising :class:`StopTraining` ends the run after that step. Without
+    ``on_step_end`` nothing needs a step's loss at once: the step losses stay on the device and are
+    summed over the ranks in one message every 16 steps (and at the epoch's end, before a checkpoint),
+    so the loop sends no message and waits for no device on the other steps; the history holds the same
+    floats either way, and the progress bar shows the latest step loss read.
 
     ``checkpoint_dir=DIR, checkpoint_every=N`` saves an atomic sharded checkpoint (docs/training-runs.md)
     after every N optimizer steps (counted across epochs) and at the end; ``resume=True`` continues

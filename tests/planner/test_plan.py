@@ -4,6 +4,7 @@ message, the disk cache, and fit(strategy="auto") against one process training t
 from __future__ import annotations
 
 import copy
+from collections import UserDict
 
 import pytest
 import torch
@@ -34,6 +35,26 @@ def test_every_rank_reaches_the_same_ranked_plans(comm, tmp_path_factory):
     assert_all_ranks(comm, "data" in names and (comm.size == 1 or "pipe-sgd" in names), f"{names}")
 
 
+class Keywords(nn.Module):
+    """A model called with keyword arguments, as a Hugging Face model is."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return self.inner(features)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_mapping_that_is_no_dict_plans_as_its_dict(comm):
+    """A tokenizer's BatchEncoding (a UserDict) as the sample batch's inputs: planned as its dict."""
+    (x, y), = mlp_batches(1)
+    plans = plan(Keywords(tiny_mlp().double()), (UserDict(features=x), y), CE, comm=comm, cache=False)
+    names = {p.strategy for p in plans}
+    assert_all_ranks(comm, "data" in names and (comm.size == 1 or "model" in names), f"{names}")
+
+
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("bad, message", [
     ({"model": "not a model"}, "torch.nn.Module"),
@@ -41,10 +62,11 @@ def test_every_rank_reaches_the_same_ranked_plans(comm, tmp_path_factory):
     ({"memory_limit": "-4G"}, "memory_limit"),
     ({"strategies": ["data", "warp-drive"]}, "warp-drive"),
     ({"world_size": 0}, "world_size"),
+    ({"exact": "yes"}, "exact"),
 ])
 def test_bad_input_is_refused_on_every_rank_before_any_message(comm, bad, message):
     args = {"model": tiny_mlp(), "sample_batch": mlp_batches(1)[0], "loss_fn": CE}
-    kwargs = {k: bad.pop(k) for k in ("memory_limit", "strategies", "world_size") if k in bad}
+    kwargs = {k: bad.pop(k) for k in ("memory_limit", "strategies", "world_size", "exact") if k in bad}
     args.update(bad)
     with pytest.raises(PlanError) as e:
         plan(args["model"], args["sample_batch"], args["loss_fn"], comm=comm, cache=False, **kwargs)
@@ -88,6 +110,45 @@ def test_fit_auto_trains_what_one_process_trains_and_records_the_plan(comm, caps
     assert_all_ranks(comm, isinstance(record.get("plan"), str) and record["plan_step_s"] > 0, f"{record}")
     out = capsys.readouterr().out
     assert_all_ranks(comm, ("auto: " in out) == (comm.rank == 0), out[-300:])
+
+
+def _inexact(p: mpitrain.Plan) -> bool:
+    return p.options.get("staleness", 1) > 1 or p.options.get("compression") is not None
+
+
+@pytest.mark.mpi(min_size=2)
+def test_exact_drops_every_stale_or_lossy_plan_and_keeps_the_others(comm, tmp_path_factory):
+    folder = comm.broadcast_object(str(tmp_path_factory.mktemp("plan")), 0)  # one calibration for both calls
+    batch = mlp_batches(1)[0]
+    every = plan(tiny_mlp().double(), batch, CE, comm=comm, strategies=("data", "pipe-sgd"), cache=folder)
+    exact = plan(tiny_mlp().double(), batch, CE, comm=comm, strategies=("data", "pipe-sgd"), exact=True,
+                 cache=folder)
+    assert_all_ranks(comm, any(_inexact(p) for p in every), f"no stale or lossy candidate: {every.table()}")
+    kept = [p.describe() for p in every if not _inexact(p)]
+    assert_all_ranks(comm, [p.describe() for p in exact] == kept, f"{exact.table()}\nvs\n{every.table()}")
+    why = [d for d in exact.dropped if "exact=True" in d.reason]
+    assert_all_ranks(comm, len(why) == sum(_inexact(p) for p in every), exact.explanation())
+
+
+@pytest.mark.mpi(min_size=1)
+def test_fit_auto_plans_exactly_unless_told_otherwise(comm, monkeypatch):
+    import mpitrain.planner._auto as auto
+
+    asked: list[bool] = []
+
+    def spy(*args, **kwargs):
+        asked.append(kwargs["exact"])
+        return plan(*args, **kwargs)
+
+    monkeypatch.setattr(auto, "plan", spy)
+    for options in ({}, {"exact": False}):
+        fit(tiny_mlp().double(), mlp_batches(1), CE, lambda p: torch.optim.SGD(p, lr=0.1), strategy="auto",
+            strategies=("data",), cache=False, progress=False, comm=comm, **options)
+    assert_all_ranks(comm, asked == [True, False], f"auto asked the planner for exact={asked}")
+    with pytest.raises(FitError) as e:
+        fit(tiny_mlp(), mlp_batches(1), CE, lambda p: torch.optim.SGD(p, lr=0.1), strategy="auto", exact="yes",
+            progress=False, comm=comm)
+    assert_all_ranks(comm, "exact" in str(e.value), str(e.value))
 
 
 @pytest.mark.mpi(min_size=1)

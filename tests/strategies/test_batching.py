@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
+from collections import UserDict
+
 import pytest
 import torch
 
-from mpitrain.strategies._batching import per_sample, samples, slice_share, split_pairs, target_rows
+from mpitrain.strategies._batching import (
+    batch_size,
+    call_args,
+    per_sample,
+    plain_inputs,
+    samples,
+    slice_share,
+    split_pairs,
+    target_rows,
+)
 from mpitrain.strategies.base import FitError, Share
 
 
@@ -18,6 +29,17 @@ def test_batch_size_is_the_inputs_dim0_and_flattened_targets_count_k_rows_per_sa
     inputs, targets = lm_batch()
     assert samples(inputs, targets) == 4 and per_sample(4, targets) == 3
     assert samples(inputs, targets[:4]) == 4 and per_sample(4, targets[:4]) == 1
+
+
+def test_a_mapping_that_is_not_a_dict_is_taken_as_its_dict():
+    """A tokenizer's BatchEncoding is a UserDict: pytree sees one leaf in it, its dict is the batch."""
+    inputs, targets = lm_batch()
+    encoding = UserDict(inputs)
+    with pytest.raises(FitError, match="no tensor with a batch dimension"):
+        batch_size(encoding)
+    plain = plain_inputs(encoding)
+    assert type(plain) is dict and plain.keys() == inputs.keys() and call_args(plain) == ((), inputs)
+    assert samples(plain, targets) == 4 and plain_inputs(inputs) is inputs
 
 
 def test_target_rows_and_pairs_cut_the_targets_proportionally():

@@ -311,8 +311,8 @@ class Reducer:
     def post_allgather(self, block: torch.Tensor, out: torch.Tensor, *, what: str | None = None,
                        around: Callable[[], AbstractContextManager[Any]] | None = None) -> OpHandle:
         """Post the allgather of every rank's `block` into `out` (in place where `block` is this rank's block
-        of `out`), in call order; CommError while a round is open. `around()` (a context manager, e.g.
-        ``torch.autograd._unsafe_preserve_version_counter(out)``) wraps the collective where it runs."""
+        of `out`), in call order; CommError while a round is open. `around()` (a context manager) wraps the
+        collective where it runs."""
         self._check_op(block, "post_allgather")
         self._check_op(out, "post_allgather")
         if out.numel() != block.numel() * self.comm.size or out.dtype != block.dtype:

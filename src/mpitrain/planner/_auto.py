@@ -35,12 +35,16 @@ RUNNERS_UP = 3
 
 @dataclass(frozen=True)
 class AutoOptions(StrategyOptions):
-    """Options of ``fit(strategy="auto", ...)``: passed to :func:`~mpitrain.planner.plan`."""
+    """Options of ``fit(strategy="auto", ...)``: passed to :func:`~mpitrain.planner.plan`. `exact`
+    (default True) trains only with a plan that computes what one process computes; ``exact=False``
+    also admits pipe-sgd with staleness or lossy compression when the planner predicts them faster
+    (with staleness K the first K steps apply no update)."""
 
     strategy: ClassVar[str] = "auto"
     memory_limit: float | str | None = None
     strategies: tuple[str, ...] | None = None
     cache: bool | str = True
+    exact: bool = True
 
     def __post_init__(self) -> None:
         if self.strategies is not None:
@@ -48,6 +52,7 @@ class AutoOptions(StrategyOptions):
                          "a collection of strategy names")
             self.replace_value("strategies", tuple(self.strategies))
         self.require("cache", isinstance(self.cache, (bool, str)), "True, False or a folder")
+        self.require("exact", isinstance(self.exact, bool), "True or False")
 
 
 class AutoTrainer:
@@ -66,7 +71,7 @@ class AutoTrainer:
         if self.inner is not None:
             return self.inner
         plans = plan(self.model, (inputs, targets), self.loss_fn, comm=self.comm, memory_limit=self.opts.memory_limit,
-                     strategies=self.opts.strategies, cache=self.opts.cache)
+                     strategies=self.opts.strategies, exact=self.opts.exact, cache=self.opts.cache)
         if not plans:
             raise FitError("strategy 'auto': no plan fits this model, batch and memory limit:\n"
                            + plans.explanation())
@@ -93,8 +98,8 @@ class AutoTrainer:
 
 def make_trainer(model: nn.Module, loss_fn: LossFn, optimizer: OptimizerFactory, comm: Communicator,
                  spec: FitSpec) -> AutoTrainer:
-    """fit's factory for ``strategy="auto"``: options ``memory_limit``, ``strategies`` and ``cache``
-    (see :func:`~mpitrain.planner.plan`); partitions, replicas and micro_batches are the planner's
+    """fit's factory for ``strategy="auto"``: options ``memory_limit``, ``strategies``, ``exact`` (default
+    True) and ``cache`` (see :func:`~mpitrain.planner.plan`); partitions, replicas and micro_batches are the planner's
     to choose, so they must be left at their defaults (FitError on every rank before any message)."""
     require_whole_model(spec, comm)
     if spec.micro_batches != 1:

@@ -376,8 +376,10 @@ _GENERATORS: dict[str, Callable[[Measured], Iterator[Plan | Dropped]]] = {
     "data": _data, "model": _pipelines, "spatial": _spatial, "pipe-sgd": _pipe_sgd, "mixed": _mixed}
 
 
-def candidates(m: Measured, strategies: set[str], memory_limit: float) -> tuple[list[Plan], list[Dropped]]:
-    """(plans sorted fastest first, dropped candidates with reasons) over `strategies`. Predictions
+def candidates(m: Measured, strategies: set[str], memory_limit: float,
+               exact: bool = False) -> tuple[list[Plan], list[Dropped]]:
+    """(plans sorted fastest first, dropped candidates with reasons) over `strategies`; with `exact`,
+    plans that change the one-process mathematics (:func:`machinery` 2) are dropped. Predictions
     within :data:`TIE_MARGIN` per :func:`machinery` level go to the plan with less machinery; exact
     ties keep generation order (stable sort): the same order on every rank."""
     plans: list[Plan] = []
@@ -390,6 +392,9 @@ def candidates(m: Measured, strategies: set[str], memory_limit: float) -> tuple[
                 continue
             if isinstance(c, Dropped):
                 dropped.append(c)
+            elif exact and machinery(c) >= INEXACT:
+                dropped.append(Dropped(c.strategy, c.options, "stale or lossy updates change what one process "
+                                       "computes (exact=True)"))
             elif c.memory_bytes > memory_limit:
                 why = (f"predicted {c.memory_bytes / 2**20:.0f} MiB per rank exceeds the memory limit of "
                        f"{memory_limit / 2**20:.0f} MiB")
@@ -412,5 +417,9 @@ def machinery(p: Plan) -> int:
     if p.strategy == "data":
         return 0
     if p.strategy == "pipe-sgd" and (p.options.get("staleness", 1) > 1 or p.options.get("compression") is not None):
-        return 2
+        return INEXACT
     return 1
+
+
+#: The :func:`machinery` level of plans whose updates differ from one process's (``exact=True`` drops them).
+INEXACT = 2

@@ -23,6 +23,7 @@ from ..perf.calibrate import (
     measure_network,
 )
 from ..runtime import world
+from ..strategies import plain_inputs
 from ..strategies.base import Batch, LossFn, is_int, is_number
 from ._candidates import STRATEGY_NAMES, Measured, candidates
 from ._measure import measure_plan
@@ -68,7 +69,7 @@ def available_memory() -> float:
 
 
 def _check(model: object, sample_batch: object, loss_fn: object, comm: Communicator, world_size: object,
-           memory_limit: object, strategies: object) -> tuple[set[str], float | None]:
+           memory_limit: object, strategies: object, exact: object) -> tuple[set[str], float | None]:
     """Every refusal of bad input; local, so every rank given the same arguments raises alike."""
     if not isinstance(model, nn.Module):
         raise PlanError(f"plan: model must be a torch.nn.Module, got {type(model).__name__}")
@@ -79,6 +80,8 @@ def _check(model: object, sample_batch: object, loss_fn: object, comm: Communica
                         "with the batch along dim 0")
     if not callable(loss_fn):
         raise PlanError(f"plan: loss_fn must be callable, got {type(loss_fn).__name__}")
+    if not isinstance(exact, bool):
+        raise PlanError(f"plan: exact must be True or False, got {exact!r}")
     if world_size is not None and not (is_int(world_size) and world_size >= 1):  # type: ignore[operator]
         raise PlanError(f"plan: world_size must be a positive int, got {world_size!r}")
     if world_size is not None and world_size != comm.size and comm.size < 2:
@@ -197,7 +200,7 @@ def _restore(data: dict[str, Any]) -> tuple[Any, Network, Network, Calibration, 
 
 def plan(model: nn.Module, sample_batch: tuple[Batch, torch.Tensor], loss_fn: LossFn, *,
          comm: Communicator | None = None, world_size: int | None = None, memory_limit: float | str | None = None,
-         strategies: Iterable[str] | None = None, explain: bool = False,
+         strategies: Iterable[str] | None = None, exact: bool = False, explain: bool = False,
          cache: str | os.PathLike[str] | bool = True) -> Plans:
     """The ways to train `model` on the ranks of `comm` (default: the world), fastest predicted first.
 
@@ -206,7 +209,9 @@ def plan(model: nn.Module, sample_batch: tuple[Batch, torch.Tensor], loss_fn: Lo
     Candidates: data; model and hybrid for every P dividing the world (M by HyPar-Flow's halving
     search); spatial grids and sample x spatial; pipe-sgd with K in {1, 2} and each compression; and
     §V-C's per-layer shortest path with a switch ("mixed": a spatial plan whose ``switch_at`` names
-    the module from which on it runs sample-parallel). Plans
+    the module from which on it runs sample-parallel). `exact` keeps only plans that compute what one
+    process computes (no pipe-sgd staleness K > 1, no lossy compression; ``fit(strategy="auto")``'s
+    default); the others are dropped with that reason. Plans
     predicted over `memory_limit` bytes per rank (default: the node's available memory divided by
     its ranks), or that cannot run, are left out and listed in the result's ``dropped`` with the
     reason; `explain` also prints the table and those reasons on rank 0.
@@ -225,10 +230,12 @@ def plan(model: nn.Module, sample_batch: tuple[Batch, torch.Tensor], loss_fn: Lo
     signature) in `cache` (True: ``~/.cache/mpitrain/planner``; False: not cached). Every rank
     returns the same plans in the same order."""
     comm = comm or world()
-    names, limit = _check(model, sample_batch, loss_fn, comm, world_size, memory_limit, strategies)
+    if isinstance(sample_batch, (tuple, list)) and len(sample_batch) == 2:  # a BatchEncoding: its dict, as fit
+        sample_batch = (plain_inputs(sample_batch[0]), sample_batch[1])
+    names, limit = _check(model, sample_batch, loss_fn, comm, world_size, memory_limit, strategies, exact)
     W = comm.size if world_size is None else int(world_size)
     key = model_signature(model, sample_batch, W)
-    mine = (key, sorted(names), limit)
+    mine = (key, sorted(names), limit, exact)
     seen = comm.allgather_object(mine) if comm.size > 1 else [mine]
     bad = [r for r, s in enumerate(seen) if s != mine]
     if bad:
@@ -256,7 +263,7 @@ def plan(model: nn.Module, sample_batch: tuple[Batch, torch.Tensor], loss_fn: Lo
         intra = intra if hosts else net
     measured = Measured(prof, net, cal, W, sum(isinstance(m, nn.BatchNorm2d) for m in model.modules()),
                         _spatial_check(model, comm, W == comm.size), over, float(spare[0]), intra, hosts)
-    plans, dropped = candidates(measured, names, limit)
+    plans, dropped = candidates(measured, names, limit, exact)
     if W != comm.size:
         plans = [replace(p, measured=False) for p in plans]
     out = Plans(plans, dropped)

@@ -27,6 +27,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--loss", choices=("cross_entropy", "mse"), default="cross_entropy")
     p.add_argument("--memory-limit", help="bytes per rank, e.g. 8G (default: available memory / ranks per node)")
     p.add_argument("--strategies", help="comma-separated subset of the candidate strategies")
+    p.add_argument("--exact", action="store_true",
+                   help="only plans that compute what one process computes (no staleness, no lossy compression)")
     p.add_argument("--json", action="store_true", help="print the plans as JSON (rank 0)")
     p.add_argument("--measure", type=int, default=0, metavar="K", help="also run the top K plans and time them")
     p.add_argument("--steps", type=int, default=5, help="timed steps per measured plan")
@@ -88,7 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     batch, loss_fn = synthetic_batch(model, shape, targets, args.loss)
     names = args.strategies.split(",") if args.strategies else None
     try:
-        plans = plan(model, batch, loss_fn, comm=comm, memory_limit=limit, strategies=names,
+        plans = plan(model, batch, loss_fn, comm=comm, memory_limit=limit, strategies=names, exact=args.exact,
                      cache=not args.no_cache, world_size=args.world_size)
     except PlanError as e:
         if comm.rank == 0:

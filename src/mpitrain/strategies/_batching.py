@@ -9,13 +9,14 @@ sample (:func:`target_rows`, :func:`split_pairs`); any other targets are refused
 shapes, on every rank (each holds the same global batch) before any message.
 
 A batch's inputs are a tensor, a tuple/list (positional arguments) or a dict (keyword arguments, e.g.
-``{"input_ids": ..., "attention_mask": ...}``), nested as ``torch.utils._pytree`` flattens them. Every
+``{"input_ids": ..., "attention_mask": ...}``; any other mapping, such as a tokenizer's ``BatchEncoding``,
+is taken as the dict of its items: :func:`plain_inputs`), nested as ``torch.utils._pytree`` flattens them. Every
 tensor leaf with a dimension is sliced along dim 0; other leaves (0-dim tensors, numbers, strings) pass
 as they are."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -26,9 +27,20 @@ from ..comm.base import Communicator, split_sizes
 from ._device import CPU, to_device
 from .base import Batch, BatchShare, FitError, Share
 
-__all__ = ["call_args", "call_model", "call_rows", "batch_size", "samples", "per_sample", "target_rows", "split_pairs",
-           "shard", "chunks", "check_divisible", "rows", "even_share", "slice_share", "gather_rows",
-           "gather_outputs"]
+__all__ = ["plain_inputs", "call_args", "call_model", "call_rows", "batch_size", "samples", "per_sample",
+           "target_rows", "split_pairs", "shard", "chunks", "check_divisible", "rows", "even_share", "slice_share",
+           "gather_rows", "gather_outputs"]
+
+
+def plain_inputs(inputs: Any) -> Any:
+    """`inputs` where they are a mapping other than a dict -- a Hugging Face tokenizer's ``BatchEncoding``
+    (a ``UserDict``), what ``tokenizer(texts, padding=True, return_tensors="pt")`` returns -- as the dict
+    of its items; anything else unchanged. Why: pytree, which every slicing here goes through, flattens a
+    dict into its tensors but takes another mapping for one opaque leaf (no batch dimension found); the
+    model gets the same keyword arguments either way."""
+    if isinstance(inputs, Mapping) and not isinstance(inputs, dict):
+        return dict(inputs.items())
+    return inputs
 
 
 def call_args(inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:

@@ -90,7 +90,8 @@ class DataParallel(nn.Module):
     * `broadcast_buffers`: in training-mode forwards with grad enabled, rank 0's buffers (e.g. batch
       norm statistics) are broadcast first, so every rank must run those forwards together.
     * With one worker nothing is pushed: the sum over one worker is the gradient itself. A store named
-      on a one-rank communicator is then the local one (no store thread runs).
+      on a one-rank communicator is then the local one (no store thread runs), and the buckets are not
+      registered in it (no host copy of them): its :attr:`kv` holds no keys.
     * Devices: buckets live on the parameters' device. For a model on a CUDA device, the forward's
       tensor arguments are moved there first (as DDP with ``device_ids``; CPU inputs are copied), and
       each bucket is reduced after an event recorded on the backward's stream, on a side stream: the
@@ -158,7 +159,10 @@ class DataParallel(nn.Module):
         self._scale = 1.0 / workers if workers > 1 else None
         # one worker: the sum over workers is the gradient itself, so buckets are not pushed at all
         self._solo = workers == 1
-        if self._kv is not None:
+        # One worker pushes nothing: registering the buckets in a store of its own over one rank would
+        # only copy every bucket to the host (on a GPU, the whole gradient and a wait per fit call).
+        # A store the caller passed is registered all the same (it may be theirs to use).
+        if self._kv is not None and not (self._owns_kv and comm.size == 1):
             for b in self.buckets:
                 self._kv.init(b.key, b.buffer)
             self._declare_order()
@@ -219,7 +223,12 @@ class DataParallel(nn.Module):
         scaled); returns the norm. Call it after backward, before the step."""
         if self.zero is not None:
             return self.zero.clip_grad_norm_(max_norm)
-        return float(torch.nn.utils.clip_grad_norm_([p for b in self.buckets for p in b.params], max_norm))
+        return float(self._clip(max_norm))
+
+    def _clip(self, max_norm: float) -> torch.Tensor:
+        """Without ``zero``: clip as :meth:`clip_grad_norm_` and return the norm unread (a tensor on the
+        gradients' device: no wait for it)."""
+        return torch.nn.utils.clip_grad_norm_([p for b in self.buckets for p in b.params], max_norm)
 
     def held_bytes(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
         """Bytes this rank holds for the trainable parameters, their gradients (buckets, ``.grad``, ZeRO's
@@ -551,8 +560,12 @@ class DataTrainer(StepTrainer):
         return local
 
     def clip_grad_norm_(self, max_norm: float) -> None:
-        """Gradients are averaged: every rank clips the same global norm (ZeRO: over the pieces)."""
-        self.dp.clip_grad_norm_(max_norm)
+        """Gradients are averaged: every rank clips the same global norm (ZeRO: over the pieces). The norm
+        is not read back (fit does not use it): on a GPU the step does not wait for it."""
+        if self.dp.zero is None:
+            self.dp._clip(max_norm)
+        else:
+            self.dp.clip_grad_norm_(max_norm)
 
     def _check_passes(self, batches: Sequence[BatchShare]) -> None:
         """zero=3: every rank runs as many forward/backward passes (each gathers every bucket, a

@@ -14,8 +14,10 @@ order of a step is written once (:meth:`StepTrainer.train_shares`):
    pipeline, hand it to a communication thread); it says whether this step's gradient is ready now;
 5. if it is, :meth:`~StepTrainer.update`: clip by the global norm (``spec.loop.grad_clip``, the
    strategy's :meth:`~StepTrainer.clip_grad_norm_`), then ``optimizer.step()``;
-6. one loss allreduce (sum) over :attr:`~StepTrainer.comm`, divided by ``total``: the step's mean loss,
-   equal on every rank.
+6. :meth:`~StepTrainer.step_losses`: one allgather of the ranks' loss sums over :attr:`~StepTrainer.comm`,
+   added up correctly rounded and divided by ``total``: the step's mean loss, equal on every rank. Steps
+   1-5 alone are :meth:`~StepTrainer.train_shares_local`; fit (without ``on_step_end``) gathers an
+   step losses of 16 steps in one message, so its loop neither waits for the device nor sends per step.
 
 A strategy supplies its share of a global batch (:meth:`~StepTrainer.share`), those hooks, and its layout
 (:meth:`~StepTrainer.layout`, :meth:`~StepTrainer.state_dict`, :meth:`~StepTrainer.load_state_dict`:
@@ -25,6 +27,7 @@ A strategy supplies its share of a global batch (:meth:`~StepTrainer.share`), th
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -99,13 +102,28 @@ class StepTrainer(ABC):
         """ONE optimizer step on the concatenation of `batches` (:class:`~.base.ShardedTrainer`): the
         gradient of the mean loss over all `total` samples; returns that mean loss, equal on every rank.
         The order is the module's (steps 1-6); collective on :attr:`comm`."""
+        return self.step_losses(self.train_shares_local(batches, total))[0] / total
+
+    def train_shares_local(self, batches: Sequence[BatchShare], total: int) -> torch.Tensor:
+        """Steps 1-5 of :meth:`train_shares`: the same optimizer step, without the loss's message. Returns
+        this rank's sum of per-sample losses (float64, one element, on this rank's device) unread, so
+        nothing waits for the device here; :meth:`step_losses` sums it over the ranks later, alone or with
+        other steps' (fit reduces 16 steps' losses in one message). Collective as the step is."""
         if self.closed:
             raise RuntimeError(f"this {self.label} trainer is finished (trained_model() closed it)")
         self.begin_step(batches)
         local = self.local_pass(batches, total)
         if self.finish_gradients():
             self.update()
-        return float(self.comm.allreduce(local.reshape(1), "sum").item()) / total
+        return local.reshape(1)
+
+    def step_losses(self, local: torch.Tensor) -> list[float]:
+        """Collective on :attr:`comm` (step 6: one allgather): for each element of `local`, a 1-D float64
+        tensor of this rank's :meth:`train_shares_local` results for successive steps, its sum over the
+        ranks, correctly rounded (``math.fsum``), so it is the same float on every rank and for any number of
+        steps per call. Reads the values back to the host (the one wait for the device)."""
+        every = self.comm.allgather(local.reshape(-1)).view(self.comm.size, -1).cpu()
+        return [math.fsum(column) for column in every.t().tolist()]
 
     def begin_step(self, batches: Sequence[BatchShare]) -> None:
         """Before any forward of a step: clear the gradients (default ``optimizer.zero_grad()``)."""

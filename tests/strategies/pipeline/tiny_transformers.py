@@ -13,10 +13,11 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["TRANSFORMERS", "DROPOUT", "FLOAT32", "NORM_IN_FLOAT32", "ENCODER_DECODER", "build", "lm_batches", "lm_loss",
-           "own_loss"]
+__all__ = ["TRANSFORMERS", "DROPOUT", "FLOAT32", "NORM_IN_FLOAT32", "ENCODER_DECODER", "SEQUENCE_CLASSIFIERS", "PAD",
+           "LABELS", "build", "encoded", "lm_batches", "lm_loss", "own_loss"]
 
 VOCAB, SEQ = 100, 8
+PAD, LABELS = 0, 3  # the pad token of the classification batches (eos, as HF's examples pad GPT-2); classes
 
 _DECODER = {"num_hidden_layers": 2, "hidden_size": 32, "num_attention_heads": 2, "num_key_value_heads": 2,
             "intermediate_size": 64, "max_position_embeddings": 64, "bos_token_id": 0, "eos_token_id": 0}
@@ -44,6 +45,14 @@ TRANSFORMERS: dict[str, tuple[str, str, dict[str, Any]]] = {
            {"num_layers": 2, "num_decoder_layers": 2, "d_model": 32, "d_kv": 16, "d_ff": 64, "num_heads": 2,
             "decoder_start_token_id": 0}),
 }
+
+#: sequence classification heads on a family of :data:`TRANSFORMERS` (its config and sizes, ``num_labels=3``,
+#: ``pad_token_id`` = :data:`PAD` where the config has none, as HF's examples set it). GPT-2 and Llama
+#: pool the last non-pad token, found from ``input_ids`` (an index that depends on the data); BERT pools
+#: the first token
+SEQUENCE_CLASSIFIERS: dict[str, str] = {"bert": "BertForSequenceClassification",
+                                        "gpt2": "GPT2ForSequenceClassification",
+                                        "llama": "LlamaForSequenceClassification"}
 
 #: the config fields holding each model's dropout probabilities (set to 0 for exactness comparisons)
 DROPOUT: dict[str, tuple[str, ...]] = {
@@ -83,15 +92,20 @@ def _transformers() -> Any:
 
 
 def build(name: str, seed: int = 0, meta: bool = False, dropout: bool = False,
-          dtype: torch.dtype | None = None) -> nn.Module:
+          dtype: torch.dtype | None = None, classify: bool = False) -> nn.Module:
     """The tiny model `name` from its default config (default attention, ``use_cache`` as the config
     has it) with tiny sizes, in `dtype` (default float64, float32 for :data:`FLOAT32`); dropout off
     unless `dropout` (then the config's defaults); with `meta`, built on the meta device (no
-    storage: `seed` plays no part)."""
+    storage: `seed` plays no part); with `classify`, its sequence classification head
+    (:data:`SEQUENCE_CLASSIFIERS`) instead of the language-model head."""
     tf = _transformers()
     model_cls, config_cls, kwargs = TRANSFORMERS[name]
     off = {} if dropout else {k: 0.0 for k in DROPOUT[name]}
     config = getattr(tf, config_cls)(vocab_size=VOCAB, **kwargs, **off)
+    if classify:
+        model_cls, config.num_labels = SEQUENCE_CLASSIFIERS[name], LABELS
+        if config.pad_token_id is None:  # GPT-2 and Llama have none: batches of several rows need one
+            config.pad_token_id = PAD
     torch.manual_seed(seed)
     with torch.device("meta" if meta else "cpu"):
         model = getattr(tf, model_cls)(config)
@@ -99,29 +113,43 @@ def build(name: str, seed: int = 0, meta: bool = False, dropout: bool = False,
 
 
 def lm_batches(n: int, steps: int, seed: int = 0, mask: bool = True, lengths: tuple[int, ...] = (SEQ,),
-               decoder: bool = False, labels: bool = False) -> list[tuple[dict[str, torch.Tensor], torch.Tensor]]:
+               decoder: bool = False, labels: bool = False,
+               classify: bool = False) -> list[tuple[dict[str, torch.Tensor], torch.Tensor]]:
     """(inputs as keyword arguments, targets) batches of `n` sequences, step i of ``lengths[i % len]``
     tokens; attention masks with padded tails when `mask`; with `decoder`, ``decoder_input_ids`` of
     half the length (+1), which the targets then follow; with `labels`, the targets also among the
-    inputs (the model computes its own loss), -100 (ignored) where the mask pads."""
+    inputs (the model computes its own loss), -100 (ignored) where the mask pads. With `classify`:
+    one of :data:`LABELS` classes per sequence, :data:`PAD` in the padded tails and nowhere else (as
+    a tokenizer pads), so a classifier's last non-pad token differs between rows."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for i in range(steps):
         length = lengths[i % len(lengths)]
-        ids = torch.randint(0, VOCAB, (n, length), generator=g)
+        ids = torch.randint(PAD + 1 if classify else 0, VOCAB, (n, length), generator=g)
         inputs = {"input_ids": ids}
         if mask:
             keep = torch.randint(length // 2, length + 1, (n, 1), generator=g)
             inputs["attention_mask"] = (torch.arange(length) < keep).long()
+            if classify:
+                inputs["input_ids"] = ids.masked_fill(inputs["attention_mask"] == 0, PAD)
         if decoder:
             inputs["decoder_input_ids"] = torch.randint(0, VOCAB, (n, length // 2 + 1), generator=g)
         targets = torch.randint(0, VOCAB, (n, inputs.get("decoder_input_ids", ids).shape[1]), generator=g)
+        if classify:
+            targets = torch.randint(0, LABELS, (n,), generator=g)
+        elif labels and mask and not decoder:
+            targets = targets.masked_fill(inputs["attention_mask"] == 0, -100)
         if labels:
-            if mask and not decoder:
-                targets = targets.masked_fill(inputs["attention_mask"] == 0, -100)
             inputs["labels"] = targets
         out.append((inputs, targets))
     return out
+
+
+def encoded(batches: list[tuple[dict[str, torch.Tensor], torch.Tensor]]) -> list[tuple[Any, torch.Tensor]]:
+    """The batches with their inputs as a tokenizer returns them (``tokenizer(texts, padding=True,
+    return_tensors="pt")``): a ``BatchEncoding``, a mapping that is not a dict."""
+    batch_encoding = _transformers().BatchEncoding
+    return [(batch_encoding(x), y) for x, y in batches]
 
 
 def lm_loss(out: Any, labels: torch.Tensor) -> torch.Tensor:

@@ -33,7 +33,7 @@ from torch import nn
 from ..._utils.stall import DEFAULT_POLICY, StallPolicy
 from ...comm.base import Communicator, split_sizes
 from ...comm.place import Place, PlaceError
-from .._batching import check_divisible, per_sample, target_rows
+from .._batching import check_divisible, per_sample, plain_inputs, target_rows
 from .._buckets import Bucket
 from .._device import model_device
 from .._zero import Zero
@@ -370,6 +370,7 @@ class Pipeline:
 
     # -- the cut's first step -------------------------------------------------------------------
     def _flat(self, inputs: Any) -> list[Any]:
+        inputs = plain_inputs(inputs)  # a tokenizer's BatchEncoding: its dict (keyword arguments)
         if self.traced is None:
             self.traced = capture_model(self.model, inputs, self.R * self.M)
         try:
