@@ -34,6 +34,7 @@ class Tokenized(Dataset):
 
     def __init__(self, lengths: tuple[int, ...] = (8,), labels: bool = True) -> None:
         g = torch.Generator().manual_seed(11)
+        self.reads: list[int] = []
         self.items: list[dict[str, Any]] = []
         for i in range(N):
             t = lengths[i % len(lengths)]
@@ -47,6 +48,7 @@ class Tokenized(Dataset):
         return N
 
     def __getitem__(self, i: int) -> dict[str, Any]:
+        self.reads.append(int(i))
         return self.items[i]
 
 
@@ -143,6 +145,8 @@ def test_items_without_labels_are_refused_on_every_rank_before_any_message(comm,
         msg = str(e)
         ok = '"labels"' in msg and "(inputs, target)" in msg and "attention_mask" in msg
     assert_all_ranks(comm, ok, msg)
+    # refused before the trainer was built: the Dataset was read only by the check of item 0, no DataLoader
+    assert_all_ranks(comm, ds.reads == ([0] if kind == "dataset" else []), f"reads {ds.reads}")
     t = torch.ones(2)  # nothing was sent: the next collective still matches on every rank
     comm.allreduce(t)
     assert_all_ranks(comm, torch.equal(t, torch.full((2,), float(comm.size))), "desynchronised")
