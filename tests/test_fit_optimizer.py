@@ -109,12 +109,14 @@ def test_spatial_instance_trains_as_the_factory(comm):
 
     data = [mesh_batch(2, 28, in_channels=3, blocks=3, seed=s) for s in range(2)]
     m = model()
-    by_instance = fit(m, data, nn.CrossEntropyLoss(), sgd(m.parameters()), strategy="spatial", grid=(comm.size, 1),
-                      progress=False).model
+    opt = sgd(m.parameters())
+    result = fit(m, data, nn.CrossEntropyLoss(), opt, strategy="spatial", grid=(comm.size, 1), progress=False)
     by_factory = fit(model(), data, nn.CrossEntropyLoss(), sgd, strategy="spatial", grid=(comm.size, 1),
                      progress=False).model
-    assert_all_ranks(comm, bitwise_equal(by_instance.state_dict(), by_factory.state_dict()),
+    assert_all_ranks(comm, bitwise_equal(result.model.state_dict(), by_factory.state_dict()),
                      "spatial: instance vs factory differ")
+    assert_all_ranks(comm, not opt.state and result.optimizer is not None and result.optimizer is not opt
+                     and len(result.optimizer.state) > 0, "spatial: the user's instance stepped, or no result's")
 
 
 @pytest.mark.mpi
@@ -163,9 +165,9 @@ def test_the_factory_maps_groups_by_identity_onto_the_handed_parameters():
     m = mlp()
     opt = two_groups(m.parameters())
     factory = optimizer_factory(opt, m)
-    built = factory([m[6].bias, m[0].weight])  # a rank holding two tensors, handed out of order
+    built = factory([m[6].bias, m[2].weight, m[0].weight])  # a rank holding three tensors, handed out of order
     assert type(built) is torch.optim.SGD
-    assert [g["params"] for g in built.param_groups] == [[m[0].weight], [m[6].bias]]
+    assert [g["params"] for g in built.param_groups] == [[m[0].weight, m[2].weight], [m[6].bias]]
     assert [(g["lr"], g["momentum"], g["weight_decay"]) for g in built.param_groups] == [(0.2, 0.9, 0), (0.05, 0.5, 0.01)]
     assert optimizer_factory(two_groups, m) is two_groups
 
