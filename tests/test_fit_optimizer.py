@@ -1,8 +1,8 @@
 """`fit(model, data, loss_fn, torch.optim.SGD(model.parameters(), ...))`: an optimizer INSTANCE, as DDP,
 Lightning and Horovod users write it, trains exactly as the equivalent factory (to the bit) and as one
-process (float64) over real MPI at 2, 3 and 4 ranks, for data (plain and zero=2), model, hybrid, pipe-sgd
-and spatial; per-group hyperparameters are kept; state the instance holds is carried; the instance is
-never stepped. A string, an instance over another model or leaving a trainable parameter out, and a
+process (float64) over real MPI at 2, 3 and 4 ranks, for data (plain, zero=1/2/3), model, hybrid,
+pipe-sgd, spatial and auto; per-group hyperparameters are kept; state the instance holds is carried;
+the instance is never stepped. A string, an instance over another model or leaving a trainable parameter out, and a
 scheduler instance are refused with FitError on every rank before any message."""
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def _instance_vs_factory(comm, what: str, **kwargs) -> nn.Module:
 
 # -- MPI: each strategy trains an instance as its factory and as one process -----------------------------
 @pytest.mark.mpi
-@pytest.mark.parametrize("zero", [0, 2], ids=["plain", "zero2"])
+@pytest.mark.parametrize("zero", [0, 1, 2, 3], ids=["plain", "zero1", "zero2", "zero3"])
 def test_data_instance_trains_as_the_factory_and_one_process(comm, zero):
     model = _instance_vs_factory(comm, f"data zero={zero}", strategy="data", zero=zero, bucket_mb=0.0001)
     _close(comm, model, one_process(mlp(), batches()), 1e-10, f"data zero={zero} vs one process")
@@ -117,6 +117,14 @@ def test_spatial_instance_trains_as_the_factory(comm):
                      "spatial: instance vs factory differ")
     assert_all_ranks(comm, not opt.state and result.optimizer is not None and result.optimizer is not opt
                      and len(result.optimizer.state) > 0, "spatial: the user's instance stepped, or no result's")
+
+
+@pytest.mark.mpi
+def test_auto_trains_an_instance_as_one_process(comm):
+    m = mlp()
+    result = fit(m, batches(), F.cross_entropy, two_groups(m.parameters()), strategy="auto",
+                 strategies=("data", "model", "hybrid"), cache=False, progress=False)
+    _close(comm, result.model, one_process(mlp(), batches()), 1e-10, f"auto ({result.history[0].get('plan')})")
 
 
 @pytest.mark.mpi
@@ -168,7 +176,8 @@ def test_the_factory_maps_groups_by_identity_onto_the_handed_parameters():
     built = factory([m[6].bias, m[2].weight, m[0].weight])  # a rank holding three tensors, handed out of order
     assert type(built) is torch.optim.SGD
     assert [g["params"] for g in built.param_groups] == [[m[0].weight, m[2].weight], [m[6].bias]]
-    assert [(g["lr"], g["momentum"], g["weight_decay"]) for g in built.param_groups] == [(0.2, 0.9, 0), (0.05, 0.5, 0.01)]
+    hyper = [(g["lr"], g["momentum"], g["weight_decay"]) for g in built.param_groups]
+    assert hyper == [(0.2, 0.9, 0), (0.05, 0.5, 0.01)]
     assert optimizer_factory(two_groups, m) is two_groups
 
 
