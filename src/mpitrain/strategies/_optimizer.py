@@ -78,11 +78,11 @@ class InstanceFactory:
         #: per group: its parameters' names, in the instance's order, and its hyperparameters
         self.groups = [([names[id(p)] for p in g["params"]], {k: _copied(v) for k, v in g.items() if k != "params"})
                        for g in optimizer.param_groups]
-        self.state = {names[id(p)]: {k: _copied(v) for k, v in st.items()} for p, st in optimizer.state.items()
-                      if id(p) in names}
+        # the instance's own state, copied at each build (not here: a stepped Adam's state is model-sized)
+        self.state = {names[id(p)]: st for p, st in optimizer.state.items() if id(p) in names}
         self.kwargs = self._constructor_kwargs(optimizer)
         try:  # built once here, so that a class that cannot be rebuilt is refused before any message
-            self(model.parameters())
+            self.build(model.parameters(), carry_state=False)
         except (TypeError, ValueError, KeyError) as e:
             raise FitError(f"fit: cannot rebuild the {self.cls.__name__} passed as optimizer from its param groups "
                            f"({e}); pass a factory instead: lambda params: {self.cls.__name__}(params, ...)") from None
@@ -107,12 +107,16 @@ class InstanceFactory:
 
     def __call__(self, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
         """A new optimizer like the instance over `params` (some or all of the model's parameters)."""
+        return self.build(params)
+
+    def build(self, params: Iterable[nn.Parameter], carry_state: bool = True) -> torch.optim.Optimizer:
+        """:meth:`__call__`; ``carry_state=False`` leaves the instance's state out (the entry check)."""
         current = {id(p): name for name, p in self._model.named_parameters(remove_duplicate=False)}
         by_name = {self._name(p, current): p for p in params}
         groups = [{**{k: _copied(v) for k, v in hyper.items()}, "params": [by_name[n] for n in names if n in by_name]}
                   for names, hyper in self.groups]
         built = self.cls(groups, **self.kwargs)
-        for name, st in self.state.items():
+        for name, st in self.state.items() if carry_state else ():
             if name in by_name:
                 built.state[by_name[name]] = {k: _copied(v) for k, v in st.items()}
         return built
