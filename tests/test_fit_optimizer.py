@@ -185,9 +185,11 @@ def test_frozen_parameters_may_stay_out_and_adagrads_initial_state_is_carried():
     m = mlp()
     m[0].weight.requires_grad_(False)
     opt = torch.optim.Adagrad([p for p in m.parameters() if p.requires_grad], lr=0.1, initial_accumulator_value=0.5)
+    for st in opt.state.values():
+        st["sum"].fill_(0.7)  # state the instance holds, not what its class would create
     built = optimizer_factory(opt, m)([p for p in m.parameters() if p.requires_grad])
     assert type(built) is torch.optim.Adagrad
-    assert all(torch.equal(built.state[p]["sum"], torch.full_like(p, 0.5)) for p in built.param_groups[0]["params"])
+    assert all(torch.equal(built.state[p]["sum"], torch.full_like(p, 0.7)) for p in built.param_groups[0]["params"])
     assert all(built.state[p]["sum"] is not opt.state[p]["sum"] for p in built.param_groups[0]["params"])
 
 
