@@ -164,3 +164,81 @@ def _test_metrics(model: nn.Module, loader: torch.utils.data.DataLoader, n: int)
             test_accuracy += pred.eq(target.view_as(pred)).float().sum()
     return (metric_average(test_loss / n, "avg_loss"),
             metric_average(float(test_accuracy / n), "avg_accuracy"))
+
+
+# -- pytorch_synthetic_benchmark.py: torchvision models built with norm_layer=hvd.SyncBatchNorm ----------
+@pytest.mark.parametrize("shape, momentum, uneven", [((3, 4, 5, 5), 0.1, False), ((3, 4, 5, 5), None, True),
+                                                     ((3, 4), 0.3, True), ((2, 4, 3, 3, 3), 0.1, False)])
+def test_sync_batch_norm_matches_batch_norm_on_the_global_batch(comm, shape, momentum, uneven):
+    """hvd.SyncBatchNorm on each rank's batch (sizes may differ by rank) equals torch's BatchNorm in one
+    process on the concatenated batch (float64): output, input gradient, the sum over ranks of the weight
+    and bias gradients, running statistics and num_batches_tracked after two training steps, and eval output.
+    The loss of one process is the sum of the ranks' losses (the global batch's)."""
+    hvd.init()
+    counts = [shape[0] + (r % 2 if uneven else 0) for r in range(comm.size)]
+    g = torch.Generator().manual_seed(3)
+    bn_cls = {2: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d}[len(shape)]
+    ref = bn_cls(shape[1], momentum=momentum).double()
+    mine = hvd.SyncBatchNorm(shape[1], momentum=momentum).double()
+    with torch.no_grad():
+        for layer in (ref, mine):
+            layer.weight.copy_(torch.linspace(0.5, 2.0, shape[1]))
+            layer.bias.copy_(torch.linspace(-1.0, 1.0, shape[1]))
+    start = sum(counts[:comm.rank])
+    for _ in range(2):
+        xs = torch.randn(sum(counts), *shape[1:], generator=g, dtype=torch.float64) * 3 + 1
+        w = torch.randn(xs.shape, generator=g, dtype=torch.float64)
+        x_all, x = xs.clone().requires_grad_(), xs[start:start + counts[comm.rank]].clone().requires_grad_()
+        for layer in (ref, mine):
+            layer.zero_grad()
+        y_all = ref(x_all)
+        (y_all * w).sum().backward()
+        y = mine(x)
+        (y * w[start:start + counts[comm.rank]]).sum().backward()
+        close(comm, y.detach(), y_all.detach()[start:start + counts[comm.rank]], what="output", tol=1e-12)
+        close(comm, x.grad, x_all.grad[start:start + counts[comm.rank]], what="input grad", tol=1e-12)
+        for name in ("weight", "bias"):
+            total = hvd.allreduce(getattr(mine, name).grad, op=hvd.Sum, name=f"bn.{name}")
+            close(comm, total, getattr(ref, name).grad, what=f"{name} grad", tol=1e-12)
+    close(comm, mine.running_mean, ref.running_mean, what="running_mean", tol=1e-12)
+    close(comm, mine.running_var, ref.running_var, what="running_var", tol=1e-12)
+    close(comm, mine.num_batches_tracked, ref.num_batches_tracked, what="num_batches_tracked")
+    mine.eval()
+    ref.eval()
+    close(comm, mine(xs[start:start + 1]).detach(), ref(xs[start:start + 1]).detach(), what="eval", tol=1e-12)
+
+
+def test_sync_batch_norm_model_with_distributed_optimizer_matches_one_process(comm):
+    """pytorch_synthetic_benchmark.py's shape: a CNN with hvd.SyncBatchNorm trained by DistributedOptimizer
+    (small buckets, so gradient buckets are in flight while SyncBatchNorm's backward allreduce runs) equals
+    one process with BatchNorm2d on the concatenated batches (float64, 3 steps, then eval outputs)."""
+    hvd.init()
+
+    def cnn(norm: type[nn.Module]) -> nn.Module:
+        torch.manual_seed(5)
+        return nn.Sequential(nn.Conv2d(3, 6, 3, padding=1), norm(6), nn.ReLU(), nn.Conv2d(6, 6, 3), norm(6),
+                             nn.ReLU(), nn.AdaptiveAvgPool2d(2), nn.Flatten(), nn.Linear(24, 10)).double()
+
+    ref, model = cnn(nn.BatchNorm2d), cnn(hvd.SyncBatchNorm)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                   named_parameters=model.named_parameters(), bucket_mb=0.0005, first_bucket_mb=0.0002)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    g = torch.Generator().manual_seed(9)
+    per = 3
+    for _ in range(3):
+        x = torch.randn(per * comm.size, 3, 8, 8, generator=g, dtype=torch.float64)
+        y = torch.randint(0, 10, (per * comm.size,), generator=g)
+        ref_opt.zero_grad()
+        F.cross_entropy(ref(x), y).backward()
+        ref_opt.step()
+        opt.zero_grad()
+        mine = slice(per * comm.rank, per * (comm.rank + 1))
+        F.cross_entropy(model(x[mine]), y[mine]).backward()
+        opt.step()
+    assert_all_ranks(comm, len(opt.buckets) > 1, f"{len(opt.buckets)} bucket(s)")
+    for (name, p), q in zip(model.state_dict().items(), ref.state_dict().values()):
+        close(comm, p, q, what=name, tol=1e-12)
+    model.eval()
+    ref.eval()
+    close(comm, model(x).detach(), ref(x).detach(), what="eval output", tol=1e-12)
