@@ -31,7 +31,7 @@ from ._utils.deprecation import renamed_options
 from ._utils.stall import StallPolicy
 from .comm.base import Communicator
 from .runtime import world
-from .strategies import NAMED, StepTrainer, samples, slice_share
+from .strategies import NAMED, StepTrainer, optimizer_factory, samples, slice_share
 from .strategies.base import (
     Balance,
     Batch,
@@ -72,10 +72,14 @@ Metric = Callable[[torch.Tensor, torch.Tensor], float]
 @dataclass
 class FitResult:
     """`model`: the user's class with the trained weights (every rank). `history`: per epoch, the mean
-    training loss, images/s, and eval loss/metrics when `eval_data` was given."""
+    training loss, images/s, and eval loss/metrics when `eval_data` was given. `optimizer`: the optimizer
+    that trained, this rank's (over this rank's parameters or ZeRO pieces; None for strategy "auto" and
+    strategies without one). An optimizer instance passed to fit is never stepped: fit trains a rebuilt
+    copy (docs/training-runs.md, "The optimizer"), and this is that copy."""
 
     model: nn.Module
     history: list[dict[str, Any]]
+    optimizer: torch.optim.Optimizer | None = None
 
 
 
@@ -301,6 +305,11 @@ def _settings(data: object, epochs: int, steps: int | None, batch_size: int | No
         raise FitError(f"grad_clip must be None or a number > 0, got {grad_clip!r}")
     if precision not in ("fp32", "bf16"):
         raise FitError(f"precision must be 'fp32' or 'bf16', got {precision!r}")
+    if isinstance(lr_scheduler, (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)):
+        # bound to the optimizer it was built on, which is not the one that trains (fit rebuilds it per rank)
+        raise FitError(f"lr_scheduler must be a factory optimizer -> scheduler, e.g. lambda opt: "
+                       f"{type(lr_scheduler).__name__}(opt, ...); got a {type(lr_scheduler).__name__} instance, bound "
+                       f"to the optimizer it was built on, which is not the optimizer fit steps")
     for name, fn in (("lr_scheduler", lr_scheduler), ("on_step_end", on_step_end), ("on_epoch_end", on_epoch_end)):
         if fn is not None and not callable(fn):
             raise FitError(f"{name} must be callable, got {fn!r}")
@@ -585,9 +594,10 @@ def _find_resume(comm: Communicator, s: _Settings) -> tuple[Path, dict[str, Any]
 
 
 def fit(model: nn.Module, data: Any, loss_fn: LossFn,
-        optimizer: OptimizerFactory, *, strategy: str | StrategyOptions = "data", partitions: int = 1,
-        replicas: int | None = None, micro_batches: int = 1, schedule: str = "1f1b", epochs: int = 1,
-        steps: int | None = None, batch_size: int | None = None, shuffle: bool = True, seed: int = 0,
+        optimizer: OptimizerFactory | torch.optim.Optimizer, *, strategy: str | StrategyOptions = "data",
+        partitions: int = 1, replicas: int | None = None, micro_batches: int = 1, schedule: str = "1f1b",
+        epochs: int = 1, steps: int | None = None, batch_size: int | None = None, shuffle: bool = True,
+        seed: int = 0,
         drop_last: bool = False, num_workers: int = 0, pin_memory: bool = False,
         collate_fn: Callable[[list[Any]], Any] | None = None,
         eval_data: Iterable[tuple[Batch, torch.Tensor]] | None = None,
@@ -628,8 +638,13 @@ def fit(model: nn.Module, data: Any, loss_fn: LossFn,
     gradients weighted by sample counts, so every strategy computes what one process training on
     those batches computes (up to float rounding, and except where the strategy changes the maths on
     purpose: pipe-sgd's staleness, lossy compression). `optimizer` is a callable ``params ->
-    torch.optim.Optimizer``; `lr_scheduler` a callable ``optimizer -> scheduler`` stepped after every
-    optimizer step; `grad_clip` clips the global gradient norm as ``clip_grad_norm_`` in one process;
+    torch.optim.Optimizer`` or an optimizer instance built on `model`'s parameters
+    (``torch.optim.SGD(model.parameters(), lr=0.1)``), rebuilt once at entry for the parameters each
+    rank holds: same class, each group's hyperparameters, its state if it holds any; the instance
+    itself is never stepped, ``FitResult.optimizer`` is the one that trained (FitError for parameters
+    not the model's or trainable ones in no group). `lr_scheduler` a callable ``optimizer -> scheduler``
+    (not a scheduler instance) stepped after every optimizer step; `grad_clip` clips the global
+    gradient norm as ``clip_grad_norm_`` in one process;
     ``precision="bf16"`` runs forward and loss under CPU bf16 autocast. `steps` caps the optimizer steps
     per epoch. Callbacks ``on_step_end(state)`` / ``on_epoch_end(state)`` get a :class:`LoopState`;
     returning True or raising :class:`StopTraining` ends the run after that step. Without
@@ -655,6 +670,7 @@ def fit(model: nn.Module, data: Any, loss_fn: LossFn,
     s = _settings(data, epochs, steps, batch_size, shuffle, seed, drop_last, num_workers, pin_memory, checkpoint_dir,
                   checkpoint_every, resume, lr_scheduler, grad_clip, accumulate, precision, on_step_end,
                   on_epoch_end, collate_fn)
+    factory = optimizer_factory(optimizer, model)  # once, before any message: what every strategy takes
     comm = comm or world()
     named = _metrics(metrics)
     try:  # called here, so that the DeprecationWarning names the caller of fit
@@ -673,7 +689,7 @@ def fit(model: nn.Module, data: Any, loss_fn: LossFn,
     if timeline is not None and not isinstance(timeline, (str, os.PathLike)):
         raise FitError(f"fit: timeline must be a file path, got {timeline!r}")
     model_keys = list(model.state_dict())
-    trainer = make_trainer(model, loss_fn, optimizer, comm, spec)
+    trainer = make_trainer(model, loss_fn, factory, comm, spec)
     if sharded != isinstance(trainer, StepTrainer):  # a strategy's bug: its FEATURES and its trainer disagree
         raise RuntimeError(f"strategy {name!r}: a trainer of every loop feature is a StepTrainer, and only it")
     with _timeline.recording(timeline, comm):  # fit(timeline="trace.json"): written when the loop ends
@@ -687,5 +703,6 @@ def fit(model: nn.Module, data: Any, loss_fn: LossFn,
             # threads collectively, or a caller that catches the error keeps them cycling (and recording).
             trainer.trained_model()
             raise
-        result = FitResult(model=trainer.trained_model(), history=loop.history)
+        result = FitResult(model=trainer.trained_model(), history=loop.history,
+                           optimizer=None if loop.stepper is None else loop.stepper.optimizer)
     return result

@@ -85,3 +85,29 @@ def test_broadcast_parameters_of_a_cuda_model_makes_every_rank_the_roots(comm, d
 
 def test_broadcast_optimizer_state_sends_cuda_adam_state_whole(comm, device):
     hc.assert_adam_state_broadcast(comm, device)
+
+
+def test_sync_batch_norm_on_cuda_equals_the_cpu_layer(comm, device):
+    """hvd.SyncBatchNorm (Horovod's synthetic benchmark's norm layer) on CUDA inputs: output, input
+    gradient, weight/bias gradients and running statistics equal the same layer on the CPU (float64; the
+    CPU layer equals one process, tests/horovod/test_examples.py), two training steps."""
+    g = torch.Generator().manual_seed(4 + comm.rank)
+    layers = {d: hvd.SyncBatchNorm(5).double().to(d) for d in (CPU, device)}
+    results: dict[torch.device, list[torch.Tensor]] = {CPU: [], device: []}
+    on_input_device = True
+    for _ in range(2):
+        x = torch.randn(3 + comm.rank % 2, 5, 4, 4, generator=g, dtype=torch.float64) * 2 + 1
+        w = torch.randn(x.shape, generator=g, dtype=torch.float64)
+        for d, layer in layers.items():
+            layer.zero_grad()
+            xd = x.to(d).requires_grad_()
+            y = layer(xd)
+            (y * w.to(d)).sum().backward()
+            on_input_device &= y.device == xd.device
+            results[d] += [y.detach().cpu(), xd.grad.cpu(), layer.weight.grad.cpu(), layer.bias.grad.cpu()]
+    for d, layer in layers.items():
+        results[d] += [layer.running_mean.cpu(), layer.running_var.cpu()]
+    assert_all_ranks(comm, on_input_device, "output not on the input's device")
+    for i, (got, want) in enumerate(zip(results[device], results[CPU])):
+        ok = torch.allclose(got, want, rtol=0, atol=1e-10)
+        assert_all_ranks(comm, ok, f"result {i}: max err {(got - want).abs().max().item()}")

@@ -24,7 +24,7 @@ grouped_reducescatter grouped_reducescatter_async join barrier poll synchronize 
 start_timeline stop_timeline size local_size cross_size rank local_rank cross_rank mpi_threads_supported
 mpi_enabled mpi_built gloo_enabled gloo_built nccl_built ddl_built ccl_built cuda_built rocm_built ProcessSet
 global_process_set add_process_set remove_process_set Average Sum Adasum Min Max Product HorovodInternalError
-DistributedOptimizer
+DistributedOptimizer SyncBatchNorm
 """.split()
 
 
@@ -36,7 +36,7 @@ def test_all_is_the_horovod_torch_surface():
 
 
 def test_refused_parts_say_why():
-    for name in ("SyncBatchNorm", "elastic", "sparse_allreduce_async"):
+    for name in ("elastic", "sparse_allreduce_async"):
         with pytest.raises(AttributeError, match="not supported"):
             getattr(hvd, name)
 
@@ -68,3 +68,20 @@ def test_horovod_mnist_example_reaches_90_percent(ranks):
     assert proc.returncode == 0, proc.stderr[-3000:]
     accuracies = [float(a) for a in re.findall(r"Accuracy: ([\d.]+)%", proc.stdout)]
     assert len(accuracies) == 6 and accuracies[-1] >= 90.0, proc.stdout[-2000:]
+
+
+def test_sync_batch_norm_in_one_process_is_batch_norm():
+    """A job of one rank: hvd.SyncBatchNorm is torch's BatchNorm2d (output, gradients, running statistics,
+    the cumulative average of momentum=None)."""
+    hvd.init()
+    ref, mine = torch.nn.BatchNorm2d(3, momentum=None).double(), hvd.SyncBatchNorm(3, momentum=None).double()
+    for _ in range(2):
+        x = torch.randn(4, 3, 5, 5, dtype=torch.float64)
+        xr, xm = x.clone().requires_grad_(), x.clone().requires_grad_()
+        (ref(xr) ** 2).sum().backward()
+        (mine(xm) ** 2).sum().backward()
+        torch.testing.assert_close(xm.grad, xr.grad, rtol=0, atol=1e-12)
+    torch.testing.assert_close(mine.weight.grad, ref.weight.grad, rtol=0, atol=1e-12)
+    torch.testing.assert_close(mine.state_dict(), ref.state_dict(), rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="at least 2D"):
+        mine(torch.ones(3, dtype=torch.float64))

@@ -74,6 +74,7 @@ from ._mpi_ops import (
 )
 from ._optimizer import DistributedOptimizer
 from ._process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
+from ._sync_batch_norm import SyncBatchNorm
 
 __all__ = [
     # lifecycle and queries
@@ -94,13 +95,11 @@ __all__ = [
     "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
     # training helpers
     "DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state", "broadcast_object",
-    "allgather_object",
+    "allgather_object", "SyncBatchNorm",
 ]
 
 #: Parts of horovod.torch that mpitrain.horovod refuses, with the reason given on access.
 _REFUSED = {
-    "SyncBatchNorm": "SyncBatchNorm is not supported by mpitrain.horovod; use torch.nn.SyncBatchNorm-free models "
-                     "or mpitrain.spatial's batch norm",
     "elastic": "elastic training (hvd.elastic) is not supported by mpitrain.horovod",
     "sparse_allreduce_async": "sparse tensors are not supported by mpitrain.horovod",
 }

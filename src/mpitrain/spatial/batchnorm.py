@@ -22,7 +22,7 @@ from ._window import input_layout
 from .distribution import Distribution
 from .tensor import DistributionLike, SpatialError, tag
 
-__all__ = ["SpatialBatchNorm2d", "SpatialBatchNorm3d", "STATS"]
+__all__ = ["SpatialBatchNorm2d", "SpatialBatchNorm3d", "STATS", "sync_batch_norm"]
 
 STATS = ("global", "spatial", "local")
 
@@ -100,6 +100,17 @@ class _BatchNorm(torch.autograd.Function):
         dw = local[c:] if weight is not None and ctx.needs_input_grad[1] else None
         db = local[:c] if ctx.has_bias and ctx.needs_input_grad[2] else None
         return dx, dw, db, None, None
+
+
+def sync_batch_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, layer: Any,
+                    comm: Any) -> torch.Tensor:
+    """Batch norm of `x` (N x C x ...) with statistics over every rank's `x`, differentiable: output and
+    input gradient equal the single-process layer on the concatenation of the ranks' inputs; weight and
+    bias gradients are this rank's share (sum them over the ranks). `layer` gives ``eps`` and
+    ``update_running(mean, var, n)`` (called with the combined batch statistics); `comm` is anything with
+    ``size``, ``allgather(t)`` and ``allreduce(t, "sum")`` of a Communicator (mpitrain.horovod passes its
+    engine, so the two collectives keep the engine's order)."""
+    return _BatchNorm.apply(x, weight, bias, layer, comm)  # type: ignore[no-any-return]
 
 
 class SpatialBatchNorm2d(nn.Module):

@@ -9,10 +9,12 @@ from ._batching import plain_inputs, rows, samples, slice_share, target_rows
 from ._broadcast import broadcast_optimizer_state, broadcast_tensors
 from ._buckets import MB, Bucket, plan_buckets
 from ._device import autocast, model_device, to_device
+from ._optimizer import optimizer_factory
 from ._reshard import NAMED, assemble
 from .base import FitError, FitSpec, StrategyOptions, Trainer
 from .step import StepTrainer
 
 __all__ = ["FitError", "FitSpec", "StrategyOptions", "Trainer", "StepTrainer", "plain_inputs",
            "rows", "samples", "slice_share", "target_rows", "broadcast_optimizer_state", "broadcast_tensors",
-           "MB", "Bucket", "plan_buckets", "autocast", "model_device", "to_device", "NAMED", "assemble"]
+           "MB", "Bucket", "plan_buckets", "autocast", "model_device", "to_device", "NAMED", "assemble",
+           "optimizer_factory"]
