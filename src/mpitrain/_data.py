@@ -8,8 +8,9 @@ without shuffle) in global batches of ``batch_size``; the last one is smaller un
 
 from __future__ import annotations
 
+import random
 import zlib
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +22,8 @@ from .comm.base import Communicator
 from .strategies import plain_inputs
 from .strategies.base import Batch, BatchShare, FitError, Share
 
-__all__ = ["DataPlan", "epoch_order", "global_batches", "batch_count", "is_map_dataset", "read_shares", "read_global",
+__all__ = ["ACCEPTED", "split_batch", "check_first_item",
+           "DataPlan", "epoch_order", "global_batches", "batch_count", "is_map_dataset", "read_shares", "read_global",
            "check_same_first_batch", "batch_checksum"]
 
 
@@ -59,6 +61,9 @@ class DataPlan:
     drop_last: bool
     num_workers: int
     pin_memory: bool
+    #: how a DataLoader joins items into a batch (None: torch's default_collate, which stacks equal
+    #: shapes; variable-length items need a padding one, such as Hugging Face's DataCollatorWithPadding)
+    collate_fn: Callable[[list[Any]], Any] | None = None
 
     def batches(self, epoch: int) -> list[torch.Tensor]:
         return global_batches(epoch_order(len(self.dataset), self.seed, epoch, self.shuffle), self.batch_size,
@@ -72,16 +77,48 @@ class DataPlan:
         """A DataLoader over exactly `index_lists` (one batch each, in order). Its own generator keeps
         the global torch RNG untouched (dropout streams and exact resume depend on it)."""
         return DataLoader(self.dataset, batch_sampler=index_lists, num_workers=self.num_workers,
-                          pin_memory=self.pin_memory, generator=torch.Generator().manual_seed(self.seed + epoch))
+                          pin_memory=self.pin_memory, collate_fn=self.collate_fn,
+                          generator=torch.Generator().manual_seed(self.seed + epoch))
 
 
-def _split_sample(batch: Any) -> tuple[Batch, torch.Tensor]:
-    if not isinstance(batch, (tuple, list)) or len(batch) < 2:
-        raise FitError("a Dataset for fit must return (inputs, target) or (input_1, ..., input_k, target) per "
-                       "index")
-    if len(batch) == 2:
-        return plain_inputs(batch[0]), batch[1]
-    return tuple(batch[:-1]), batch[-1]
+#: What fit takes as one sample (a Dataset's item) or one batch (a collated batch, an iterable's element):
+#: the one rule of :func:`split_batch`, quoted in every refusal
+ACCEPTED = ("(inputs, target), (input_1, ..., input_k, target), or a mapping holding "
+            "\"labels\" (Hugging Face's convention: the model is called with every key, labels included, "
+            "and the target is item[\"labels\"])")
+
+
+def split_batch(batch: Any) -> tuple[Batch, Any]:
+    """``(inputs, targets)`` of a Dataset's item or collated batch, or of an iterable's (or eval_data's)
+    batch, by the one rule: a tuple/list ``(inputs, target)`` or ``(input_1, ..., input_k, target)``
+    (positional inputs), or a mapping holding ``"labels"`` -- then the inputs are the
+    whole mapping as a dict (the model computes its own loss from the labels, e.g. ``loss_fn =
+    lambda out, y: out.loss``) and the targets are ``batch["labels"]``, so per-sample slicing, eval
+    weighting and the ``(B*T,)``/``(B, T)`` target rule apply to them. Anything else: FitError naming
+    what is accepted (local: every rank holding the same batch refuses alike)."""
+    if isinstance(batch, Mapping):
+        if "labels" not in batch:
+            raise FitError(f"fit: a mapping item or batch must hold \"labels\" (its keys: {sorted(map(str, batch))}); "
+                           f"fit takes {ACCEPTED}")
+        inputs = plain_inputs(batch)  # a BatchEncoding: its dict, so pytree slices its tensors
+        return inputs, inputs["labels"]
+    if isinstance(batch, (tuple, list)) and len(batch) >= 2:
+        if len(batch) == 2:
+            return plain_inputs(batch[0]), batch[1]
+        return tuple(batch[:-1]), batch[-1]
+    raise FitError(f"fit: got a {type(batch).__name__}{f' of {len(batch)}' if isinstance(batch, (tuple, list)) else ''}"
+                   f" as an item or batch; fit takes {ACCEPTED}")
+
+
+def check_first_item(dataset: Any) -> None:
+    """FitError (local, before any message) unless the Dataset's item 0 follows :func:`split_batch`'s rule.
+    Reads item 0 once on this rank, its RNG draws undone (torch's CPU generator and Python's `random`:
+    random augmentations must not shift the training's streams)."""
+    state = random.getstate()
+    with torch.random.fork_rng(devices=[]):
+        item = dataset[0]
+    random.setstate(state)
+    split_batch(item)
 
 
 def read_shares(plan: DataPlan, epoch: int, start: int, share: Callable[[int], Share]) -> Iterator[BatchShare]:
@@ -96,7 +133,7 @@ def read_shares(plan: DataPlan, epoch: int, start: int, share: Callable[[int], S
         if s.rows == 0:
             yield BatchShare(None, None, len(b), s)
             continue
-        x, y = _split_sample(next(it))
+        x, y = split_batch(next(it))
         yield BatchShare(x if s.inputs else None, y if s.targets else None, len(b), s)
 
 
@@ -106,7 +143,7 @@ def read_global(plan: DataPlan, epoch: int, start: int) -> Iterator[tuple[Batch,
     lists = [b.tolist() for b in plan.batches(epoch)[start:]]
     if lists:
         for batch in plan.loader(lists, epoch):
-            yield _split_sample(batch)
+            yield split_batch(batch)
 
 
 #: Elements of each tensor that the first-batch check hashes, spread over every row: two different
@@ -178,8 +215,9 @@ def skip(data: Iterable[Any], count: int) -> Iterator[Any]:
 
 
 def check_plan(dataset: object, batch_size: int | None, seed: object, num_workers: object,
-               extra: Sequence[tuple[str, object]]) -> None:
-    """Local checks of fit's Dataset keywords (FitError, the same verdict on every rank)."""
+               extra: Sequence[tuple[str, object]], collate_fn: object = None) -> None:
+    """Local checks of fit's Dataset keywords and of the form of its item 0 (:func:`check_first_item`;
+    FitError, the same verdict on every rank)."""
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise FitError(f"fit on a Dataset needs batch_size=, a positive int (the GLOBAL batch), got {batch_size!r}")
     if not isinstance(seed, int) or isinstance(seed, bool):
@@ -189,5 +227,8 @@ def check_plan(dataset: object, batch_size: int | None, seed: object, num_worker
     for name, value in extra:
         if not isinstance(value, bool):
             raise FitError(f"{name} must be True or False, got {value!r}")
+    if collate_fn is not None and not callable(collate_fn):
+        raise FitError(f"collate_fn must be None or callable (items -> batch), got {collate_fn!r}")
     if len(dataset) == 0:  # type: ignore[arg-type]
         raise FitError("the Dataset is empty")
+    check_first_item(dataset)

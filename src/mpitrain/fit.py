@@ -16,12 +16,22 @@ from torch.utils.data import DataLoader
 
 from . import _registry, checkpoint
 from . import timeline as _timeline
-from ._data import DataPlan, check_plan, check_same_first_batch, is_map_dataset, read_global, read_shares, skip, take
+from ._data import (
+    DataPlan,
+    check_plan,
+    check_same_first_batch,
+    is_map_dataset,
+    read_global,
+    read_shares,
+    skip,
+    split_batch,
+    take,
+)
 from ._utils.deprecation import renamed_options
 from ._utils.stall import StallPolicy
 from .comm.base import Communicator
 from .runtime import world
-from .strategies import NAMED, StepTrainer, optimizer_factory, plain_inputs, samples, slice_share
+from .strategies import NAMED, StepTrainer, optimizer_factory, samples, slice_share
 from .strategies.base import (
     Balance,
     Batch,
@@ -145,8 +155,8 @@ def _evaluate(trainer: Trainer, data: Iterable[tuple[Batch, torch.Tensor]], loss
               metrics: dict[str, Metric]) -> dict[str, float]:
     totals: dict[str, float] = {}
     count = 0
-    for batch_inputs, targets in data:
-        inputs = plain_inputs(batch_inputs)
+    for batch in data:
+        inputs, targets = split_batch(batch)  # a BatchEncoding: its dict
         outputs = trainer.eval_step(inputs, targets)
         n = samples(inputs, targets)
         with torch.no_grad():
@@ -256,32 +266,34 @@ def _strategy_of(strategy: str | StrategyOptions, options: dict[str, object], pa
 
 
 def _check_first_batch(data: object) -> None:
-    """The sharding rule (:func:`~mpitrain.strategies._batching.samples`) on the first global batch of a
-    list or tuple of batches, before the trainer is built (no message yet). Other iterables cannot be
-    peeked without reading them: their batches are checked as they are cut, on every rank alike."""
-    if isinstance(data, (list, tuple)) and data and isinstance(data[0], (list, tuple)) and len(data[0]) == 2:
-        samples(plain_inputs(data[0][0]), data[0][1])
+    """The batch rule (:func:`~mpitrain._data.split_batch`) and the sharding rule
+    (:func:`~mpitrain.strategies._batching.samples`) on the first global batch of a list or tuple of
+    batches, before the trainer is built (no message yet). Other iterables cannot be peeked without
+    reading them: their batches are checked as they are cut, on every rank alike."""
+    if isinstance(data, (list, tuple)) and data:
+        samples(*split_batch(data[0]))
 
 
 def _settings(data: object, epochs: int, steps: int | None, batch_size: int | None, shuffle: bool, seed: int,
               drop_last: bool, num_workers: int, pin_memory: bool, checkpoint_dir: str | os.PathLike[str] | None,
               checkpoint_every: int | None, resume: bool, lr_scheduler: SchedulerFactory | None,
               grad_clip: float | None, accumulate: int, precision: str, on_step_end: Callback | None,
-              on_epoch_end: Callback | None) -> _Settings:
+              on_epoch_end: Callback | None, collate_fn: Callable[[list[Any]], Any] | None = None) -> _Settings:
     """fit's loop keywords checked locally (FitError: the same verdict on every rank)."""
     if not is_int(epochs) or epochs < 1 or (steps is not None and (not is_int(steps) or steps < 1)):
         raise FitError(f"epochs must be >= 1 and steps None or >= 1, got epochs={epochs}, steps={steps}")
     plan = None
     if is_map_dataset(data):
         check_plan(data, batch_size, seed, num_workers, [("shuffle", shuffle), ("drop_last", drop_last),
-                                                        ("pin_memory", pin_memory)])
+                                                        ("pin_memory", pin_memory)], collate_fn)
         assert batch_size is not None
-        plan = DataPlan(data, batch_size, shuffle, seed, drop_last, num_workers, pin_memory)
+        plan = DataPlan(data, batch_size, shuffle, seed, drop_last, num_workers, pin_memory, collate_fn)
         if drop_last and len(plan.dataset) < batch_size:
             raise FitError(f"drop_last=True with a Dataset of {len(plan.dataset)} samples and batch_size={batch_size} "
                            f"leaves no batch")
-    elif batch_size is not None or num_workers or pin_memory:
-        raise FitError("batch_size, num_workers and pin_memory apply to a map-style torch.utils.data.Dataset; "
+    elif batch_size is not None or num_workers or pin_memory or collate_fn is not None:
+        raise FitError("batch_size, num_workers, pin_memory and collate_fn apply to a map-style "
+                       "torch.utils.data.Dataset (a DataLoader of yours takes its own collate_fn); "
                        f"`data` is a {type(data).__name__} of global batches")
     if not is_int(accumulate) or accumulate < 1:
         raise FitError(f"accumulate must be an int >= 1, got {accumulate!r}")
@@ -393,8 +405,8 @@ class _Loop:
             else:
                 yield from read_global(plan, epoch, start)
             return
-        for i, (batch_inputs, targets) in enumerate(skip(self.data, start)):
-            inputs = plain_inputs(batch_inputs)  # a tokenizer's BatchEncoding: its dict
+        for i, batch in enumerate(skip(self.data, start)):
+            inputs, targets = split_batch(batch)  # a tokenizer's BatchEncoding: its dict
             if i == 0:
                 check_same_first_batch(self.comm, (inputs, targets), epoch)
             if stepper is not None:
@@ -587,6 +599,7 @@ def fit(model: nn.Module, data: Any, loss_fn: LossFn,
         epochs: int = 1, steps: int | None = None, batch_size: int | None = None, shuffle: bool = True,
         seed: int = 0,
         drop_last: bool = False, num_workers: int = 0, pin_memory: bool = False,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
         eval_data: Iterable[tuple[Batch, torch.Tensor]] | None = None,
         metrics: Iterable[str | Metric] | Mapping[str, Metric] | None = None,
         checkpoint_dir: str | os.PathLike[str] | None = None, checkpoint_every: int | None = None,
@@ -603,13 +616,20 @@ def fit(model: nn.Module, data: Any, loss_fn: LossFn,
     ``PipelineOptions`` runs "model" when `partitions` takes every rank, else "hybrid"); not both.
 
     `data` is either a map-style ``torch.utils.data.Dataset`` (with ``batch_size=``, the GLOBAL batch) or
-    an iterable of ``(inputs, targets)`` global mini-batches, the same on every rank.
+    an iterable of global mini-batches, the same on every rank: ``(inputs, targets)`` pairs or, by the same
+    rule as a Dataset's items, mappings holding ``"labels"`` (a DataLoader with its own `collate_fn`).
 
     * Dataset: epoch ``e`` visits ``torch.randperm(len(data), generator=torch.Generator().manual_seed(seed
       + e))`` (``arange`` if not `shuffle`) in global batches of `batch_size`, the last one smaller unless
       `drop_last`. Each rank reads only the rows it uses (a DataLoader per rank with `num_workers` and
       `pin_memory`) where the strategy supports it (feature "shares"; otherwise every rank reads each
-      global batch). The item at an index is ``(inputs, target)`` or ``(input_1, ..., input_k, target)``.
+      global batch). The item at an index is ``(inputs, target)``, ``(input_1, ..., input_k, target)``
+      or a mapping holding ``"labels"`` (Hugging Face's convention: the model is called with every key,
+      labels included, and the target is ``item["labels"]``; ``loss_fn=lambda out, y: out.loss`` trains
+      on the model's own loss); fit reads item 0 once on every rank to check that before any message.
+      `collate_fn` joins items into a batch as a DataLoader's does (variable-length items need a
+      padding one, e.g. ``transformers.DataCollatorWithPadding(tokenizer)``); it is called on each
+      rank's rows, so each rank pads its rows to their own longest.
     * Iterable: the first batch of each epoch is checksummed across ranks (FitError naming the ranks
       that differ from rank 0).
 
@@ -649,7 +669,7 @@ def fit(model: nn.Module, data: Any, loss_fn: LossFn,
     """
     s = _settings(data, epochs, steps, batch_size, shuffle, seed, drop_last, num_workers, pin_memory, checkpoint_dir,
                   checkpoint_every, resume, lr_scheduler, grad_clip, accumulate, precision, on_step_end,
-                  on_epoch_end)
+                  on_epoch_end, collate_fn)
     factory = optimizer_factory(optimizer, model)  # once, before any message: what every strategy takes
     comm = comm or world()
     named = _metrics(metrics)
@@ -662,7 +682,7 @@ def fit(model: nn.Module, data: Any, loss_fn: LossFn,
     sharded = _require(name, s, data)
     _check_first_batch(data)
     if eval_data is not None and is_map_dataset(eval_data):
-        eval_data = DataLoader(eval_data, batch_size=batch_size or 1)  # type: ignore[arg-type]
+        eval_data = DataLoader(eval_data, batch_size=batch_size or 1, collate_fn=collate_fn)  # type: ignore[arg-type]
     resume_from = _find_resume(comm, s)
     spec = FitSpec(strategy=name, partitions=partitions, replicas=replicas, micro_batches=micro_batches,
                    schedule=schedule, balance=balance, options=strategy_options, stall=stall, loop=s.loop)

@@ -4,7 +4,9 @@ message, the disk cache, and fit(strategy="auto") against one process training t
 from __future__ import annotations
 
 import copy
+import json
 from collections import UserDict
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +18,7 @@ from mpitrain.planner import PlanError, plan
 from mpitrain.planner._candidates import TIE_MARGIN, machinery
 from tests.helpers import assert_all_ranks, assert_close_all_ranks
 from tests.planner.models import cnn_batch, mlp_batches, tiny_cnn, tiny_mlp
+from tests.strategies.pipeline.tiny_transformers import build, lm_batches, lm_loss
 
 CE = nn.functional.cross_entropy
 
@@ -59,6 +62,7 @@ def test_a_mapping_that_is_no_dict_plans_as_its_dict(comm):
 @pytest.mark.parametrize("bad, message", [
     ({"model": "not a model"}, "torch.nn.Module"),
     ({"sample_batch": torch.zeros(3)}, "sample_batch"),
+    ({"sample_batch": (torch.zeros(12, 16), torch.zeros(13, dtype=torch.long))}, "multiple"),  # the sharding rule
     ({"memory_limit": "-4G"}, "memory_limit"),
     ({"strategies": ["data", "warp-drive"]}, "warp-drive"),
     ({"world_size": 0}, "world_size"),
@@ -207,3 +211,22 @@ def test_on_one_host_the_intra_and_inter_levels_are_one_measurement(comm):
     assert_all_ranks(comm, hosts == (0,) * comm.size, f"one machine, hosts {hosts}")
     inter, intra = measure_levels(comm, hosts)
     assert_all_ranks(comm, inter is intra and inter.ranks == comm.size and inter.allreduce.beta > 0, f"{inter}")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_language_model_with_flattened_targets_is_timed_on_the_shares_of_its_batch(comm, tmp_path):
+    """(B*T,) token targets: the batch is B sequences (the inputs' dim 0), not B*T. The profile that plan()
+    caches holds that batch and the step timed at the shares of a W-rank plan, B/(4W) and B/W sequences
+    (before the fix: at B*T/(4W) and B*T/W, clamped to the whole batch), and the data plans split B."""
+    W, T = comm.size, 8
+    (inputs, targets), = lm_batches(4 * W, 1, seed=1, lengths=(T,))
+    folder = comm.broadcast_object(str(tmp_path), 0)
+    plans = plan(build("gpt2"), (inputs, targets.reshape(-1)), lm_loss, comm=comm, cache=folder,
+                 strategies={"data", "model"})
+    profile = comm.broadcast_object(json.loads(next(Path(folder).glob("*.json")).read_text())["profile"]
+                                    if comm.rank == 0 else None, 0)
+    timed = [n for n, _ in profile["step_at"]]
+    assert_all_ranks(comm, profile["batch"] == 4 * W and timed == [1.0, 4.0],
+                     f"batch {profile['batch']}, timed {timed}")
+    micro = [p.options.get("micro_batches", 1) for p in plans if p.strategy == "model"]
+    assert_all_ranks(comm, all(4 * W % m == 0 for m in micro), f"micro-batches {micro} of a batch of {4 * W}")

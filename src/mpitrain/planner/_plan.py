@@ -23,8 +23,8 @@ from ..perf.calibrate import (
     measure_network,
 )
 from ..runtime import world
-from ..strategies import plain_inputs
-from ..strategies.base import Batch, LossFn, is_int, is_number
+from ..strategies import plain_inputs, samples
+from ..strategies.base import Batch, FitError, LossFn, is_int, is_number
 from ._candidates import STRATEGY_NAMES, Measured, candidates
 from ._measure import measure_plan
 from ._overhead import Overheads, measure_overheads
@@ -78,6 +78,10 @@ def _check(model: object, sample_batch: object, loss_fn: object, comm: Communica
             and len(sample_batch[1]) >= 1):
         raise PlanError("plan: sample_batch must be one global mini-batch (inputs, targets), targets a tensor "
                         "with the batch along dim 0")
+    try:  # the sharding rule: B is the inputs' dim 0, the targets k rows per sample (an LM's (B*T,))
+        samples(*sample_batch)
+    except FitError as e:
+        raise PlanError(f"plan: {e}") from None
     if not callable(loss_fn):
         raise PlanError(f"plan: loss_fn must be callable, got {type(loss_fn).__name__}")
     if not isinstance(exact, bool):
@@ -171,8 +175,9 @@ def measure_levels(comm: Communicator, hosts: tuple[int, ...]) -> tuple[Network,
 def _measure(model: nn.Module, loss_fn: LossFn, sample_batch: tuple[Batch, torch.Tensor],
              comm: Communicator, hosts: tuple[int, ...], world: int) -> dict[str, Any]:
     """Calibrate on every rank at once and agree (max over ranks, then rank 0's numbers broadcast).
-    The model is timed on the shares of a `world`-rank plan (B/(4 world) and B/world samples)."""
-    B, W = len(sample_batch[1]), comm.size
+    The model is timed on the shares of a `world`-rank plan (B/(4 world) and B/world samples; B counted
+    by the sharding rule, :func:`~mpitrain.strategies.samples`: flattened LM targets hold B*T rows)."""
+    B, W = samples(*sample_batch), comm.size
     prof = agree(comm, measure_model(model, loss_fn, sample_batch, [max(1, B // (4 * world)), max(1, B // world)]))
     net, intra = measure_levels(comm, hosts)
     cal = calibrate(comm, repeats=5, max_bytes=CALIBRATION_BYTES)

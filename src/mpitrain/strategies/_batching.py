@@ -185,14 +185,31 @@ def gather_rows(comm: Communicator, out: torch.Tensor, sizes: list[int]) -> torc
     return torch.cat([blocks[r, :s] for r, s in enumerate(sizes)])
 
 
+def _row_weighted_means(comm: Communicator, leaves: list[Any], sizes: list[int]) -> None:
+    """Collective: every 0-dim floating tensor of `leaves` replaced, in place, by its mean over the ranks
+    weighted by their rows (`sizes`; a rank without rows weighs nothing), in its dtype, on the CPU. One
+    allreduce for all of them; none if there are none (every rank's outputs have the same structure)."""
+    at = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.dim() == 0 and t.is_floating_point()]
+    if not at:
+        return
+    sums = torch.stack([leaves[i].detach().cpu().double() for i in at]) * sizes[comm.rank]
+    comm.allreduce(sums)
+    for i, total in zip(at, sums.tolist()):
+        leaves[i] = torch.tensor(total / max(sum(sizes), 1), dtype=leaves[i].dtype)
+
+
 def gather_outputs(comm: Communicator, out: Any, sizes: list[int]) -> Any:
     """Collective: :func:`gather_rows` of every tensor leaf of `out` with a dimension (a tensor, tuple,
     dict or ModelOutput, in leaf order: every rank's `out` has the same structure), in the same
-    structure, on the CPU (fit compares them with its CPU targets); bf16 leaves come back as float32,
-    other leaves as this rank holds them."""
+    structure, on the CPU (fit compares them with its CPU targets); bf16 leaves come back as float32.
+    A 0-dim floating leaf is a mean the model took over its rows (a Hugging Face model's ``out.loss``
+    computed from ``labels`` among the inputs): it comes back as the mean over all rows, each rank's
+    weighted by its rows, as fit weighs the training loss. Other leaves come back as this rank holds them."""
     def gather(t: Any) -> Any:
         if not _sliced(t):
             return t
         t = t.cpu()  # the same tensor for a CPU one
         return gather_rows(comm, t.float() if t.dtype == torch.bfloat16 else t, sizes)
-    return pytree.tree_map(gather, out)
+    leaves, spec = pytree.tree_flatten(out)
+    _row_weighted_means(comm, leaves, sizes)
+    return pytree.tree_unflatten([gather(t) for t in leaves], spec)

@@ -352,7 +352,9 @@ class Pipeline:
     def eval(self, inputs: Any) -> Any:
         """Forward only, in eval mode, on any batch size (uneven slices by `split_sizes`); returns the
         model's outputs for the whole batch on every rank, in the model's own structure. Every tensor
-        output must have the batch as dim 0."""
+        output must have the batch as dim 0, or be a 0-dim floating mean the model took over its rows
+        (a Hugging Face model's loss from ``labels`` among the inputs): that one comes back as the mean
+        over the whole batch, each micro-batch weighted by its rows."""
         flat = self._flat(inputs)
         B = batch_size(flat)
         rt = self._runtime

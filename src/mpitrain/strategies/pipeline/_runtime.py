@@ -176,11 +176,13 @@ class PipelineRuntime:
         sizes = [s for s in split_sizes(per_replica[self.layout.replica], M) if s > 0]
         starts = [off + sum(sizes[:m]) for m in range(len(sizes))]
         metas = [self.shapes.meta(flat, s) for s in sizes]
-        leaves = self._output_leaves(flat, B)
+        leaves, means = self._output_leaves(flat, B)
 
         def last_fn(m: int, out: list[Any]) -> None:
-            for r, o in zip(leaves, out):
-                if isinstance(r, torch.Tensor):
+            for i, (r, o) in enumerate(zip(leaves, out)):
+                if i in means:  # this replica's row-weighted sum of a mean the model took over its rows
+                    r[self.layout.replica] += float(o) * sizes[m]
+                elif isinstance(r, torch.Tensor):
                     r[starts[m]:starts[m] + sizes[m]].copy_(o)
 
         self._sync_buffers()
@@ -197,9 +199,11 @@ class PipelineRuntime:
         with self.watched("the broadcast of the evaluation outputs"):
             for r, size in enumerate(per_replica):  # each replica's last partition shares its slice
                 begin, root = sum(per_replica[:r]), self.layout.world_rank(r, self.layout.last_rank)
-                for t in leaves:
+                for i, t in enumerate(leaves):
                     if isinstance(t, torch.Tensor):
-                        self.comm.broadcast(t[begin:begin + size], root=root)
+                        self.comm.broadcast(t[r:r + 1] if i in means else t[begin:begin + size], root=root)
+        for i, dtype in means.items():  # the mean over the whole batch, as gather_outputs gives it
+            leaves[i] = (leaves[i].sum() / max(B, 1)).to(dtype)
         return pytree.tree_unflatten(leaves, self.cut.traced.out_spec)
 
     def _actions(self, count: int) -> list[Action]:
@@ -212,20 +216,27 @@ class PipelineRuntime:
                     + [Action("B", m, c) for m in range(count) for c in reversed(range(L.V))])
         return schedule(L.schedule, L.P, count, L.p, L.V)
 
-    def _output_leaves(self, flat: list[Any], B: int) -> list[Any]:
-        """Buffers for the batch's output leaves (constants stay constants)."""
+    def _output_leaves(self, flat: list[Any], B: int) -> tuple[list[Any], dict[int, torch.dtype]]:
+        """Buffers for the batch's output leaves (constants stay constants), and the 0-dim floating
+        outputs by index with their dtype: a mean the model takes over its rows (a Hugging Face model's
+        loss from ``labels`` among the inputs), buffered as one float64 row-weighted sum per replica."""
         meta = self.shapes.meta(flat, 1)
         out: list[Any] = []
+        means: dict[int, torch.dtype] = {}
         for v in self.cut.traced.outputs:
             m = meta.get(v.name) if isinstance(v, torch.fx.Node) else None
             if m is None:
                 out.append(v)
+            elif not m.shape and m.dtype.is_floating_point:
+                means[len(out)] = m.dtype
+                out.append(torch.zeros(self.layout.R, dtype=torch.float64))
             elif not m.shape or m.shape[0] != 1:
-                raise FitError(f"Pipeline.eval needs every tensor output to have the batch as dim 0; output "
+                raise FitError(f"Pipeline.eval needs every tensor output to have the batch as dim 0 (or be a 0-dim "
+                               f"floating mean over the rows, such as a loss); output "
                                f"{v.name!r} has shape {m.shape} for one sample")
             else:
                 out.append(torch.empty((B, *m.shape[1:]), dtype=m.dtype))
-        return out
+        return out, means
 
     # -- gradients --------------------------------------------------------------------------------
     def reduce_gradients(self) -> None:
