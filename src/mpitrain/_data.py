@@ -113,7 +113,13 @@ def split_batch(batch: Any) -> tuple[Batch, Any]:
 def check_first_item(dataset: Any) -> None:
     """FitError (local, before any message) unless the Dataset's item 0 follows :func:`split_batch`'s rule.
     Reads item 0 once on this rank, its RNG draws undone (torch's CPU generator and Python's `random`:
-    random augmentations must not shift the training's streams)."""
+    random augmentations must not shift the training's streams). A dataset read by region
+    (``spatial.data.RegionDataset``) is not read here: a rank must never read a whole sample of it (its
+    items are checked as the rank reads its blocks)."""
+    from .spatial.data import RegionDataset  # on first use: fit's import loads no strategy
+
+    if isinstance(dataset, RegionDataset):
+        return
     state = random.getstate()
     with torch.random.fork_rng(devices=[]):
         item = dataset[0]
