@@ -83,10 +83,13 @@ def test_dataset_with_uneven_last_batch_equals_one_process_and_each_rank_reads_o
         rows = sum(split_sizes(n, R)[replica] for n in (8, 8, 8, 5))
         where = placement(schedule, P)
         last = next(s for s, row in enumerate(where) if P * len(row) - 1 in row)
-        # inputs on the first stage, targets on the last partition's (the last rank; rank 0 under zbv)
+        # inputs on the first stage, targets on the last partition's (the last rank; rank 0 under zbv); and
+        # item 0 once on every rank before any message, to check its form (fit's Dataset rule)
+        assert_all_ranks(comm, ds.reads[:1] == [0], f"{what}: rank {comm.rank} first read {ds.reads[:1]}, not item 0")
+        reads = ds.reads[1:]
         want = 2 * rows if p in (0, last) else 0
-        assert_all_ranks(comm, len(ds.reads) == want, f"{what}: rank {comm.rank} read {len(ds.reads)}, not {want}")
-        firsts = [reads for r, reads in enumerate(comm.allgather_object(ds.reads)) if r % P == 0]
+        assert_all_ranks(comm, len(reads) == want, f"{what}: rank {comm.rank} read {len(reads)}, not {want}")
+        firsts = [reads for r, reads in enumerate(comm.allgather_object(reads)) if r % P == 0]
         counts = torch.bincount(torch.tensor([i for reads in firsts for i in reads]), minlength=N)
         assert_all_ranks(comm, bool((counts == 2).all()), f"{what}: first stages' reads per index {counts.tolist()}")
 
