@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ..spatial.batchnorm import sync_batch_norm
+from ..spatial.batchnorm import count_batch, sync_batch_norm, update_running
 from ._basics import Sum, size
 from ._handles import synchronize
 from ._mpi_ops import allgather_async, allreduce_async
@@ -57,15 +57,8 @@ class SyncBatchNorm(_BatchNorm):
 
     def update_running(self, mean: torch.Tensor, var: torch.Tensor, n: float) -> None:
         """torch's running-statistics rule for the combined batch (unbiased variance over `n` values)."""
-        if not (self.training and self.track_running_stats):
-            return
-        assert self.running_mean is not None and self.running_var is not None
-        assert self.num_batches_tracked is not None
-        with torch.no_grad():
-            self.num_batches_tracked.add_(1)
-            f = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
-            self.running_mean.lerp_(mean.to(self.running_mean.dtype), f)
-            self.running_var.lerp_((var * (n / max(n - 1, 1))).to(self.running_var.dtype), f)
+        if self.training and self.track_running_stats:
+            update_running(self, self.momentum, mean, var, n)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(input)
@@ -73,11 +66,7 @@ class SyncBatchNorm(_BatchNorm):
             return F.batch_norm(input, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0,
                                 self.eps)
         if size() == 1:  # torch's layer: this rank's batch is the whole batch
-            factor = 0.0
-            if self.training and self.track_running_stats:
-                assert self.num_batches_tracked is not None
-                self.num_batches_tracked.add_(1)
-                factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+            factor = count_batch(self, self.momentum) if self.training and self.track_running_stats else 0.0
             return F.batch_norm(input, self.running_mean, self.running_var, self.weight, self.bias, True, factor,
                                 self.eps)
         return sync_batch_norm(input, self.weight, self.bias, self, _EngineComm())

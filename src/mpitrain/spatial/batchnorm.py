@@ -22,7 +22,7 @@ from ._window import input_layout
 from .distribution import Distribution
 from .tensor import DistributionLike, SpatialError, tag
 
-__all__ = ["SpatialBatchNorm2d", "SpatialBatchNorm3d", "STATS", "sync_batch_norm"]
+__all__ = ["SpatialBatchNorm2d", "SpatialBatchNorm3d", "STATS", "sync_batch_norm", "count_batch", "update_running"]
 
 STATS = ("global", "spatial", "local")
 
@@ -102,6 +102,26 @@ class _BatchNorm(torch.autograd.Function):
         return dx, dw, db, None, None
 
 
+def count_batch(bn: nn.Module, momentum: float | None) -> float:
+    """Count one training batch in `bn`'s ``num_batches_tracked`` and return torch's averaging factor for
+    it: `momentum`, or the cumulative average's 1/batches when `momentum` is None (as ``nn.BatchNorm2d``)."""
+    tracked = bn.num_batches_tracked
+    assert isinstance(tracked, torch.Tensor)  # only called when statistics are tracked
+    tracked.add_(1)
+    return 1.0 / float(tracked) if momentum is None else momentum
+
+
+def update_running(bn: nn.Module, momentum: float | None, mean: torch.Tensor, var: torch.Tensor, n: float) -> None:
+    """torch's running-statistics rule on `bn`'s buffers for one training batch of `n` values per channel
+    with these batch statistics: counted (:func:`count_batch`), the unbiased variance, in the buffers' dtype."""
+    running_mean, running_var = bn.running_mean, bn.running_var
+    assert isinstance(running_mean, torch.Tensor) and isinstance(running_var, torch.Tensor)  # tracked
+    with torch.no_grad():
+        f = count_batch(bn, momentum)
+        running_mean.lerp_(mean.to(running_mean.dtype), f)
+        running_var.lerp_((var * (n / max(n - 1, 1))).to(running_var.dtype), f)
+
+
 def sync_batch_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, layer: Any,
                     comm: Any) -> torch.Tensor:
     """Batch norm of `x` (N x C x ...) with statistics over every rank's `x`, differentiable: output and
@@ -133,22 +153,8 @@ class SpatialBatchNorm2d(nn.Module):
 
     def update_running(self, mean: torch.Tensor, var: torch.Tensor, n: float) -> None:
         """torch's running-statistics rule (unbiased variance, momentum or cumulative average)."""
-        bn = self.bn[0]
-        if not (self.training and self.track):
-            return
-        assert bn.running_mean is not None and bn.running_var is not None  # tracked: torch made them
-        with torch.no_grad():
-            f = self._factor()
-            bn.running_mean.lerp_(mean, f)
-            bn.running_var.lerp_(var * (n / max(n - 1, 1)), f)
-
-    def _factor(self) -> float:
-        """Count this training batch and return torch's averaging factor for it (momentum, or the
-        cumulative average's 1/batches when momentum is None), as ``nn.BatchNorm2d`` does."""
-        bn = self.bn[0]
-        assert bn.num_batches_tracked is not None  # only called when statistics are tracked
-        bn.num_batches_tracked.add_(1)
-        return 1.0 / float(bn.num_batches_tracked) if self.momentum is None else self.momentum
+        if self.training and self.track:
+            update_running(self.bn[0], self.momentum, mean, var, n)
 
     def _comm(self, dist: DistributionLike, kind: str) -> Communicator | None:
         """Who combines statistics. A replicated tensor (after a global pool: ASPP's pooled branch) holds
@@ -167,7 +173,7 @@ class SpatialBatchNorm2d(nn.Module):
                                  self.eps, False)
         elif comm is None or comm.size == 1:  # this block's own statistics: torch's layer and autograd
             running = (bn.running_mean, bn.running_var) if self.track else (None, None)
-            factor = self._factor() if self.track else 0.0
+            factor = count_batch(bn, self.momentum) if self.track else 0.0
             y = F.batch_norm(x, *running, self.weight, self.bias, True, factor, self.eps)
         else:
             y = _BatchNorm.apply(x, self.weight, self.bias, self, comm)

@@ -16,8 +16,8 @@ order of a step is written once (:meth:`StepTrainer.train_shares`):
    strategy's :meth:`~StepTrainer.clip_grad_norm_`), then ``optimizer.step()``;
 6. :meth:`~StepTrainer.step_losses`: one allgather of the ranks' loss sums over :attr:`~StepTrainer.comm`,
    added up correctly rounded and divided by ``total``: the step's mean loss, equal on every rank. Steps
-   1-5 alone are :meth:`~StepTrainer.train_shares_local`; fit (without ``on_step_end``) gathers an
-   step losses of 16 steps in one message, so its loop neither waits for the device nor sends per step.
+   1-5 alone are :meth:`~StepTrainer.train_shares_local`; fit (without ``on_step_end``) gathers 16 steps'
+   losses in one message, so its loop neither waits for the device nor sends per step.
 
 A strategy supplies its share of a global batch (:meth:`~StepTrainer.share`), those hooks, and its layout
 (:meth:`~StepTrainer.layout`, :meth:`~StepTrainer.state_dict`, :meth:`~StepTrainer.load_state_dict`:
