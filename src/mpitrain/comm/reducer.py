@@ -165,7 +165,6 @@ class OpHandle:
     tensor: torch.Tensor | None  # allreduce: reduced in place; reduce_scatter: the rows; allgather: the block
     out: torch.Tensor | None  # allgather: the whole buffer written in place
     what: str  # names it in a stall warning and a ReduceError
-    around: Callable[[], AbstractContextManager[Any]] | None = None  # wraps the collective on the worker
     feedback: Hashable = None  # an allreduce's error-feedback group
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
@@ -308,18 +307,15 @@ class Reducer:
         return self._post_op(OpHandle("reduce_scatter", rows, None,
                                       what or f"a reduce-scatter of {rows.numel()} elements"))
 
-    def post_allgather(self, block: torch.Tensor, out: torch.Tensor, *, what: str | None = None,
-                       around: Callable[[], AbstractContextManager[Any]] | None = None) -> OpHandle:
+    def post_allgather(self, block: torch.Tensor, out: torch.Tensor, *, what: str | None = None) -> OpHandle:
         """Post the allgather of every rank's `block` into `out` (in place where `block` is this rank's block
-        of `out`), in call order; CommError while a round is open. `around()` (a context manager) wraps the
-        collective where it runs."""
+        of `out`), in call order; CommError while a round is open."""
         self._check_op(block, "post_allgather")
         self._check_op(out, "post_allgather")
         if out.numel() != block.numel() * self.comm.size or out.dtype != block.dtype:
             raise CommError(f"{self.name}: post_allgather of {block.numel()} x {block.dtype} needs an out of "
                             f"{block.numel() * self.comm.size} x {block.dtype}, got {out.numel()} x {out.dtype}")
-        return self._post_op(OpHandle("allgather", block, out, what or f"an allgather of {out.numel()} elements",
-                                      around))
+        return self._post_op(OpHandle("allgather", block, out, what or f"an allgather of {out.numel()} elements"))
 
     @property
     def round_open(self) -> bool:
@@ -452,7 +448,7 @@ class Reducer:
     def _run_op(self, handle: OpHandle) -> None:
         t = handle.tensor
         assert t is not None
-        with after(t, handle.ready), (handle.around() if handle.around else nullcontext()), self._timed():
+        with after(t, handle.ready), self._timed():
             if handle.kind == "allreduce":
                 self._allreduce(t, handle.feedback, lambda: handle.what)
                 handle.result = t
