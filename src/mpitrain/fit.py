@@ -245,7 +245,7 @@ def _require(strategy: str, s: _Settings, data: object) -> bool:
     return "shares" in have
 
 
-def _strategy_of(strategy: str | StrategyOptions, options: dict[str, object], partitions: int,
+def _strategy_of(strategy: str | StrategyOptions, options: dict[str, object], partitions: int | None,
                  replicas: int | None, size: int) -> tuple[str, dict[str, object] | StrategyOptions]:
     """The strategy's name and its options (fit's leftover keywords, or the options dataclass passed as
     `strategy`, whose class names the strategy). FitError, local, for an options object given with
@@ -263,6 +263,22 @@ def _strategy_of(strategy: str | StrategyOptions, options: dict[str, object], pa
         raise FitError(f"fit: strategy must be a name ({sorted(STRATEGIES)}) or a strategy's options dataclass "
                        f"(mpitrain.DataOptions, ...), got {strategy!r}")
     return strategy, options
+
+
+def _partitions_of(name: str, partitions: int | None, replicas: int | None, size: int) -> int:
+    """`partitions` as given, else what strategy `name` takes on `size` ranks: "model" every rank,
+    "hybrid" ``size // replicas``, the others 1 (the whole model). FitError, local, for "hybrid" without
+    either or with `replicas` that does not divide the ranks."""
+    if partitions is not None:
+        return partitions
+    if name == "model":
+        return size
+    if name != "hybrid":
+        return 1
+    if not is_int(replicas) or replicas < 1 or size % replicas:
+        raise FitError(f"strategy 'hybrid' needs partitions=P or replicas=R with P x R = {size} ranks; "
+                       f"got replicas={replicas!r}")
+    return size // replicas
 
 
 def _check_first_batch(data: object) -> None:
@@ -595,7 +611,7 @@ def _find_resume(comm: Communicator, s: _Settings) -> tuple[Path, dict[str, Any]
 
 def fit(model: nn.Module, data: Any, loss_fn: LossFn,
         optimizer: OptimizerFactory | torch.optim.Optimizer, *, strategy: str | StrategyOptions = "data",
-        partitions: int = 1, replicas: int | None = None, micro_batches: int = 1, schedule: str = "1f1b",
+        partitions: int | None = None, replicas: int | None = None, micro_batches: int = 1, schedule: str = "1f1b",
         epochs: int = 1, steps: int | None = None, batch_size: int | None = None, shuffle: bool = True,
         seed: int = 0,
         drop_last: bool = False, num_workers: int = 0, pin_memory: bool = False,
@@ -614,6 +630,8 @@ def fit(model: nn.Module, data: Any, loss_fn: LossFn,
     `strategy` is a name with the strategy's options as keywords (``strategy="data", zero=1``) or the
     strategy's options dataclass, whose class names it (``strategy=mpitrain.DataOptions(zero=1)``;
     ``PipelineOptions`` runs "model" when `partitions` takes every rank, else "hybrid"); not both.
+    `partitions` (the layers' parts) defaults to what the strategy takes: every rank for "model",
+    ``world size // replicas`` for "hybrid" (which needs one of the two), 1 for the others.
 
     `data` is either a map-style ``torch.utils.data.Dataset`` (with ``batch_size=``, the GLOBAL batch) or
     an iterable of global mini-batches, the same on every rank: ``(inputs, targets)`` pairs or, by the same
@@ -679,6 +697,7 @@ def fit(model: nn.Module, data: Any, loss_fn: LossFn,
         raise FitError(str(e)) from None
     stall = stall_policy(warn_after, abort_after, rest)
     name, strategy_options = _strategy_of(strategy, rest, partitions, replicas, comm.size)
+    partitions = _partitions_of(name, partitions, replicas, comm.size)
     sharded = _require(name, s, data)
     _check_first_batch(data)
     if eval_data is not None and is_map_dataset(eval_data):

@@ -243,7 +243,7 @@ class StrategyOptions:
     #: The strategy's name (``fit(strategy=SomeOptions(...))`` runs it; also in messages).
     strategy: ClassVar[str] = "?"
 
-    def strategy_name(self, partitions: int, replicas: int | None, world_size: int) -> str:
+    def strategy_name(self, partitions: int | None, replicas: int | None, world_size: int) -> str:
         """The strategy an instance passed as ``fit(strategy=...)`` runs, given fit's layout keywords:
         :attr:`strategy` (a class serving two strategies decides here)."""
         return self.strategy
