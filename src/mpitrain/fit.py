@@ -83,8 +83,24 @@ class FitResult:
 
 
 
-def accuracy(outputs: torch.Tensor, targets: torch.Tensor) -> float:
-    return (outputs.argmax(dim=1) == targets).float().mean().item()
+def accuracy(outputs: Any, targets: torch.Tensor) -> float:
+    """The fraction of predictions equal to `targets`, read as ``CrossEntropyLoss`` reads its input:
+    `outputs` is the logits, or a model output holding them (Hugging Face's ``.logits``, else a tuple's
+    first element); the class dim is 1 (``(N, C)``, ``(N, C, H, W)``) or, for ``(B, T, V)`` logits of
+    ``(B, T)`` targets, the last; targets of -100 (the loss's ``ignore_index``) are not counted, and
+    float targets shaped as the logits (soft labels, e.g. Mixup) count their largest class."""
+    logits = getattr(outputs, "logits", None)
+    if logits is None:
+        logits = outputs[0] if isinstance(outputs, (tuple, list)) else outputs
+    dim = 1
+    if logits.dim() == targets.dim() + 1 and logits.shape[:-1] == targets.shape and \
+            logits.shape[:1] + logits.shape[2:] != targets.shape:
+        dim = -1
+    if targets.is_floating_point() and targets.shape == logits.shape:
+        targets = targets.argmax(dim=dim)
+    counted = targets != -100
+    hits = (logits.argmax(dim=dim) == targets) & counted
+    return hits.sum().item() / max(counted.sum().item(), 1)
 
 
 _NAMED_METRICS: dict[str, Metric] = {"accuracy": accuracy}
@@ -670,6 +686,11 @@ def fit(model: nn.Module, data: Any, loss_fn: LossFn,
     summed over the ranks in one message every 16 steps (and at the epoch's end, before a checkpoint),
     so the loop sends no message and waits for no device on the other steps; the history holds the same
     floats either way, and the progress bar shows the latest step loss read.
+
+    `eval_data` (batches as `data`'s, or a Dataset read in batches of `batch_size`) is evaluated after
+    every epoch: the record's ``eval_loss`` and ``eval_<name>`` of each of `metrics` (callables
+    ``(outputs, targets) -> float``, or ``"accuracy"``: :func:`accuracy`) are means over the eval
+    batches weighted by their rows, the same on every rank.
 
     ``checkpoint_dir=DIR, checkpoint_every=N`` saves an atomic sharded checkpoint (docs/training-runs.md)
     after every N optimizer steps (counted across epochs) and at the end; ``resume=True`` continues
