@@ -100,7 +100,7 @@ def accuracy(outputs: Any, targets: torch.Tensor) -> float:
         targets = targets.argmax(dim=dim)
     counted = targets != -100
     hits = (logits.argmax(dim=dim) == targets) & counted
-    return hits.sum().item() / max(counted.sum().item(), 1)
+    return float(hits.sum()) / max(int(counted.sum()), 1)
 
 
 _NAMED_METRICS: dict[str, Metric] = {"accuracy": accuracy}
