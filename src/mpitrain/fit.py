@@ -336,7 +336,8 @@ def _settings(data: object, epochs: int, steps: int | None, batch_size: int | No
     if grad_clip is not None and (not is_number(grad_clip) or grad_clip <= 0):
         raise FitError(f"grad_clip must be None or a number > 0, got {grad_clip!r}")
     if precision not in ("fp32", "bf16"):
-        raise FitError(f"precision must be 'fp32' or 'bf16', got {precision!r}")
+        raise FitError(f"precision must be 'fp32' or 'bf16' (bf16 autocast, Lightning's 'bf16-mixed'), "
+                       f"got {precision!r}")
     if isinstance(lr_scheduler, (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)):
         # bound to the optimizer it was built on, which is not the one that trains (fit rebuilds it per rank)
         raise FitError(f"lr_scheduler must be a factory optimizer -> scheduler, e.g. lambda opt: "
@@ -679,9 +680,9 @@ def fit(model: nn.Module, data: Any, loss_fn: LossFn,
     not the model's or trainable ones in no group). `lr_scheduler` a callable ``optimizer -> scheduler``
     (not a scheduler instance) stepped after every optimizer step; `grad_clip` clips the global
     gradient norm as ``clip_grad_norm_`` in one process;
-    ``precision="bf16"`` runs forward and loss under CPU bf16 autocast. `steps` caps the optimizer steps
-    per epoch. Callbacks ``on_step_end(state)`` / ``on_epoch_end(state)`` get a :class:`LoopState`;
-    returning True or raising :class:`StopTraining` ends the run after that step. Without
+    ``precision="bf16"`` runs forward and loss under bf16 autocast on the model's device (Lightning's
+    "bf16-mixed"). `steps` caps the optimizer steps per epoch. Callbacks ``on_step_end(state)`` /
+    ``on_epoch_end(state)`` get a :class:`LoopState`; returning True or raising :class:`StopTraining` ends the run after that step. Without
     ``on_step_end`` nothing needs a step's loss at once: the step losses stay on the device and are
     summed over the ranks in one message every 16 steps (and at the epoch's end, before a checkpoint),
     so the loop sends no message and waits for no device on the other steps; the history holds the same
