@@ -1,5 +1,6 @@
 """fit's named metric "accuracy" reads outputs as the loss does: plain logits ``(N, C)`` and
-``(N, C, H, W)``, a Hugging Face output's ``.logits``, a tuple's first element, ``(B, T, V)`` LM logits of
+``(N, C, H, W)``, a Hugging Face output's ``.logits``, torchvision segmentation's ``["out"]``, a tuple's
+first element, ``(B, T, V)`` LM logits of
 ``(B, T)`` targets with -100 not counted, soft targets; and under data and model over real MPI (2, 3, 4
 ranks) eval_accuracy equals the trained model's accuracy on the eval batches in one process."""
 
@@ -29,6 +30,7 @@ def test_accuracy_reads_a_model_outputs_logits_or_a_tuples_first_element():
     logits, target = torch.tensor([[1.0, 2.0], [3.0, 0.0]]), torch.tensor([1, 1])
     assert accuracy(SimpleNamespace(logits=logits, loss=torch.tensor(9.0)), target) == 0.5
     assert accuracy((logits, torch.zeros(2)), target) == 0.5
+    assert accuracy({"out": logits, "aux": logits.flip(1)}, target) == 0.5  # torchvision segmentation
 
 
 def test_accuracy_of_lm_logits_is_per_token_without_the_ignored_ones():
