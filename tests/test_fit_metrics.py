@@ -1,8 +1,8 @@
 """fit's named metric "accuracy" reads outputs as the loss does: plain logits ``(N, C)`` and
 ``(N, C, H, W)``, a Hugging Face output's ``.logits``, torchvision segmentation's ``["out"]``, a tuple's
-first element, ``(B, T, V)`` LM logits of
-``(B, T)`` targets with -100 not counted, soft targets; and under data and model over real MPI (2, 3, 4
-ranks) eval_accuracy equals the trained model's accuracy on the eval batches in one process."""
+first element, ``(B, T, V)`` LM logits of ``(B, T)`` targets with -100 not counted, soft targets; and
+under data and model over real MPI (2, 3, 4 ranks) eval_accuracy equals the trained model's accuracy on
+the eval batches in one process."""
 
 from __future__ import annotations
 

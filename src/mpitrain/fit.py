@@ -86,9 +86,10 @@ class FitResult:
 def accuracy(outputs: Any, targets: torch.Tensor) -> float:
     """The fraction of predictions equal to `targets`, read as ``CrossEntropyLoss`` reads its input:
     `outputs` is the logits, or a model output holding them (Hugging Face's ``.logits``, torchvision
-    segmentation's ``["out"]``, else a tuple's first element); the class dim is 1 (``(N, C)``, ``(N, C, H, W)``) or, for ``(B, T, V)`` logits of
-    ``(B, T)`` targets, the last; targets of -100 (the loss's ``ignore_index``) are not counted, and
-    float targets shaped as the logits (soft labels, e.g. Mixup) count their largest class."""
+    segmentation's ``["out"]``, else a tuple's first element); the class dim is 1 (``(N, C)``,
+    ``(N, C, H, W)``) or, for ``(B, T, V)`` logits of ``(B, T)`` targets, the last; targets of -100 (the
+    loss's ``ignore_index``) are not counted, and float targets shaped as the logits (soft labels, e.g.
+    Mixup) count their largest class."""
     logits = getattr(outputs, "logits", None)
     if logits is None and isinstance(outputs, Mapping):
         logits = outputs["out"]
