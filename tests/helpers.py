@@ -6,6 +6,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -43,19 +44,20 @@ def bitwise_equal(a: object, b: object) -> bool:
     return a == b
 
 
-def run_job(script: str | Path, n: int = 2, timeout: float = 120) -> subprocess.CompletedProcess:
+def run_job(script: str | Path, n: int = 2, timeout: float = 120,
+            flags: Sequence[str] = ()) -> subprocess.CompletedProcess:
     """Run `script` (source text, or a path) on `n` ranks with ``mpitrain run``, from outside any job;
     returns the finished process (stdout/stderr as text). For behaviour only visible from outside: aborts,
     stall watchdogs, exit codes. The timeout turns a hang into a test failure (TimeoutExpired) and ends
     the job: the launcher gets SIGTERM, which mpiexec turns into ending every rank (subprocess.run's
-    SIGKILL would leave mpiexec and the ranks running)."""
+    SIGKILL would leave mpiexec and the ranks running). `flags` go to ``mpitrain run`` (``--torch-env``)."""
     path = Path(script) if isinstance(script, Path) else None
     with tempfile.TemporaryDirectory() as tmp:
         if path is None:
             path = Path(tmp) / "job.py"
             path.write_text(textwrap.dedent(str(script)))
         launcher = Path(sys.executable).parent / "mpitrain"
-        argv = [str(launcher), "run", "-n", str(n), "--", sys.executable, str(path)]
+        argv = [str(launcher), "run", "-n", str(n), *flags, "--", sys.executable, str(path)]
         with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT) as job:
             try:
                 out, err = job.communicate(timeout=timeout)

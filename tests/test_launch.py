@@ -267,6 +267,45 @@ def test_successful_job_ending_in_sys_exit_zero_exits_zero_quietly():
     assert "MPI_ABORT" not in out and "prterun" not in out, out  # finalized, no complaint from Open MPI
 
 
+TORCHRUN_SCRIPT = """
+    import copy, os, torch, torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    dist.init_process_group("gloo")                      # env://, as under torchrun: no change for MPI
+    rank, size = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2).double()
+    ref = copy.deepcopy(model)
+    x = torch.randn(2 * size, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    ddp = DDP(model)
+    ddp(x[2 * rank:2 * rank + 2]).pow(2).mean().backward()
+    ref(x).pow(2).mean().backward()                     # one process on the whole batch
+    same = all(torch.allclose(p.grad, q.grad, rtol=0, atol=1e-12)
+               for p, q in zip(model.parameters(), ref.parameters()))
+    env = [os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")]
+    print("rank", rank, "of", size, "env", *env, "grads equal one process:", same)
+    dist.destroy_process_group()
+"""
+
+
+def test_torch_env_runs_a_torchrun_ddp_script_unchanged_and_equal_to_one_process():
+    """``mpitrain run --torch-env``: torchrun's variables per rank (one host: local = global), and DDP's
+    averaged gradients equal one process's on the whole batch; the job ends 0 (the model is left to exit,
+    as scripts do, and must not abort it)."""
+    out = run_job(TORCHRUN_SCRIPT, n=3, flags=["--torch-env"])
+    text = out.stdout + out.stderr
+    assert out.returncode == 0 and "terminate called" not in text, text
+    for r in range(3):
+        assert f"rank {r} of 3 env {r} 3 {r} 3 0 grads equal one process: True" in out.stdout, text
+
+
+def test_torch_env_needs_a_python_program_and_is_refused_before_anything_starts():
+    spec = LaunchSpec(np=2, command=["python", "-u", "train.py"], torch_env=True)
+    assert build_command(spec, flavor="openmpi")[0][-4:] == ["-u", "-m", "mpitrain.torch_env", "train.py"]
+    for command in (["bash", "-c", "true"], ["python", "-m", "mpi4py", "x.py"]):
+        with pytest.raises(ValueError, match="--torch-env runs a Python program"):
+            build_command(LaunchSpec(np=2, command=command, torch_env=True), flavor="openmpi")
+
+
 def test_stalled_wait_warns_naming_rank_and_tensor_then_aborts():
     rc, out, secs = _run_job(JOB_HEAD + """
     from mpitrain.comm._wait import StallPolicy, wait_request

@@ -7,6 +7,7 @@ import importlib
 import os
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 from .launch import LaunchSpec, in_mpi_job, launch, run_module
 
@@ -57,7 +58,8 @@ def _run(args: argparse.Namespace) -> int:
     cmd = list(args.command)
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]
-    return _launched("run", lambda: launch(_spec(args, args.n, cmd), dry_run=args.dry_run))
+    return _launched("run", lambda: launch(replace(_spec(args, args.n, cmd), torch_env=args.torch_env),
+                                           dry_run=args.dry_run))
 
 
 def _bench(args: argparse.Namespace, rest: list[str]) -> int:
@@ -133,6 +135,9 @@ def parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser("run", help="launch COMMAND on N ranks through mpiexec")
     _launch_args(r, None)
+    r.add_argument("--torch-env", action="store_true",
+                   help="give every rank torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, "
+                        "MASTER_PORT, ...) so a torchrun/DDP script's init_process_group() runs unchanged")
     r.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND ARGS...")
 
     b = sub.add_parser("bench", help="run a benchmark: " + ", ".join(BENCHMARKS))

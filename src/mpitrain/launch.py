@@ -33,6 +33,8 @@ _PYTHON_NAME = re.compile(r"^python(\d+(\.\d+)?)?$")
 _VALUE_OPTS = "WX"
 _LONG_VALUE_OPTS = ("--check-hash-based-pycs",)
 _RUNNER = ["-m", "mpi4py"]
+#: ``mpitrain run --torch-env``: mpi4py's runner behind torchrun's environment (mpitrain/torch_env.py).
+_TORCH_ENV_RUNNER = ["-m", "mpitrain.torch_env"]
 
 
 @dataclass
@@ -40,7 +42,9 @@ class LaunchSpec:
     """What to run: `command` on `np` ranks, optionally across `hosts` ("h1:2,h2:2") or a hostfile.
 
     `env` holds ``-x`` requests: NAME -> VALUE sets and forwards it, NAME -> None forwards the caller's
-    value. `mca` holds ``--mca KEY VALUE`` pairs passed to mpiexec unchanged (Open MPI only)."""
+    value. `mca` holds ``--mca KEY VALUE`` pairs passed to mpiexec unchanged (Open MPI only).
+    `torch_env`: every rank gets the environment ``torchrun`` sets (``python -m mpitrain.torch_env``), for
+    scripts that call ``init_process_group(init_method="env://")``; `command` must be a Python program."""
 
     np: int
     command: list[str]
@@ -51,6 +55,7 @@ class LaunchSpec:
     mpiexec: str | None = None
     env: dict[str, str | None] = field(default_factory=dict)
     mca: list[tuple[str, str]] = field(default_factory=list)
+    torch_env: bool = False
 
 
 def find_mpiexec() -> str:
@@ -128,9 +133,10 @@ def _is_python(program: str) -> bool:
         os.sep in program and os.path.realpath(program) == os.path.realpath(sys.executable))
 
 
-def abort_on_exit(command: Sequence[str]) -> list[str]:
-    """`command` with mpi4py's runner (``-m mpi4py``) put between a Python interpreter's own options
-    and its program (a script, ``-m module`` or ``-c code``); any other command is returned unchanged.
+def abort_on_exit(command: Sequence[str], runner: Sequence[str] = tuple(_RUNNER)) -> list[str]:
+    """`command` with mpi4py's runner (``-m mpi4py``, or `runner`, which hands over to it) put between a
+    Python interpreter's own options and its program (a script, ``-m module`` or ``-c code``); any other
+    command is returned unchanged.
 
     Guarantee: a rank that exits non-zero in any way — ``sys.exit(N)``, ``raise SystemExit``,
     KeyboardInterrupt, an uncaught exception — ends the whole job with that status. Without the
@@ -148,10 +154,10 @@ def abort_on_exit(command: Sequence[str]) -> list[str]:
         arg = argv[i]
         if arg == "--":  # the program follows; the runner takes no "--", so drop it
             if i + 1 < len(argv) and not argv[i + 1].startswith("-"):
-                return [*argv[:i], *_RUNNER, *argv[i + 1:]]
+                return [*argv[:i], *runner, *argv[i + 1:]]
             return argv
         if arg == "-" or not arg.startswith("-"):
-            return argv if arg == "-" else [*argv[:i], *_RUNNER, *argv[i:]]
+            return argv if arg == "-" else [*argv[:i], *runner, *argv[i:]]
         if arg.startswith("--"):
             if arg in _LONG_VALUE_OPTS:
                 i += 1
@@ -166,7 +172,7 @@ def abort_on_exit(command: Sequence[str]) -> list[str]:
                 program = [f"-{letter}", *value, *argv[i + 1:]]
                 if letter == "m" and program[1:2] in (["mpi4py"], ["mpi4py.run"]):
                     return argv
-                return [*argv[:i], *flags, *_RUNNER, *program]
+                return [*argv[:i], *flags, *runner, *program]
             if letter in "hV?":
                 return argv
             if letter in _VALUE_OPTS:
@@ -174,6 +180,18 @@ def abort_on_exit(command: Sequence[str]) -> list[str]:
                 break
         i += 1
     return argv  # no program: Python reads it from stdin
+
+
+def _program(spec: LaunchSpec) -> list[str]:
+    """`spec.command` under its runner (:func:`abort_on_exit`); ValueError for `torch_env` with a command
+    that is not a Python program the runner can take."""
+    if not spec.torch_env:
+        return abort_on_exit(spec.command)
+    program = abort_on_exit(spec.command, _TORCH_ENV_RUNNER)
+    if not any(program[i:i + 2] == _TORCH_ENV_RUNNER for i in range(len(program))):
+        raise ValueError(f"--torch-env runs a Python program (python SCRIPT | -m MODULE | -c CODE, without "
+                         f"-m mpi4py), got {' '.join(spec.command)!r}")
+    return program
 
 
 def build_command(spec: LaunchSpec, flavor: str | None = None) -> tuple[list[str], dict[str, str]]:
@@ -192,6 +210,7 @@ def build_command(spec: LaunchSpec, flavor: str | None = None) -> tuple[list[str
         raise ValueError(f"--threads must be at least 1, got {spec.threads}")
     if not spec.command:
         raise ValueError("no command to run: mpitrain run -n N -- COMMAND ...")
+    program = _program(spec)
     hosts = _hosts(spec)
     host_arg = spec.hosts
     if hosts is None and spec.hostfile is None:
@@ -225,7 +244,7 @@ def build_command(spec: LaunchSpec, flavor: str | None = None) -> tuple[list[str
         for k in dict.fromkeys(env_names):
             if k not in env:
                 argv += ["-genv", k, os.environ[k]]
-        return argv + abort_on_exit(spec.command), env
+        return argv + program, env
     env.update({"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"})
     if over:
         # Busy-polling ranks on shared cores starve each other: yield.
@@ -240,7 +259,7 @@ def build_command(spec: LaunchSpec, flavor: str | None = None) -> tuple[list[str
     forward = [k for k in (*_FORWARD, *_MALLOC_ENV, *env, *env_names) if k in env or k in os.environ]
     for k in dict.fromkeys(forward):
         argv += ["-x", k]
-    return argv + abort_on_exit(spec.command), env
+    return argv + program, env
 
 
 def in_mpi_job() -> bool:

@@ -17,15 +17,16 @@ from .base import DTYPES, OPS, CommError, Communicator, Request, reduce_ops, spl
 
 if TYPE_CHECKING:
     from ._mpi import MPICommunicator
-    from ._torchdist import TorchCommunicator, init_torch_world
+    from ._torchdist import TorchCommunicator, init_torch_world, torchrun_env
 
 __all__ = ["Communicator", "Request", "CommError", "OPS", "DTYPES", "reduce_ops", "split_sizes",
            "after", "ready_event", "mpi_cuda_aware", "settle_on_error", "host_leaders", "Staging", "wait_request",
-           "MPICommunicator", "TorchCommunicator", "init_torch_world"]
+           "MPICommunicator", "TorchCommunicator", "init_torch_world", "torchrun_env"]
 
 #: The backends, imported on first use: importing mpi4py's MPI module initialises MPI, and torch.distributed
 #: costs its import; name -> the module (in this package) that defines it.
-_LAZY = {"MPICommunicator": "._mpi", "TorchCommunicator": "._torchdist", "init_torch_world": "._torchdist"}
+_LAZY = {"MPICommunicator": "._mpi", "TorchCommunicator": "._torchdist", "init_torch_world": "._torchdist",
+         "torchrun_env": "._torchdist"}
 
 
 def __getattr__(name: str) -> Any:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from ._rendezvous import choose_address, host_leaders, interfaces, route_interface
 from .base import CommError, Communicator, Request, _CallbackRequest, _DoneRequest, split_sizes
 
-__all__ = ["TorchCommunicator", "init_torch_world"]
+__all__ = ["TorchCommunicator", "init_torch_world", "torchrun_env"]
 
 #: The default group's backends where torch sees a GPU: gloo for CPU tensors, NCCL for CUDA ones.
 _BOTH = "cpu:gloo,cuda:nccl"
@@ -76,6 +76,26 @@ def init_torch_world(rank: int, size: int, bootstrap: Communicator | None) -> To
         # objects at exit abort the process (seen here with sub-groups alive at exit).
         atexit.register(dist.destroy_process_group)
     return TorchCommunicator(None, list(range(size)))
+
+
+def torchrun_env(bootstrap: Communicator) -> dict[str, str]:
+    """The environment ``torchrun`` gives this rank, for the MPI job of `bootstrap`: RANK, WORLD_SIZE,
+    LOCAL_RANK and LOCAL_WORLD_SIZE (ranks sharing a host, per MPI's shared-memory split), GROUP_RANK (the
+    host's index), MASTER_ADDR and MASTER_PORT (the rendezvous backend 'torch' uses: loopback on one host,
+    rank 0's address on MPI's network across hosts) and GLOO_SOCKET_IFNAME where that route is known.
+    A script written for ``torchrun`` (``init_process_group(init_method="env://")``) then runs under
+    MPI unchanged (``mpitrain run --torch-env``). Collective over `bootstrap`; the same on every rank but
+    for the per-rank values."""
+    leaders = host_leaders(_mpi_comm(bootstrap))
+    host, port, ifname = _rendezvous(bootstrap)
+    me, mine = bootstrap.rank, leaders[bootstrap.rank]
+    local = [r for r, leader in enumerate(leaders) if leader == mine]
+    env = {"RANK": str(me), "WORLD_SIZE": str(bootstrap.size), "LOCAL_RANK": str(local.index(me)),
+           "LOCAL_WORLD_SIZE": str(len(local)), "GROUP_RANK": str(sorted(set(leaders)).index(mine)),
+           "MASTER_ADDR": host, "MASTER_PORT": str(port)}
+    if ifname is not None:
+        env["GLOO_SOCKET_IFNAME"] = ifname
+    return env
 
 
 def _rendezvous(bootstrap: Communicator) -> tuple[str, int, str | None]:
