@@ -2,12 +2,13 @@
 num_classes=5)`` with timm's defaults (drop rates 0; only the classes and, for the ViT, ``img_size``
 shrunk), in float64, trained by ``fit(model, data, loss, optimizer, strategy=S)``. Parameters after 2 SGD
 steps equal one process running the same micro-batches (BatchNorm statistics per data share or
-micro-batch; over the whole batch under spatial, sample groups included), within 1e-9 relative to the update, at 2, 3 and 4 ranks.
+micro-batch; over the whole batch under spatial, sample groups included), within 1e-9 relative to the
+update, at 2, 3 and 4 ranks.
 
 The suite's models, each chosen for what it exercises (docs/spatial.md lists the models checked outside it):
 MobileNetV3-small (timm's ``BatchNormAct2d``, a BatchNorm subclass with its own forward; squeeze-excite,
 hard-swish) under data, model and spatial (2x1, 1x2; 3x1; 2x2 and 2x1 x 2 samples), nothing redistributed;
-ViT-tiny (torch.export capture of timm's fused attention and ``_assert``s) under data and model with
+ViT-tiny (the pipeline's fx capture of timm's fused attention and ``_assert``s) under data and model with
 timm's ``SoftTargetCrossEntropy`` on ``Mixup``/CutMix soft targets (the pipeline as model at 2 and 3 ranks,
 hybrid 2 x 2 at 4)."""
 

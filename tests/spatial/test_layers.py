@@ -238,8 +238,8 @@ def test_subclasses_with_their_own_forward_keep_it_and_equal_single_process(comm
         model = nn.Sequential(nn.Conv2d(3, 4, 3, 1, 1), BatchNormAct(4), AtenBatchNorm(4),
                               nn.Conv2d(4, 4, 3, 1, 1)).double()  # float64: two batch norms amplify rounding
         ref = copy.deepcopy(model)
-        compare(comm, model, torch.randn(2 * samples, 3, 12, 10, dtype=torch.float64), dist, f"BatchNorm subclasses {grid} x{samples}",
-                ref=ref)
+        x = torch.randn(2 * samples, 3, 12, 10, dtype=torch.float64)
+        compare(comm, model, x, dist, f"BatchNorm subclasses {grid} x{samples}", ref=ref)
         assert_all_ranks(comm, not dist.redistributions, f"redistributed {dist.redistributions}")
         for bn, bn_ref in zip(model[1:3], ref[1:3]):
             assert_close_all_ranks(comm, bn.running_var, bn_ref.running_var, TOL, TOL, f"{grid}: running var")
