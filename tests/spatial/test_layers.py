@@ -7,6 +7,7 @@ import random
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from mpitrain.spatial import (
@@ -198,6 +199,54 @@ def test_global_batchnorm_running_statistics_equal_single_process(comm):
     ref.eval()
     x = torch.randn(samples, 3, 9, 10)
     assert_close_all_ranks(comm, gather(pm(dist.scatter(x))), ref(x), TOL, TOL, "eval output")
+
+
+class BatchNormAct(nn.BatchNorm2d):
+    """timm's BatchNormAct2d in short: a BatchNorm2d subclass whose own forward calls ``F.batch_norm``
+    (counting the batch itself) and then its activation."""
+
+    def forward(self, x):
+        if self.training:
+            self.num_batches_tracked.add_(1)
+        return torch.relu(F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias,
+                                       self.training, self.momentum, self.eps))
+
+
+class AtenBatchNorm(nn.BatchNorm2d):
+    """The same through ``torch.batch_norm`` (the ATen argument order), then a scale."""
+
+    def forward(self, x):
+        return 2 * torch.batch_norm(x, self.weight, self.bias, self.running_mean, self.running_var, self.training,
+                                    self.momentum, self.eps, False)
+
+
+class ConvSame(nn.Conv2d):
+    """timm's Conv2dSame in short: a pad, then the conv with the layer's weight (padding 0)."""
+
+    def forward(self, x):
+        return F.conv2d(F.pad(x, (0, 1, 0, 1)), self.weight, self.bias, self.stride)
+
+
+def test_subclasses_with_their_own_forward_keep_it_and_equal_single_process(comm):
+    """A subclass of a swapped layer that replaces its forward is kept, not swapped (swapped, the
+    activation after timm's batch norm was lost): its batch norm calls run spatially (global statistics,
+    running statistics as torch's, nothing redistributed); a conv it computes itself redistributes,
+    warned, and stays exact."""
+    for grid, samples in layouts(comm.size):
+        dist = Distribution(comm, grid, samples)
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Conv2d(3, 4, 3, 1, 1), BatchNormAct(4), AtenBatchNorm(4),
+                              nn.Conv2d(4, 4, 3, 1, 1)).double()  # float64: two batch norms amplify rounding
+        ref = copy.deepcopy(model)
+        x = torch.randn(2 * samples, 3, 12, 10, dtype=torch.float64)
+        compare(comm, model, x, dist, f"BatchNorm subclasses {grid} x{samples}", ref=ref)
+        assert_all_ranks(comm, not dist.redistributions, f"redistributed {dist.redistributions}")
+        for bn, bn_ref in zip(model[1:3], ref[1:3]):
+            assert_close_all_ranks(comm, bn.running_var, bn_ref.running_var, TOL, TOL, f"{grid}: running var")
+        model = nn.Sequential(nn.Conv2d(3, 4, 3, 1, 1), ConvSame(4, 4, 2, 2))
+        with pytest.warns(RuntimeWarning, match="not a spatial op"):
+            compare(comm, model, torch.randn(samples, 3, 12, 10), Distribution(comm, grid, samples),
+                    f"Conv2dSame-like {grid} x{samples}")
 
 
 class Residual(nn.Module):

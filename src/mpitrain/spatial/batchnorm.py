@@ -20,9 +20,10 @@ from ..comm.base import Communicator
 from ._memory import dense
 from ._window import input_layout
 from .distribution import Distribution
-from .tensor import DistributionLike, SpatialError, tag
+from .tensor import DistributionLike, SpatialError, layout_of, nchw, plain, register_spatial_function, tag
 
-__all__ = ["SpatialBatchNorm2d", "SpatialBatchNorm3d", "STATS", "sync_batch_norm", "count_batch", "update_running"]
+__all__ = ["SpatialBatchNorm2d", "SpatialBatchNorm3d", "STATS", "sync_batch_norm", "count_batch", "update_running",
+           "batch_norm"]
 
 STATS = ("global", "spatial", "local")
 
@@ -116,10 +117,16 @@ def update_running(bn: nn.Module, momentum: float | None, mean: torch.Tensor, va
     with these batch statistics: counted (:func:`count_batch`), the unbiased variance, in the buffers' dtype."""
     running_mean, running_var = bn.running_mean, bn.running_var
     assert isinstance(running_mean, torch.Tensor) and isinstance(running_var, torch.Tensor)  # tracked
+    _lerp_running(running_mean, running_var, count_batch(bn, momentum), mean, var, n)
+
+
+def _lerp_running(running_mean: torch.Tensor, running_var: torch.Tensor, factor: float, mean: torch.Tensor,
+                  var: torch.Tensor, n: float) -> None:
+    """torch's update of running statistics by `factor` with one batch's (`n` values per channel; the
+    variance made unbiased), in the buffers' dtype."""
     with torch.no_grad():
-        f = count_batch(bn, momentum)
-        running_mean.lerp_(mean.to(running_mean.dtype), f)
-        running_var.lerp_((var * (n / max(n - 1, 1))).to(running_var.dtype), f)
+        running_mean.lerp_(mean.to(running_mean.dtype), factor)
+        running_var.lerp_((var * (n / max(n - 1, 1))).to(running_var.dtype), factor)
 
 
 def sync_batch_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, layer: Any,
@@ -131,6 +138,60 @@ def sync_batch_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Te
     ``size``, ``allgather(t)`` and ``allreduce(t, "sum")`` of a Communicator (mpitrain.horovod passes its
     engine, so the two collectives keep the engine's order)."""
     return _BatchNorm.apply(x, weight, bias, layer, comm)  # type: ignore[no-any-return]
+
+
+class _Running:
+    """`_BatchNorm`'s `layer` for a functional call: its `eps`, and the running buffers it was given
+    (None: not tracked) updated with its momentum, which the caller computed (it counted the batch)."""
+
+    def __init__(self, running_mean: torch.Tensor | None, running_var: torch.Tensor | None, momentum: float,
+                 eps: float) -> None:
+        self.running_mean, self.running_var, self.momentum, self.eps = running_mean, running_var, momentum, eps
+
+    def update_running(self, mean: torch.Tensor, var: torch.Tensor, n: float) -> None:
+        if self.running_mean is not None and self.running_var is not None:
+            _lerp_running(self.running_mean, self.running_var, self.momentum, mean, var, n)
+
+
+def batch_norm(x: torch.Tensor, running_mean: torch.Tensor | None = None, running_var: torch.Tensor | None = None,
+               weight: torch.Tensor | None = None, bias: torch.Tensor | None = None, training: bool = False,
+               momentum: float = 0.1, eps: float = 1e-5) -> torch.Tensor:
+    """``F.batch_norm`` on a block or a replicated tensor (routed here by the tensor's rules): what a
+    BatchNorm subclass with its own ``forward`` calls (timm's ``BatchNormAct2d``; :func:`convert` leaves
+    such a module whole). With batch statistics (`training`) they are the ``"global"`` ones of
+    :class:`SpatialBatchNorm2d`, over every rank (one rank per sample group for a replicated tensor):
+    output, gradients and the running buffers given (updated by torch's rule with `momentum`) equal one
+    process's on the whole batch. With running statistics it is per channel and runs on the block."""
+    layout = layout_of(x)
+    if layout is None:  # a plain input beside a block argument (weight or statistics): not a layer's call
+        raise SpatialError("batch_norm: the input is not a spatial block; weight and statistics must be plain")
+    if layout.kind == "block" and not nchw(layout):
+        raise SpatialError(f"batch_norm takes N x C x (spatial) blocks, got one of shape {tuple(layout.shape)} "
+                           f"whose spatial dims sit at {layout.spatial_dims()}")
+    block, dist = plain(x), layout.dist
+    comm = (dist.sample_comm if layout.kind == "replicated" else dist.comm) if training else None
+    if comm is None or comm.size == 1:
+        y = F.batch_norm(block, running_mean, running_var, weight, bias, training, momentum, eps)
+    else:
+        y = _BatchNorm.apply(block, weight, bias, _Running(running_mean, running_var, momentum, eps), comm)
+    return tag(y, layout)
+
+
+def _batch_norm_either_form(*args: Any, **kwargs: Any) -> torch.Tensor:
+    """The spatial form of both torch functions named ``batch_norm``: ``F.batch_norm`` and the ATen-order
+    ``torch.batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps, cudnn)``."""
+    if len(args) + len(kwargs) == 9 or "cudnn_enabled" in kwargs:
+        return _aten_batch_norm(*args, **kwargs)
+    return batch_norm(*args, **kwargs)
+
+
+def _aten_batch_norm(input: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                     running_mean: torch.Tensor | None, running_var: torch.Tensor | None, training: bool,
+                     momentum: float, eps: float, cudnn_enabled: bool) -> torch.Tensor:
+    return batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps)
+
+
+register_spatial_function("batch_norm", _batch_norm_either_form)
 
 
 class SpatialBatchNorm2d(nn.Module):

@@ -33,12 +33,49 @@ _REFUSED = (nn.Conv1d, nn.ConvTranspose1d, nn.ConvTranspose3d,
             nn.LocalResponseNorm)
 
 
+#: The torch layers :func:`convert` swaps for their spatial forms (subclasses too, unless :func:`_own_forward`).
+_SWAPPED = (nn.Conv2d, nn.BatchNorm2d, nn.MaxPool2d, nn.AvgPool2d, nn.AdaptiveAvgPool2d, nn.Conv3d, nn.BatchNorm3d,
+            nn.MaxPool3d, nn.AvgPool3d, nn.AdaptiveAvgPool3d, nn.ConvTranspose2d, nn.Upsample)
+
+
+def _own_forward(m: nn.Module) -> bool:
+    """Whether `m` subclasses a layer of :data:`_SWAPPED` but replaces what its call computes (``forward``,
+    or a conv's ``_conv_forward``): timm's ``BatchNormAct2d`` (batch norm, then its activation),
+    ``Conv2dSame`` (a pad computed from the input's size, then the conv), ``StdConv2d``."""
+    return any(isinstance(m, base) and any(getattr(type(m), f, None) is not getattr(base, f, None)
+                                           for f in ("forward", "_conv_forward"))
+               for base in _SWAPPED)
+
+
 def convert(m: nn.Module, dist: Distribution, bn_stats: str = "global", overlap: bool = True) -> nn.Module:
     """The spatial form of one module, sharing its parameters and buffers; modules without a spatial
     meaning (element-wise, heads) are returned as they are; a container is returned as a shallow copy
-    holding its converted children (the original model is not modified)."""
+    holding its converted children (the original model is not modified). A subclass of a swapped layer
+    with its own forward (:func:`_own_forward`) is not swapped — the spatial layer would silently drop what
+    it adds (timm's EfficientNet, MobileNetV3 and RegNet, whose ``BatchNormAct2d`` lost its activation, trained
+    0.8 to 2 relative off one process, silently) — but kept,
+    and its forward runs on blocks by the tensor's rules: ``F.batch_norm`` has a spatial form (global
+    statistics: `bn_stats` applies to the swapped layers), other calls redistribute, warned."""
     if isinstance(m, _SPATIAL):
         return m
+    form = None if _own_forward(m) else _spatial_form(m, dist, bn_stats, overlap)
+    if form is not None:
+        return form
+    if isinstance(m, _REFUSED):
+        raise SpatialError(f"{type(m).__name__} has no spatially parallel form; redistribute before it")
+    if next(m.children(), None) is None:
+        return m
+    out = copy.copy(m)  # its own __dict__ and child table; parameters, buffers and hooks are shared
+    if type(m) is nn.Sequential:
+        out = SpatialSequential()
+        out.__dict__.update({k: v for k, v in m.__dict__.items() if k != "_modules"})
+    out._modules = {name: None if c is None else convert(c, dist, bn_stats, overlap)
+                    for name, c in m._modules.items()}
+    return out
+
+
+def _spatial_form(m: nn.Module, dist: Distribution, bn_stats: str, overlap: bool) -> nn.Module | None:
+    """The spatial layer standing for `m` (an instance of a :data:`_SWAPPED` class), or None."""
     if isinstance(m, nn.Conv2d):
         return SpatialConv2d(m, dist, overlap)
     if isinstance(m, nn.BatchNorm2d):
@@ -63,17 +100,7 @@ def convert(m: nn.Module, dist: Distribution, bn_stats: str = "global", overlap:
         return SpatialConvTranspose2d(m, dist)
     if isinstance(m, nn.Upsample):
         return SpatialUpsample(m, dist)
-    if isinstance(m, _REFUSED):
-        raise SpatialError(f"{type(m).__name__} has no spatially parallel form; redistribute before it")
-    if next(m.children(), None) is None:
-        return m
-    out = copy.copy(m)  # its own __dict__ and child table; parameters, buffers and hooks are shared
-    if type(m) is nn.Sequential:
-        out = SpatialSequential()
-        out.__dict__.update({k: v for k, v in m.__dict__.items() if k != "_modules"})
-    out._modules = {name: None if c is None else convert(c, dist, bn_stats, overlap)
-                    for name, c in m._modules.items()}
-    return out
+    return None
 
 
 class SpatialSequential(nn.Sequential):
