@@ -27,7 +27,7 @@ from mpitrain.fit import fit
 from mpitrain.spatial.models import torchvision_module
 from tests.helpers import assert_all_ranks, assert_close_all_ranks, bitwise_equal
 from tests.strategies.pipeline.models import batches, reference_train
-from tests.strategies.pipeline.tiny_transformers import build, lm_batches, own_loss
+from tests.strategies.pipeline.tiny_transformers import build, lm_batches, lm_loss, own_loss
 
 pytestmark = pytest.mark.mpi
 
@@ -48,26 +48,32 @@ def lora(name: str, dropout: float = 0.0) -> nn.Module:
 
 
 def data(name: str, steps: int = STEPS) -> list[tuple[dict[str, torch.Tensor], torch.Tensor]]:
-    """Batches with ``labels`` among the inputs: the model trains on its own loss. No padding in the LM
-    batches: an LM's own loss is the mean over its tokens, and fit weights each rank's by its rows."""
-    return lm_batches(ROWS, steps, seed=4, labels=True, classify=name == "bert", mask=name == "bert")
+    """(inputs, targets) batches; the classifier's with ``labels`` among the inputs (it trains on its own
+    loss, computed in float64). The LMs train on :func:`lm_loss` of their logits: their own loss is computed
+    in float32 (transformers' ``logits.float()``), which would round each rank's share differently."""
+    return lm_batches(ROWS, steps, seed=4, labels=name == "bert", classify=name == "bert")
+
+
+def loss_of(name: str) -> Any:
+    return own_loss if name == "bert" else lm_loss
 
 
 def trainable(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
-def adamw(params: Any) -> torch.optim.Optimizer:
-    """Weight decay too: a frozen parameter, which has no gradient, must not decay."""
-    return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)
+def lora_sgd(params: Any) -> torch.optim.Optimizer:
+    """Weight decay too: a frozen parameter, which has no gradient, must not decay. (Not Adam: its update
+    g / sqrt(v) turns the last bits of a gradient that nearly cancels into whole steps.)"""
+    return torch.optim.SGD(params, lr=0.5, momentum=0.9, weight_decay=0.01)
 
 
-def one_process(model: nn.Module, batches_: list, optimizer=adamw) -> nn.Module:
+def one_process(model: nn.Module, name: str) -> nn.Module:
     model = copy.deepcopy(model)
-    opt = optimizer(trainable(model))
-    for x, _ in batches_:
+    opt = lora_sgd(trainable(model))
+    for x, y in data(name):
         opt.zero_grad()
-        model(**x).loss.backward()
+        loss_of(name)(model(**x), y).backward()
         opt.step()
     return model
 
@@ -89,10 +95,10 @@ def test_lora_gpt2_under_data_trains_like_one_process_and_stays_a_peft_model(com
     """The optimizer instance as peft users write it, on the trainable parameters only. zero=3 gathers the
     adapters back whole into the user's PeftModel, which then saves them and merges them."""
     start = lora("gpt2")
-    want = one_process(start, data("gpt2"))
+    want = one_process(start, "gpt2")
     model = copy.deepcopy(start)
-    opt = adamw(filter(lambda p: p.requires_grad, model.parameters()))
-    result = fit(model, data("gpt2"), own_loss, opt, strategy="data", zero=zero, bucket_mb=0.001, progress=False)
+    opt = lora_sgd(filter(lambda p: p.requires_grad, model.parameters()))
+    result = fit(model, data("gpt2"), lm_loss, opt, strategy="data", zero=zero, bucket_mb=0.001, progress=False)
     got = result.model
     check(comm, got, want, start, f"gpt2 data zero={zero}", 1e-10)
     assert_all_ranks(comm, type(got).__name__ == "PeftModelForCausalLM", f"result.model is {type(got).__name__}")
@@ -126,13 +132,13 @@ def test_lora_under_model_hybrid_and_auto_trains_like_one_process(comm):
     is turned off through its config); the partitions hold frozen and adapter weights alike."""
     for name, strategy, options in pipelines(comm.size):
         start = lora(name)
-        want = one_process(start, data(name))
+        want = one_process(start, name)
         model = copy.deepcopy(start)
-        opt = adamw(filter(lambda p: p.requires_grad, model.parameters()))
-        got = fit(model, data(name), own_loss, opt, strategy=strategy, progress=False,
+        opt = lora_sgd(filter(lambda p: p.requires_grad, model.parameters()))
+        got = fit(model, data(name), loss_of(name), opt, strategy=strategy, progress=False,
                   balance="params", **options).model
         # Llama normalises in float32 (tiny_transformers.NORM_IN_FLOAT32): its gradients round there
-        check(comm, got, want, start, f"{name} {strategy}", 1e-6 if name == "llama" else 1e-10)
+        check(comm, got, want, start, f"{name} {strategy}", 1e-7 if name == "llama" else 1e-10)
         assert_all_ranks(comm, type(got).__name__.startswith("PeftModel"), f"result.model is {type(got).__name__}")
 
 
@@ -171,8 +177,8 @@ def test_data_parallel_gives_frozen_parameters_no_bucket_and_no_gradient(comm):
     model = lora("gpt2")
     dp = DataParallel(model, comm=comm, bucket_mb=0.001)
     try:
-        x = data("gpt2", 1)[0][0]
-        dp(**x).loss.backward()
+        x, y = data("gpt2", 1)[0]
+        lm_loss(dp(**x), y).backward()
         adapters = trainable(model)
         bucketed = [p for b in dp.buckets for p in b.params]
         sizes = sum(b.buffer.numel() for b in dp.buckets)
@@ -187,7 +193,8 @@ def test_data_parallel_gives_frozen_parameters_no_bucket_and_no_gradient(comm):
         dp.close()
 
 
-@pytest.mark.parametrize("strategy", ["data", "model"])
+# the pipeline's three runs capture the model three times: at 2 ranks only, to keep the suite's time
+@pytest.mark.parametrize("strategy", ["data", pytest.param("model", marks=pytest.mark.mpi(sizes=(2,)))])
 def test_stopped_lora_run_with_frozen_weights_resumes_bit_identical(comm, tmp_path, strategy):
     """Default lora_dropout (0.1): the resumed run must continue its random stream too. The consolidated
     checkpoint loads into a fresh PeftModel."""
@@ -198,7 +205,7 @@ def test_stopped_lora_run_with_frozen_weights_resumes_bit_identical(comm, tmp_pa
     def train(directory: str, **kw: Any) -> Any:
         torch.manual_seed(100 + comm.rank)
         model = lora("gpt2", dropout=0.1)
-        return fit(model, data("gpt2", 4), own_loss, adamw(trainable(model)), strategy=strategy, progress=False,
+        return fit(model, data("gpt2", 4), lm_loss, lora_sgd(trainable(model)), strategy=strategy, progress=False,
                    checkpoint_dir=directory, checkpoint_every=2, **options, **kw)
 
     full = train(f"{root}/{strategy}-full")
