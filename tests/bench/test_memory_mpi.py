@@ -34,3 +34,16 @@ def test_zero_rows_build_the_model_inside_the_measured_run_on_every_rank(comm):
     ok = ok and rows["data zero=3"].target == 0.35 and rows["data zero=0"].target is None
     ok = ok and (f"hybrid P={comm.size // 2}xR=2 zero=2" in rows) == (comm.size >= 4 and comm.size % 2 == 0)
     assert_all_ranks(comm, ok, f"zero=2 {grown} {own}, rows {sorted(rows)}")
+
+
+@pytest.mark.mpi
+def test_lora_rows_freeze_the_weights_and_count_them_once(comm):
+    """``--lora R``: the reference is the frozen weights once + the adapters' params, grads and Adam state;
+    after data parallelism every rank holds the whole model and the adapters' gradients, nothing for the
+    frozen weights' (a frozen weight with a gradient would add its bytes to "own")."""
+    args = argparse.Namespace(width=32, depth=4, batch=8, micro_batches=2, steps=1, optimizer="adam", lora=2)
+    rows = {r.name: r for r in zero_contenders(comm.size)}
+    grown, own = fit_peak(comm, rows["data zero=0"], args)
+    frozen, adapters = 4 * (32 * 32 + 32) * 4, 4 * (2 * 32 * 2) * 4  # bytes: depth x (W, b); depth x (A, B)
+    want = (frozen + 2 * adapters) / (frozen + 4 * adapters)
+    assert_all_ranks(comm, len(grown) == comm.size and own == pytest.approx([want] * comm.size), f"{grown} {own}")

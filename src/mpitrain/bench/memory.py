@@ -25,6 +25,11 @@ building it before would hide), after the same fit on a tiny model (its communic
 not the model's); targets 0.70 / 0.50 / 0.35 for data zero=1/2/3 (over params + grads + Adam: pass
 ``--optimizer adam``). ZeRO >= 2 lowers glibc's mmap threshold for the rest of the process, so run one
 ZeRO row per command (``--rows``). :func:`fit_peak` measures one row (collective).
+
+``--lora R`` fine-tunes instead: every layer's weight and bias frozen (``requires_grad=False``) with a
+trainable rank-R adapter beside it (:class:`LoRALinear`, peft's LoRA), and the reference becomes one
+process's frozen weights + the adapters' parameters and gradients (+ Adam state): a strategy that gave
+the frozen weights gradient buffers would peak a whole model above it (docs/data-parallel.md).
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ from mpitrain.comm.base import Communicator
 from mpitrain.fit import fit
 
 __all__ = ["Contender", "contenders", "zero_contenders", "fit_peak", "peak_growth", "resident", "reference_bytes",
-           "main", "TARGETS", "ZERO_TARGETS"]
+           "main", "TARGETS", "ZERO_TARGETS", "LoRALinear"]
 
 T = TypeVar("T")
 
@@ -130,11 +135,26 @@ def peak_growth(run: Callable[[], T]) -> tuple[int, T]:
     return resident()[1] - before, out
 
 
-def _model(width: int, depth: int, build: str) -> nn.Module:
-    """`depth` x Linear(width, width) (float32, with bias) on the meta device or the CPU."""
+class LoRALinear(nn.Linear):
+    """A frozen ``Linear(width, width)`` plus a trainable low-rank update ``x A^T B^T`` (peft's LoRA with
+    scale 1; ``B`` starts at zero, as peft's)."""
+
+    def __init__(self, width: int, rank: int) -> None:
+        super().__init__(width, width)
+        self.requires_grad_(False)  # the weight and bias; the adapters below train
+        self.lora_A = nn.Parameter(torch.randn(rank, width) / width ** 0.5)
+        self.lora_B = nn.Parameter(torch.zeros(width, rank))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + (x @ self.lora_A.t()) @ self.lora_B.t()
+
+
+def _model(width: int, depth: int, build: str, lora: int = 0) -> nn.Module:
+    """`depth` x Linear(width, width) (float32, with bias) on the meta device or the CPU; with `lora` > 0
+    each a :class:`LoRALinear` of that rank (weights frozen)."""
     with torch.device("meta" if build == "meta" else "cpu"):
         torch.manual_seed(0)
-        return nn.Sequential(*[nn.Linear(width, width) for _ in range(depth)])
+        return nn.Sequential(*[LoRALinear(width, lora) if lora else nn.Linear(width, width) for _ in range(depth)])
 
 
 def _optimizer(name: str) -> Callable[[Any], torch.optim.Optimizer]:
@@ -144,9 +164,11 @@ def _optimizer(name: str) -> Callable[[Any], torch.optim.Optimizer]:
 
 
 def reference_bytes(model: nn.Module, optimizer: str) -> int:
-    """One process's parameters + gradients (+ Adam's two moments) of `model`, in bytes."""
-    params = sum(q.numel() * q.element_size() for q in model.parameters())
-    return params * (4 if optimizer == "adam" else 2)
+    """One process's parameters + gradients (+ Adam's two moments) of `model`, in bytes: frozen parameters
+    (``requires_grad=False``) count once, they have neither."""
+    trained = sum(q.numel() * q.element_size() for q in model.parameters() if q.requires_grad)
+    frozen = sum(q.numel() * q.element_size() for q in model.parameters() if not q.requires_grad)
+    return frozen + trained * (4 if optimizer == "adam" else 2)
 
 
 def _own_bytes(model: nn.Module, build: str) -> int:
@@ -173,16 +195,17 @@ def fit_peak(comm: Communicator, row: Contender, args: argparse.Namespace) -> tu
         return fit(make(), batches, nn.MSELoss(), _optimizer(args.optimizer), strategy=row.strategy, comm=comm,
                    progress=False, **options)
 
+    lora = getattr(args, "lora", 0)  # a namespace built before --lora existed: every weight trains
     if row.build == "counted":
-        run(lambda: _model(8, 2, "cpu"), data(8))
+        run(lambda: _model(8, 2, "cpu", lora), data(8))
         comm.barrier()
-        make = lambda: _model(args.width, args.depth, "cpu")  # noqa: E731
+        make = lambda: _model(args.width, args.depth, "cpu", lora)  # noqa: E731
     else:
-        built = _model(args.width, args.depth, row.build)
+        built = _model(args.width, args.depth, row.build, lora)
         make = lambda: built  # noqa: E731
     batches = data(args.width)
     grown, result = peak_growth(lambda: run(make, batches))
-    ref = reference_bytes(_model(args.width, args.depth, "meta"), args.optimizer)
+    ref = reference_bytes(_model(args.width, args.depth, "meta", lora), args.optimizer)
     mine = (grown / ref, _own_bytes(result.model, row.build) / ref)
     seen = comm.allgather_object(mine)
     return [g for g, _ in seen], [o for _, o in seen]
@@ -206,6 +229,8 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
     p.add_argument("--rows", default="", help="comma list of row names to run (default: all)")
     p.add_argument("--zero", action="store_true", help="ZeRO's rows (the model counted), not the pipeline's")
+    p.add_argument("--lora", type=int, default=0, metavar="R",
+                   help="freeze every layer's weights and train a rank-R adapter beside each (0: all train)")
     add_outputs(p)
     return p.parse_args(list(argv))
 
@@ -220,15 +245,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     table: list[list[object]] = []
     for row in rows:
         grown, own = fit_peak(comm, row, args)
-        target = row.target
+        target = None if args.lora else row.target  # issue #27's targets are for models that train whole
         table.append([row.name, max(grown), max(g - o for g, o in zip(grown, own)),
                       " ".join(f"{g:.3f}" for g in grown), " ".join(f"{o:.3f}" for o in own),
                       "-" if target is None else target, f"{mmap_threshold() >> 20} MiB"])
     if comm.rank == 0:
-        ref = reference_bytes(_model(args.width, args.depth, "meta"), args.optimizer)
+        ref = reference_bytes(_model(args.width, args.depth, "meta", args.lora), args.optimizer)
+        lora = f" frozen, LoRA rank {args.lora} adapters trained" if args.lora else ""
         print(header(f"Per-rank peak growth during fit over one process's params + grads"
                      f"{' + Adam state' if args.optimizer == 'adam' else ''} ({ref / 1e6:.0f} MB: {args.depth} x "
-                     f"Linear {args.width}^2, {args.optimizer}, batch {args.batch}, M={args.micro_batches}, "
+                     f"Linear {args.width}^2{lora}, {args.optimizer}, batch {args.batch}, M={args.micro_batches}, "
                      f"{args.steps} steps)", comm.size))
         print_table(["row", "max growth", "max over own", "growth per rank", "own per rank", "target",
                      "mmap threshold"], table)

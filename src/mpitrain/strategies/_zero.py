@@ -277,7 +277,10 @@ class Zero:
         empty); state it already holds (Adagrad's initial sums, or a stepped one's) moves to the pieces,
         sliced. Below stage 3 a step-post hook allgathers the updated blocks; its ``zero_grad`` also
         clears the whole parameters' gradients (which the pieces view) at stage 1, and frees the reduced
-        gradient blocks from stage 2 on (``set_to_none``). Returns it."""
+        gradient blocks from stage 2 on (``set_to_none``). Returns it. Frozen parameters
+        (``requires_grad=False``: a fine-tuned backbone) are not sharded and never get a gradient, so no
+        element-wise optimizer changes them: they leave the groups with any state they hold, and stay
+        whole on every rank."""
         check_optimizer(optimizer)
         pieces = self.pieces_of()
         ranges = self.piece_ranges()
@@ -290,7 +293,7 @@ class Zero:
                                           for k, v in state.items()}
         known = {id(p) for p in self.slot}
         for group in optimizer.param_groups:
-            stray = [tuple(p.shape) for p in group["params"] if id(p) not in known]
+            stray = [tuple(p.shape) for p in group["params"] if id(p) not in known and p.requires_grad]
             if stray:
                 raise ValueError(f"ZeRO: the optimizer holds parameters that are not sharded here (shapes {stray}): "
                                  f"build it on the wrapped model's trainable parameters")

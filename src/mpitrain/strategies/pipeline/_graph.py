@@ -143,10 +143,11 @@ def export(model: nn.Module, sample: Any) -> Traced:
     # point the graph at the model's own tensors afterwards
     on_meta = any(t.is_meta for t in [*model.parameters(), *model.buffers()])
     try:
-        try:
-            ep = _export(copy.deepcopy(model) if on_meta else model, args, kwargs, every_dim=True)
-        except Exception:  # where a dynamic length fails outright, the batch dimension alone
-            ep = _export(copy.deepcopy(model) if on_meta else model, args, kwargs, every_dim=False)
+        with _cache_off(model, args, kwargs):
+            try:
+                ep = _export(copy.deepcopy(model) if on_meta else model, args, kwargs, every_dim=True)
+            except Exception:  # where a dynamic length fails outright, the batch dimension alone
+                ep = _export(copy.deepcopy(model) if on_meta else model, args, kwargs, every_dim=False)
     except Exception as e:
         hint = ("leave use_cache out of the batch or set it False (a cache object is no tensor to send)"
                 if "not a known type" in str(e) or "pytree" in str(e) else
@@ -203,6 +204,32 @@ def training_kwargs(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
     except (TypeError, ValueError):
         return {}
     return {"use_cache": False} if "use_cache" in signature.parameters and "use_cache" not in given else {}
+
+
+@contextmanager
+def _cache_off(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[None]:
+    """While capturing: ``model.config.use_cache`` False when the forward has no ``use_cache`` of its own but
+    passes ``**kwargs`` on to a model that has (peft's ``PeftModel``, whose ``config`` is the wrapped model's).
+    :func:`training_kwargs` cannot pass ``use_cache=False`` through such a forward: torch.export (2.13) then
+    mismatches the dynamic shapes of a forward's ``**kwargs`` with its own inputs. The flag is read in Python
+    while tracing, so the captured graph has no cache output and the config is restored at once; a batch
+    that sets ``use_cache`` itself is left as it is."""
+    config = getattr(model, "config", None)
+    try:
+        signature = inspect.signature(model.forward)
+        given = signature.bind_partial(*args, **kwargs).arguments
+    except (TypeError, ValueError):
+        given, signature = {}, None
+    passes_on = signature is not None and "use_cache" not in signature.parameters and any(
+        p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values())
+    if not (passes_on and getattr(config, "use_cache", None) and "use_cache" not in {**given, **kwargs}):
+        yield
+        return
+    before, config.use_cache = config.use_cache, False  # type: ignore[union-attr]
+    try:
+        yield
+    finally:
+        config.use_cache = before  # type: ignore[union-attr]
 
 
 def check_shapes(traced: Traced, inputs: Sequence[Any]) -> None:
