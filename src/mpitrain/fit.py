@@ -12,14 +12,15 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader
 
 from . import _registry, checkpoint
 from . import timeline as _timeline
 from ._data import (
     DataPlan,
+    check_not_iterable_dataset,
     check_plan,
     check_same_first_batch,
+    eval_loader,
     is_map_dataset,
     read_global,
     read_shares,
@@ -292,8 +293,9 @@ def _settings(data: object, epochs: int, steps: int | None, batch_size: int | No
             raise FitError(f"drop_last=True with a Dataset of {len(plan.dataset)} samples and batch_size={batch_size} "
                            f"leaves no batch")
     elif batch_size is not None or num_workers or pin_memory or collate_fn is not None:
-        raise FitError("batch_size, num_workers, pin_memory and collate_fn apply to a map-style "
-                       "torch.utils.data.Dataset (a DataLoader of yours takes its own collate_fn); "
+        check_not_iterable_dataset(data)
+        raise FitError("batch_size, num_workers, pin_memory and collate_fn apply to a map-style Dataset "
+                       "(a DataLoader of yours takes its own collate_fn); "
                        f"`data` is a {type(data).__name__} of global batches")
     if not is_int(accumulate) or accumulate < 1:
         raise FitError(f"accumulate must be an int >= 1, got {accumulate!r}")
@@ -682,7 +684,7 @@ def fit(model: nn.Module, data: Any, loss_fn: LossFn,
     sharded = _require(name, s, data)
     _check_first_batch(data)
     if eval_data is not None and is_map_dataset(eval_data):
-        eval_data = DataLoader(eval_data, batch_size=batch_size or 1, collate_fn=collate_fn)  # type: ignore[arg-type]
+        eval_data = eval_loader(eval_data, batch_size or 1, collate_fn, seed)
     resume_from = _find_resume(comm, s)
     spec = FitSpec(strategy=name, partitions=partitions, replicas=replicas, micro_batches=micro_batches,
                    schedule=schedule, balance=balance, options=strategy_options, stall=stall, loop=s.loop)
