@@ -177,20 +177,26 @@ def eval_loader(dataset: Any, batch_size: int, collate_fn: Callable[[list[Any]],
                       collate_fn=SeededCollate(collate_fn or default_collate))
 
 
-def check_first_item(dataset: Any) -> None:
-    """FitError (local, before any message) unless the Dataset's item 0 follows :func:`split_batch`'s rule.
-    Reads item 0 once on this rank, its RNG draws undone (torch's CPU generator and Python's `random`:
-    random augmentations must not shift the training's streams). A dataset read by region
-    (``spatial.data.RegionDataset``) is not read here: a rank must never read a whole sample of it (its
-    items are checked as the rank reads its blocks)."""
+def check_first_item(dataset: Any, collate_fn: Callable[[list[Any]], Any] | None = None) -> None:
+    """FitError (local, before any message) unless the Dataset's item 0 -- with a `collate_fn`, the batch
+    it collates from that item alone, since a collator may make the labels (Hugging Face's
+    ``DataCollatorForLanguageModeling``) or rename them (``DataCollatorWithPadding``: "label") -- follows
+    :func:`split_batch`'s rule. Reads item 0 once on this rank, its RNG draws (and the collate's) undone
+    (torch's CPU generator and Python's `random`: random augmentations must not shift the training's
+    streams). A dataset read by region (``spatial.data.RegionDataset``) is not read here: a rank must
+    never read a whole sample of it (its items are checked as the rank reads its blocks)."""
     from .spatial.data import RegionDataset  # on first use: fit's import loads no strategy
 
     if isinstance(dataset, RegionDataset):
         return
     state = random.getstate()
-    with torch.random.fork_rng(devices=[]):
-        item = dataset[0]
-    random.setstate(state)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            item = dataset[0]
+            if collate_fn is not None:
+                item = collate_fn([item])
+    finally:
+        random.setstate(state)
     split_batch(item)
 
 
@@ -306,4 +312,4 @@ def check_plan(dataset: object, batch_size: int | None, seed: object, num_worker
         raise FitError(f"collate_fn must be None or callable (items -> batch), got {collate_fn!r}")
     if len(dataset) == 0:  # type: ignore[arg-type]
         raise FitError("the Dataset is empty")
-    check_first_item(dataset)
+    check_first_item(dataset, collate_fn)
