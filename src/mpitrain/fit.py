@@ -267,7 +267,7 @@ def _strategy_of(strategy: str | StrategyOptions, options: dict[str, object], pa
 
 
 def _check_first_batch(data: object) -> None:
-    """The batch rule (:func:`~mpitrain._data.split_batch`) and the sharding rule
+    """The batch rule (:func:`~mpitrain.strategies.split_batch`) and the sharding rule
     (:func:`~mpitrain.strategies._batching.samples`) on the first global batch of a list or tuple of
     batches, before the trainer is built (no message yet). Other iterables cannot be peeked without
     reading them: their batches are checked as they are cut, on every rank alike."""
@@ -617,9 +617,14 @@ def fit(model: nn.Module, data: Any, loss_fn: LossFn,
     strategy's options dataclass, whose class names it (``strategy=mpitrain.DataOptions(zero=1)``;
     ``PipelineOptions`` runs "model" when `partitions` takes every rank, else "hybrid"); not both.
 
-    `data` is either a map-style ``torch.utils.data.Dataset`` (with ``batch_size=``, the GLOBAL batch) or
-    an iterable of global mini-batches, the same on every rank: ``(inputs, targets)`` pairs or, by the same
-    rule as a Dataset's items, mappings holding ``"labels"`` (a DataLoader with its own `collate_fn`).
+    `data` is either a map-style Dataset (with ``batch_size=``, the GLOBAL batch) or an iterable of global
+    mini-batches, the same on every rank: ``(inputs, targets)`` pairs or, by the same rule as a Dataset's
+    items, mappings holding ``"labels"`` (a DataLoader with its own `collate_fn`). Map-style is a
+    ``torch.utils.data.Dataset`` with a length that is not an ``IterableDataset``, or any other object
+    with ``__len__`` and ``__getitem__`` (a Hugging Face ``datasets.Dataset``) that is not a list, tuple
+    or other sequence (of global batches), a mapping or a tensor. An ``IterableDataset`` (a
+    ``datasets.IterableDataset`` too) with ``batch_size=`` is refused: wrap it in
+    ``DataLoader(ds, batch_size=B, collate_fn=...)``, an iterable of global batches.
 
     * Dataset: epoch ``e`` visits ``torch.randperm(len(data), generator=torch.Generator().manual_seed(seed
       + e))`` (``arange`` if not `shuffle`) in global batches of `batch_size`, the last one smaller unless
@@ -628,10 +633,15 @@ def fit(model: nn.Module, data: Any, loss_fn: LossFn,
       global batch). The item at an index is ``(inputs, target)``, ``(input_1, ..., input_k, target)``
       or a mapping holding ``"labels"`` (Hugging Face's convention: the model is called with every key,
       labels included, and the target is ``item["labels"]``; ``loss_fn=lambda out, y: out.loss`` trains
-      on the model's own loss); fit reads item 0 once on every rank to check that before any message.
+      on the model's own loss; a ``"label"`` or ``"label_ids"`` key without ``"labels"`` is renamed
+      ``"labels"``, as Hugging Face's collators rename it); fit reads item 0 once on every rank to check
+      that (with `collate_fn`: the batch it collates from item 0) before any message.
       `collate_fn` joins items into a batch as a DataLoader's does (variable-length items need a
       padding one, e.g. ``transformers.DataCollatorWithPadding(tokenizer)``); it is called on each
-      rank's rows, so each rank pads its rows to their own longest.
+      rank's rows, so each rank pads its rows to their own longest, with torch's and Python's RNGs
+      seeded by the rows' place (seed, epoch, batch, first row) and restored after: a random collate
+      (``DataCollatorForLanguageModeling(mlm=True)``) masks alike on every run of the same seed and
+      world size, differently on each rank's rows, and leaves the training's RNG streams alone.
     * Iterable: the first batch of each epoch is checksummed across ranks (FitError naming the ranks
       that differ from rank 0).
 
