@@ -79,8 +79,8 @@ def classification(tok: Any, max_length: int | None = None) -> Any:
     return raw.map(lambda b: tok(b["text"], **pad), batched=True, remove_columns=["text"]).with_format("torch")
 
 
-def blocks(tok: Any, size: int = 8) -> Any:
-    """run_clm's group_texts: every text's ids concatenated and cut into blocks of `size` (N of them)."""
+def blocks(tok: Any, size: int = 8, n: int = N) -> Any:
+    """run_clm's group_texts: every text's ids concatenated and cut into blocks of `size` (`n` of them)."""
     raw = datasets.Dataset.from_dict({"text": texts(3 * N)})
     ids = raw.map(lambda b: tok(b["text"]), batched=True, remove_columns=["text"])
 
@@ -90,8 +90,8 @@ def blocks(tok: Any, size: int = 8) -> Any:
         return {k: [v[i:i + size] for i in range(0, total, size)] for k, v in flat.items()}
 
     grouped = ids.map(group, batched=True, batch_size=len(ids))
-    assert len(grouped) >= N, len(grouped)
-    return grouped.select(range(N)).with_format("torch")
+    assert len(grouped) >= n, len(grouped)
+    return grouped.select(range(n)).with_format("torch")
 
 
 def sgd(params):
@@ -243,13 +243,15 @@ def test_an_iterable_dataset_with_batch_size_is_refused_and_its_dataloader_train
 
 
 def test_plan_reads_a_mapping_holding_labels_by_fits_rule(comm, tmp_path):
-    """The mapping's labels are the targets: the batch is B sequences (input_ids' dim 0), the labels'
-    (B, T) rows follow it, and the model is called with every key (its own loss)."""
+    """The mapping's labels are the targets: the batch is n sequences (input_ids' dim 0), the labels'
+    (n, T) rows follow it, and the model is called with every key (its own loss)."""
     tok = tokenizer()
-    batch = _transformers().DataCollatorForLanguageModeling(tok, mlm=False)([blocks(tok)[i] for i in range(B)])
+    n = 4 * comm.size
+    batch = _transformers().DataCollatorForLanguageModeling(tok, mlm=False)(list(blocks(tok, n=n)))
     folder = comm.broadcast_object(str(tmp_path), 0)
     plans = plan(build("gpt2"), batch, own_loss, comm=comm, cache=folder, strategies={"data"})
     profile = comm.broadcast_object(json.loads(next(Path(folder).glob("*.json")).read_text())["profile"]
                                     if comm.rank == 0 else None, 0)
     names = {p.strategy for p in plans}
-    assert_all_ranks(comm, profile["batch"] == B and "data" in names, f"batch {profile['batch']}, plans {names}")
+    assert_all_ranks(comm, profile["batch"] == n and "data" in names,
+                     f"batch {profile['batch']}, plans {names}, dropped {plans.dropped}")

@@ -1,5 +1,7 @@
-"""Where fit's samples come from: the order rule over a map-style Dataset, each rank's reads of it,
-and the cross-rank check of iterables of global batches.
+"""Where fit's samples come from: what a map-style Dataset is (:func:`is_map_dataset`), the order rule
+over one, each rank's reads of it (each collate seeded by its rows' place, :func:`collate_seed`), and the
+cross-rank check of iterables of global batches. What a sample or batch is (``split_batch``) lives in
+``strategies``, below fit and the planner, which share it.
 
 The order rule (the only one, so any run can be replayed in one process): epoch ``e`` visits
 ``torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed + e))`` (``arange``
@@ -171,6 +173,7 @@ def eval_loader(dataset: Any, batch_size: int, collate_fn: Callable[[list[Any]],
     each collated whole on every rank with the seed of its batch (:class:`SeededCollate`), so every rank
     holds the same global batch even with a random collate."""
     n = len(dataset)
+    # "epoch" -1: evaluation's own seeds, apart from every training epoch's
     batches = [Keyed(range(i, min(i + batch_size, n)), collate_seed(seed, -1, i // batch_size, 0))
                for i in range(0, n, batch_size)]
     return DataLoader(KeyedReads(dataset), batch_sampler=batches,  # type: ignore[arg-type]
