@@ -219,6 +219,8 @@ def test_masked_lm_collator_masks_each_ranks_rows_by_their_place_and_replays_exa
 
 
 def test_an_iterable_dataset_with_batch_size_is_refused_and_its_dataloader_trains_like_one_process(comm):
+    """With batch_size= refused before any message; without it, its first element (a sample) is refused
+    as a batch, naming the same recipe, on every rank; the recipe trains like one process."""
     tok = tokenizer()
     ds = classification(tok)
     collator = _transformers().DataCollatorWithPadding(tok)
@@ -229,6 +231,13 @@ def test_an_iterable_dataset_with_batch_size_is_refused_and_its_dataloader_train
     except FitError as e:
         msg = str(e)
         ok = "IterableDataset" in msg and "DataLoader(data, batch_size=B" in msg
+    assert_all_ranks(comm, ok, msg)
+    try:  # without batch_size=: its elements are samples, not global batches
+        fit(build("bert", classify=True), stream, own_loss, sgd, progress=False)
+        ok, msg = False, "no error"
+    except FitError as e:
+        msg = str(e)
+        ok = "seems to yield samples" in msg and "DataLoader(data, batch_size=B" in msg
     assert_all_ranks(comm, ok, msg)
     # the recipe: every rank reads the stream whole, in its order, as global batches
     loader = DataLoader(stream, batch_size=B, collate_fn=collator)

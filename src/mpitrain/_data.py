@@ -21,10 +21,11 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
 
 from .comm.base import Communicator
-from .strategies import ACCEPTED, split_batch
+from .strategies import ACCEPTED, samples, split_batch
 from .strategies.base import Batch, BatchShare, FitError, Share
 
-__all__ = ["ACCEPTED", "split_batch", "check_first_item", "check_not_iterable_dataset", "eval_loader",
+__all__ = ["ACCEPTED", "split_batch", "check_first_item", "check_not_iterable_dataset", "split_first_batch",
+           "eval_loader",
            "DataPlan", "epoch_order", "global_batches", "batch_count", "is_map_dataset", "read_shares", "read_global",
            "check_same_first_batch", "batch_checksum"]
 
@@ -44,15 +45,34 @@ def is_map_dataset(data: object) -> bool:
     return hasattr(type(data), "__len__") and hasattr(type(data), "__getitem__")
 
 
+#: What to pass instead of an IterableDataset's samples, quoted in its refusals
+ITERABLE_RECIPE = ("pass the map-style Dataset (a Hugging Face datasets.Dataset is one) with batch_size=, or "
+                   "DataLoader(data, batch_size=B, collate_fn=...) without batch_size= to fit: an iterable of "
+                   "global batches that every rank reads whole and alike")
+
+
 def check_not_iterable_dataset(data: object) -> None:
     """FitError (local) for an ``IterableDataset`` (torch's, or a Hugging Face ``datasets.IterableDataset``
     from ``to_iterable_dataset()``) given with fit's Dataset keywords: it has no index, so no rank can
     read only its rows, and its elements are samples where fit iterates global batches."""
     if isinstance(data, IterableDataset):
         raise FitError(f"fit: a {type(data).__name__} (an IterableDataset) has no index, so fit cannot give each "
-                       f"rank its rows: pass the map-style Dataset (a Hugging Face datasets.Dataset is one), or "
-                       f"DataLoader(data, batch_size=B, collate_fn=...) without batch_size= to fit, an iterable of "
-                       f"global batches that every rank reads whole and alike")
+                       f"rank its rows: {ITERABLE_RECIPE}")
+
+
+def split_first_batch(data: object, batch: Any) -> tuple[Batch, Any]:
+    """:func:`split_batch` and the sharding rule (``samples``) on the first batch of the iterable `data`
+    (every rank alike). An IterableDataset's elements are usually samples, not global batches (a Hugging
+    Face ``to_iterable_dataset()``): its FitError then names :data:`ITERABLE_RECIPE`."""
+    try:
+        inputs, targets = split_batch(batch)
+        samples(inputs, targets)
+    except FitError as e:
+        if not isinstance(data, IterableDataset):
+            raise
+        raise FitError(f"{e}. The {type(data).__name__} (an IterableDataset) seems to yield samples, where fit "
+                       f"iterates global batches: {ITERABLE_RECIPE}") from None
+    return inputs, targets
 
 
 def epoch_order(n: int, seed: int, epoch: int, shuffle: bool) -> torch.Tensor:

@@ -26,6 +26,7 @@ from ._data import (
     read_shares,
     skip,
     split_batch,
+    split_first_batch,
     take,
 )
 from ._utils.deprecation import renamed_options
@@ -408,7 +409,8 @@ class _Loop:
                 yield from read_global(plan, epoch, start)
             return
         for i, batch in enumerate(skip(self.data, start)):
-            inputs, targets = split_batch(batch)  # a tokenizer's BatchEncoding: its dict
+            # a tokenizer's BatchEncoding: its dict; the first batch's FitError names an IterableDataset's fix
+            inputs, targets = split_first_batch(self.data, batch) if i == 0 else split_batch(batch)
             if i == 0:
                 check_same_first_batch(self.comm, (inputs, targets), epoch)
             if stepper is not None:
