@@ -89,6 +89,31 @@ def test_pipeline_options_object_trains_as_the_keywords_and_as_one_process(comm,
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("which", [0, 1], ids=["model", "hybrid"])
+def test_partitions_left_out_are_what_the_strategy_takes_and_train_as_given(comm, which):
+    """"model" without `partitions` splits over every rank; "hybrid" with `replicas` only takes
+    ``size // replicas`` partitions: the same run, to the bit, as the layout spelled out."""
+    partitions, replicas = _layouts(comm.size)[which]
+    name = ["model", "hybrid"][which]
+    common = {"micro_batches": 2, "balance": "params", "profile_passes": 1, "progress": False}
+    inferred = fit(mlp(), batches(), F.cross_entropy, sgd, strategy=name, replicas=replicas, **common)
+    given = fit(mlp(), batches(), F.cross_entropy, sgd, strategy=name, partitions=partitions, replicas=replicas,
+                **common)
+    _same_bits(comm, inferred.model, given.model, f"{name} without partitions")
+    _close(comm, inferred.model, one_process(mlp(), batches(), None), 1e-10, f"{name} vs one process")
+
+
+@pytest.mark.mpi
+def test_hybrid_without_partitions_or_dividing_replicas_is_refused_on_every_rank(comm):
+    with pytest.raises(FitError, match=rf"strategy 'hybrid' needs partitions=P or replicas=R with P x R = "
+                                       rf"{comm.size} ranks; got replicas=None"):
+        fit(mlp(), batches(), F.cross_entropy, sgd, strategy="hybrid", progress=False)
+    with pytest.raises(FitError, match=rf"with P x R = {comm.size} ranks; got replicas={comm.size + 1}"):
+        fit(mlp(), batches(), F.cross_entropy, sgd, strategy="hybrid", replicas=comm.size + 1, progress=False)
+    assert_all_ranks(comm, True)  # every rank got here: nothing was sent before the refusals
+
+
+@pytest.mark.mpi
 def test_pipe_sgd_options_object_trains_as_the_keywords_and_as_algorithm_1(comm):
     by_object = fit(mlp(), batches(), F.cross_entropy, sgd, strategy=mpitrain.PipeSGDOptions(staleness=2),
                     epochs=2, progress=False).model
@@ -139,7 +164,8 @@ def test_each_options_class_names_its_strategy():
 
 
 @pytest.mark.parametrize("partitions, replicas, expected", [(4, None, "model"), (4, 1, "model"), (2, 2, "hybrid"),
-                                                            (2, None, "hybrid"), (1, 4, "hybrid")])
+                                                            (2, None, "hybrid"), (1, 4, "hybrid"),
+                                                            (None, None, "model"), (None, 2, "hybrid")])
 def test_pipeline_options_run_model_when_the_partitions_take_every_rank_else_hybrid(partitions, replicas, expected):
     assert mpitrain.PipelineOptions().strategy_name(partitions, replicas, 4) == expected
 

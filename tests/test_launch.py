@@ -156,6 +156,14 @@ def test_dry_run_prints_the_exact_command():
     assert "mpiexec -n 3" in out.stdout and out.stdout.rstrip().endswith("python -m mpi4py train.py --lr 0.1")
 
 
+@pytest.mark.parametrize("flag", ["-n", "-np", "--np"])
+def test_rank_count_takes_mpiruns_spellings(flag):
+    out = subprocess.run([*MPITRAIN, "run", flag, "3", "--dry-run", "python", "train.py"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "mpiexec -n 3" in out.stdout
+
+
 @pytest.mark.parametrize(("command", "expected"), [
     ("python train.py a", "python -m mpi4py train.py a"),
     ("python -u -W ignore train.py", "python -u -W ignore -m mpi4py train.py"),

@@ -76,8 +76,8 @@ def _demo(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def _launch_args(p: argparse.ArgumentParser, np_default: int | None,
-                 np_flags: tuple[str, ...] = ("-n", "--np")) -> None:
-    """The launch arguments shared by run, bench and demo."""
+                 np_flags: tuple[str, ...] = ("-n", "-np", "--np")) -> None:
+    """The launch arguments shared by run, bench and demo (``-np``: mpirun's spelling of ``-n``)."""
     p.add_argument(*np_flags, dest="n", type=int, default=np_default,
                    help="number of ranks" + ("" if np_default else " (default: SLURM_NTASKS in an allocation)"))
     p.add_argument("-H", "--hosts", help="host1:slots,host2:slots (default: the Slurm allocation's nodes)")
@@ -140,7 +140,7 @@ def parser() -> argparse.ArgumentParser:
     _launch_args(b, 2)
 
     d = sub.add_parser("demo", help="train a small CNN on scikit-learn's digits")
-    _launch_args(d, 2, ("--ranks", "-n", "--np"))
+    _launch_args(d, 2, ("--ranks", "-n", "-np", "--np"))
     d.add_argument("--strategy", default="model")
     pl = sub.add_parser("plan", help="rank the ways to train MODULE:FACTORY on N ranks (see mpitrain plan -h)",
                         add_help=False)

@@ -85,8 +85,27 @@ class FitResult:
 
 
 
-def accuracy(outputs: torch.Tensor, targets: torch.Tensor) -> float:
-    return (outputs.argmax(dim=1) == targets).float().mean().item()
+def accuracy(outputs: Any, targets: torch.Tensor) -> float:
+    """The fraction of predictions equal to `targets`, read as ``CrossEntropyLoss`` reads its input:
+    `outputs` is the logits, or a model output holding them (Hugging Face's ``.logits``, torchvision
+    segmentation's ``["out"]``, else a tuple's first element); the class dim is 1 (``(N, C)``,
+    ``(N, C, H, W)``) or, for ``(B, T, V)`` logits of ``(B, T)`` targets, the last; targets of -100 (the
+    loss's ``ignore_index``) are not counted, and float targets shaped as the logits (soft labels, e.g.
+    Mixup) count their largest class."""
+    logits = getattr(outputs, "logits", None)
+    if logits is None and isinstance(outputs, Mapping):
+        logits = outputs["out"]
+    if logits is None:
+        logits = outputs[0] if isinstance(outputs, (tuple, list)) else outputs
+    dim = 1
+    if logits.dim() == targets.dim() + 1 and logits.shape[:-1] == targets.shape and \
+            logits.shape[:1] + logits.shape[2:] != targets.shape:
+        dim = -1
+    if targets.is_floating_point() and targets.shape == logits.shape:
+        targets = targets.argmax(dim=dim)
+    counted = targets != -100
+    hits = (logits.argmax(dim=dim) == targets) & counted
+    return float(hits.sum()) / max(int(counted.sum()), 1)
 
 
 _NAMED_METRICS: dict[str, Metric] = {"accuracy": accuracy}
@@ -247,7 +266,7 @@ def _require(strategy: str, s: _Settings, data: object) -> bool:
     return "shares" in have
 
 
-def _strategy_of(strategy: str | StrategyOptions, options: dict[str, object], partitions: int,
+def _strategy_of(strategy: str | StrategyOptions, options: dict[str, object], partitions: int | None,
                  replicas: int | None, size: int) -> tuple[str, dict[str, object] | StrategyOptions]:
     """The strategy's name and its options (fit's leftover keywords, or the options dataclass passed as
     `strategy`, whose class names the strategy). FitError, local, for an options object given with
@@ -265,6 +284,22 @@ def _strategy_of(strategy: str | StrategyOptions, options: dict[str, object], pa
         raise FitError(f"fit: strategy must be a name ({sorted(STRATEGIES)}) or a strategy's options dataclass "
                        f"(mpitrain.DataOptions, ...), got {strategy!r}")
     return strategy, options
+
+
+def _partitions_of(name: str, partitions: int | None, replicas: int | None, size: int) -> int:
+    """`partitions` as given, else what strategy `name` takes on `size` ranks: "model" every rank,
+    "hybrid" ``size // replicas``, the others 1 (the whole model). FitError, local, for "hybrid" without
+    either or with `replicas` that does not divide the ranks."""
+    if partitions is not None:
+        return partitions
+    if name == "model":
+        return size
+    if name != "hybrid":
+        return 1
+    if not is_int(replicas) or replicas < 1 or size % replicas:
+        raise FitError(f"strategy 'hybrid' needs partitions=P or replicas=R with P x R = {size} ranks; "
+                       f"got replicas={replicas!r}")
+    return size // replicas
 
 
 def _check_first_batch(data: object) -> None:
@@ -307,7 +342,8 @@ def _settings(data: object, epochs: int, steps: int | None, batch_size: int | No
     if grad_clip is not None and (not is_number(grad_clip) or grad_clip <= 0):
         raise FitError(f"grad_clip must be None or a number > 0, got {grad_clip!r}")
     if precision not in ("fp32", "bf16"):
-        raise FitError(f"precision must be 'fp32' or 'bf16', got {precision!r}")
+        raise FitError(f"precision must be 'fp32' or 'bf16' (bf16 autocast, Lightning's 'bf16-mixed'), "
+                       f"got {precision!r}")
     if isinstance(lr_scheduler, (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)):
         # bound to the optimizer it was built on, which is not the one that trains (fit rebuilds it per rank)
         raise FitError(f"lr_scheduler must be a factory optimizer -> scheduler, e.g. lambda opt: "
@@ -599,7 +635,7 @@ def _find_resume(comm: Communicator, s: _Settings) -> tuple[Path, dict[str, Any]
 
 def fit(model: nn.Module, data: Any, loss_fn: LossFn,
         optimizer: OptimizerFactory | torch.optim.Optimizer, *, strategy: str | StrategyOptions = "data",
-        partitions: int = 1, replicas: int | None = None, micro_batches: int = 1, schedule: str = "1f1b",
+        partitions: int | None = None, replicas: int | None = None, micro_batches: int = 1, schedule: str = "1f1b",
         epochs: int = 1, steps: int | None = None, batch_size: int | None = None, shuffle: bool = True,
         seed: int = 0,
         drop_last: bool = False, num_workers: int = 0, pin_memory: bool = False,
@@ -618,6 +654,8 @@ def fit(model: nn.Module, data: Any, loss_fn: LossFn,
     `strategy` is a name with the strategy's options as keywords (``strategy="data", zero=1``) or the
     strategy's options dataclass, whose class names it (``strategy=mpitrain.DataOptions(zero=1)``;
     ``PipelineOptions`` runs "model" when `partitions` takes every rank, else "hybrid"); not both.
+    `partitions` (the layers' parts) defaults to what the strategy takes: every rank for "model",
+    ``world size // replicas`` for "hybrid" (which needs one of the two), 1 for the others.
 
     `data` is either a map-style Dataset (with ``batch_size=``, the GLOBAL batch) or an iterable of global
     mini-batches, the same on every rank: ``(inputs, targets)`` pairs or, by the same rule as a Dataset's
@@ -659,13 +697,18 @@ def fit(model: nn.Module, data: Any, loss_fn: LossFn,
     not the model's or trainable ones in no group). `lr_scheduler` a callable ``optimizer -> scheduler``
     (not a scheduler instance) stepped after every optimizer step; `grad_clip` clips the global
     gradient norm as ``clip_grad_norm_`` in one process;
-    ``precision="bf16"`` runs forward and loss under CPU bf16 autocast. `steps` caps the optimizer steps
-    per epoch. Callbacks ``on_step_end(state)`` / ``on_epoch_end(state)`` get a :class:`LoopState`;
-    returning True or raising :class:`StopTraining` ends the run after that step. Without
-    ``on_step_end`` nothing needs a step's loss at once: the step losses stay on the device and are
-    summed over the ranks in one message every 16 steps (and at the epoch's end, before a checkpoint),
-    so the loop sends no message and waits for no device on the other steps; the history holds the same
-    floats either way, and the progress bar shows the latest step loss read.
+    ``precision="bf16"`` runs forward and loss under bf16 autocast on the model's device (Lightning's "bf16-mixed").
+    `steps` caps the optimizer steps per epoch. Callbacks ``on_step_end(state)`` / ``on_epoch_end(state)`` get a
+    :class:`LoopState`; returning True or raising :class:`StopTraining` ends the run after that step. Without
+    ``on_step_end`` nothing needs a step's loss at once: the step losses stay on the device and are summed over the
+    ranks in one message every 16 steps (and at the epoch's end, before a checkpoint), so the loop sends no message and
+    waits for no device on the other steps; the history holds the same floats either way, and the progress bar shows the
+    latest step loss read.
+
+    `eval_data` (batches as `data`'s, or a Dataset read in batches of `batch_size`) is evaluated after
+    every epoch: the record's ``eval_loss`` and ``eval_<name>`` of each of `metrics` (callables
+    ``(outputs, targets) -> float``, or ``"accuracy"``: :func:`accuracy`) are means over the eval
+    batches weighted by their rows, the same on every rank.
 
     ``checkpoint_dir=DIR, checkpoint_every=N`` saves an atomic sharded checkpoint (docs/training-runs.md)
     after every N optimizer steps (counted across epochs) and at the end; ``resume=True`` continues
@@ -693,6 +736,7 @@ def fit(model: nn.Module, data: Any, loss_fn: LossFn,
         raise FitError(str(e)) from None
     stall = stall_policy(warn_after, abort_after, rest)
     name, strategy_options = _strategy_of(strategy, rest, partitions, replicas, comm.size)
+    partitions = _partitions_of(name, partitions, replicas, comm.size)
     sharded = _require(name, s, data)
     _check_first_batch(data)
     if eval_data is not None and is_map_dataset(eval_data):

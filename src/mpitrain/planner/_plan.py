@@ -86,7 +86,7 @@ def _check(model: object, sample_batch: object, loss_fn: object, comm: Communica
         raise PlanError(f"plan: loss_fn must be callable, got {type(loss_fn).__name__}")
     if not isinstance(exact, bool):
         raise PlanError(f"plan: exact must be True or False, got {exact!r}")
-    if world_size is not None and not (is_int(world_size) and world_size >= 1):  # type: ignore[operator]
+    if world_size is not None and not (is_int(world_size) and world_size >= 1):
         raise PlanError(f"plan: world_size must be a positive int, got {world_size!r}")
     if world_size is not None and world_size != comm.size and comm.size < 2:
         raise PlanError(f"plan: world_size={world_size!r} from one rank: pricing other rank counts extrapolates "

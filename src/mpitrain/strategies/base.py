@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from typing import ClassVar, Protocol, Self, TypeAlias
+from typing import ClassVar, Protocol, Self, TypeAlias, TypeGuard
 
 import torch
 from torch import nn
@@ -218,7 +218,7 @@ class CheckpointTrainer(Protocol):
 #: A strategy's entry point, ``make_trainer(model, loss_fn, optimizer, comm, spec)``.
 TrainerFactory: TypeAlias = Callable[[nn.Module, LossFn, OptimizerFactory, Communicator, FitSpec], Trainer]
 
-def is_int(value: object) -> bool:
+def is_int(value: object) -> TypeGuard[int]:
     """An int that is not a bool (``True`` is not a count)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -243,7 +243,7 @@ class StrategyOptions:
     #: The strategy's name (``fit(strategy=SomeOptions(...))`` runs it; also in messages).
     strategy: ClassVar[str] = "?"
 
-    def strategy_name(self, partitions: int, replicas: int | None, world_size: int) -> str:
+    def strategy_name(self, partitions: int | None, replicas: int | None, world_size: int) -> str:
         """The strategy an instance passed as ``fit(strategy=...)`` runs, given fit's layout keywords:
         :attr:`strategy` (a class serving two strategies decides here)."""
         return self.strategy

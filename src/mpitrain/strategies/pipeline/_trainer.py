@@ -78,10 +78,10 @@ class PipelineOptions(StrategyOptions):
         self.require("init_seed", is_int(self.init_seed), "an int")
         self.require("init_fn", self.init_fn is None or callable(self.init_fn), "None or a callable(module)")
 
-    def strategy_name(self, partitions: int, replicas: int | None, world_size: int) -> str:
-        """``fit(strategy=PipelineOptions(...))``: "model" when the partitions take every rank (one
-        replica), else "hybrid" (partitions x replicas ranks)."""
-        return "model" if partitions == world_size and replicas in (None, 1) else "hybrid"
+    def strategy_name(self, partitions: int | None, replicas: int | None, world_size: int) -> str:
+        """``fit(strategy=PipelineOptions(...))``: "model" when the partitions take every rank (or are not
+        given) with one replica, else "hybrid" (partitions x replicas ranks)."""
+        return "model" if partitions in (None, world_size) and replicas in (None, 1) else "hybrid"
 
 
 def _check_spec(spec: FitSpec, size: int) -> PipelineOptions:
