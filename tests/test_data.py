@@ -1,10 +1,15 @@
-"""fit's data rules (src/mpitrain/_data.py) on their own: the first-batch fingerprint and the batch count."""
+"""fit's data rules (src/mpitrain/_data.py) on their own: the first-batch fingerprint, the batch count, what a
+map-style Dataset is, the one rule for samples and batches (its Hugging Face label names), the seeded collate."""
 
 from __future__ import annotations
 
+import random
+
+import pytest
 import torch
 
-from mpitrain._data import FINGERPRINT_ELEMENTS, _spread, batch_checksum, batch_count, global_batches
+from mpitrain._data import FINGERPRINT_ELEMENTS, DataPlan, _spread, batch_checksum, batch_count, global_batches
+from mpitrain.fit import FitError
 
 
 def test_fingerprint_reads_a_bounded_sample_from_every_row():
@@ -40,3 +45,89 @@ def test_batch_count_is_the_number_of_global_batches():
     for n in (1, 7, 8, 9, 16, 17):
         for drop_last in (False, True):
             assert batch_count(n, 8, drop_last) == len(global_batches(torch.arange(n), 8, drop_last))
+
+
+# -- what a sample or batch is, what a map-style Dataset is, and the seeded collate (Hugging Face's data) ----
+
+class _MapProtocol:
+    """The map-style protocol without torch's class (as a Hugging Face ``datasets.Dataset``)."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        return torch.full((2,), float(i)), i
+
+
+class _TorchMap(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> int:
+        return i
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return iter(range(4))
+
+
+def test_a_map_style_dataset_is_a_torch_one_or_the_protocol_and_never_a_list_of_batches():
+    from mpitrain._data import is_map_dataset
+
+    batches = [(torch.zeros(2, 3), torch.zeros(2))]
+    assert is_map_dataset(_TorchMap()) and is_map_dataset(_MapProtocol())
+    for data in (batches, tuple(batches), range(3), {"a": 1}, torch.zeros(4, 3), _Stream(),
+                 torch.utils.data.DataLoader(_TorchMap(), batch_size=2), iter(batches), "text"):
+        assert not is_map_dataset(data), type(data).__name__
+
+
+def test_hugging_face_datasets_are_map_style_and_their_iterable_form_is_not():
+    datasets = pytest.importorskip("datasets")
+    from mpitrain._data import is_map_dataset
+
+    ds = datasets.Dataset.from_dict({"x": [[1.0, 2.0]] * 3, "label": [0, 1, 0]}).with_format("torch")
+    assert is_map_dataset(ds) and not is_map_dataset(ds.to_iterable_dataset())
+
+
+def test_split_batch_renames_hugging_faces_label_columns_labels_and_keeps_labels_first():
+    from mpitrain.strategies import split_batch
+
+    ids, y = torch.ones(2, 3), torch.tensor([0, 1])
+    for key in ("label", "label_ids"):
+        inputs, target = split_batch({"input_ids": ids, key: y})
+        assert set(inputs) == {"input_ids", "labels"} and target is y and inputs["labels"] is y
+    inputs, target = split_batch({"input_ids": ids, "labels": y, "label": y + 5})  # "labels" wins, nothing renamed
+    assert target is y and inputs["label"] is not y
+    with pytest.raises(FitError, match='"label" or "label_ids"'):
+        split_batch({"input_ids": ids})
+
+
+def _masking(items: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A random collate drawing from torch's and Python's global RNGs (as a masked-LM collator does)."""
+    x = torch.stack(items)
+    return {"x": x, "labels": torch.bernoulli(torch.full_like(x, 0.5)) + random.random()}
+
+
+def _plan(workers: int) -> DataPlan:
+    data = [torch.full((3,), float(i)) for i in range(10)]
+    return DataPlan(data, 4, True, 7, False, workers, False, _masking)
+
+
+def test_a_collate_is_seeded_by_the_place_of_its_rows_and_leaves_the_global_rngs_alone():
+    """The seed travels with the indices, so worker processes collate what the main process does; two
+    reads of the same rows draw alike, other rows (another rank's place) differently."""
+    lists, keys = [[0, 1], [2, 3], [4, 5]], [(0, 0), (0, 2), (1, 0)]
+    torch.manual_seed(0)
+    random.seed(0)
+    main = list(_plan(0).loader(lists, 0, keys))
+    after = (torch.rand(1), random.random())
+    torch.manual_seed(0)
+    random.seed(0)
+    assert after == (torch.rand(1), random.random())  # the collate drew from its own streams
+    again = list(_plan(0).loader(lists, 0, keys))
+    workers = list(_plan(2).loader(lists, 0, keys))
+    for a, b, c in zip(main, again, workers):
+        assert torch.equal(a["labels"], b["labels"]) and torch.equal(a["labels"], c["labels"])
+    assert not torch.equal(main[0]["labels"], main[1]["labels"])
+    assert not torch.equal(main[0]["labels"], list(_plan(0).loader(lists[:1], 1, keys[:1]))[0]["labels"])  # epoch

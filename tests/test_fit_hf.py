@@ -1,4 +1,4 @@
-"""Hugging Face-style data in fit (the one rule of ``mpitrain._data.split_batch``): a map-style Dataset whose
+"""Hugging Face-style data in fit (the one rule of ``mpitrain.strategies.split_batch``): a map-style Dataset whose
 items are mappings holding "labels" (``{"input_ids", "attention_mask", "labels"}``, as a tokenized HF
 dataset gives them), with the default collate or a padding ``collate_fn`` for variable lengths, and a list
 of such already-collated batches. The model is called with every key, labels included, and trains on its

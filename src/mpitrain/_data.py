@@ -1,5 +1,7 @@
-"""Where fit's samples come from: the order rule over a map-style Dataset, each rank's reads of it,
-and the cross-rank check of iterables of global batches.
+"""Where fit's samples come from: what a map-style Dataset is (:func:`is_map_dataset`), the order rule
+over one, each rank's reads of it (each collate seeded by its rows' place, :func:`collate_seed`), and the
+cross-rank check of iterables of global batches. What a sample or batch is (``split_batch``) lives in
+``strategies``, below fit and the planner, which share it.
 
 The order rule (the only one, so any run can be replayed in one process): epoch ``e`` visits
 ``torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed + e))`` (``arange``
@@ -16,20 +18,61 @@ from typing import Any
 
 import torch
 from torch.utils._pytree import tree_leaves
-from torch.utils.data import DataLoader, Dataset, IterableDataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
 
 from .comm.base import Communicator
-from .strategies import plain_inputs
+from .strategies import ACCEPTED, samples, split_batch
 from .strategies.base import Batch, BatchShare, FitError, Share
 
-__all__ = ["ACCEPTED", "split_batch", "check_first_item",
+__all__ = ["ACCEPTED", "split_batch", "check_first_item", "check_not_iterable_dataset", "split_first_batch",
+           "eval_loader",
            "DataPlan", "epoch_order", "global_batches", "batch_count", "is_map_dataset", "read_shares", "read_global",
            "check_same_first_batch", "batch_checksum"]
 
 
 def is_map_dataset(data: object) -> bool:
-    """A map-style ``torch.utils.data.Dataset`` with a length (what fit shards by index)."""
-    return isinstance(data, Dataset) and not isinstance(data, IterableDataset) and hasattr(data, "__len__")
+    """Whether fit reads `data` as a map-style Dataset (by index, each rank its rows) rather than as an
+    iterable of global batches. The rule: a ``torch.utils.data.Dataset`` with a length that is not an
+    ``IterableDataset``; or any other object with ``__len__`` and ``__getitem__`` (the map-style protocol,
+    e.g. a Hugging Face ``datasets.Dataset``, which subclasses no torch class) that is not a sequence
+    (a list, tuple or range of global batches), a mapping or a tensor."""
+    if isinstance(data, IterableDataset):
+        return False
+    if isinstance(data, Dataset):
+        return hasattr(data, "__len__")
+    if isinstance(data, (Sequence, Mapping, torch.Tensor)):
+        return False
+    return hasattr(type(data), "__len__") and hasattr(type(data), "__getitem__")
+
+
+#: What to pass instead of an IterableDataset's samples, quoted in its refusals
+ITERABLE_RECIPE = ("pass the map-style Dataset (a Hugging Face datasets.Dataset is one) with batch_size=, or "
+                   "DataLoader(data, batch_size=B, collate_fn=...) without batch_size= to fit: an iterable of "
+                   "global batches that every rank reads whole and alike")
+
+
+def check_not_iterable_dataset(data: object) -> None:
+    """FitError (local) for an ``IterableDataset`` (torch's, or a Hugging Face ``datasets.IterableDataset``
+    from ``to_iterable_dataset()``) given with fit's Dataset keywords: it has no index, so no rank can
+    read only its rows, and its elements are samples where fit iterates global batches."""
+    if isinstance(data, IterableDataset):
+        raise FitError(f"fit: a {type(data).__name__} (an IterableDataset) has no index, so fit cannot give each "
+                       f"rank its rows: {ITERABLE_RECIPE}")
+
+
+def split_first_batch(data: object, batch: Any) -> tuple[Batch, Any]:
+    """:func:`split_batch` and the sharding rule (``samples``) on the first batch of the iterable `data`
+    (every rank alike). An IterableDataset's elements are usually samples, not global batches (a Hugging
+    Face ``to_iterable_dataset()``): its FitError then names :data:`ITERABLE_RECIPE`."""
+    try:
+        inputs, targets = split_batch(batch)
+        samples(inputs, targets)
+    except FitError as e:
+        if not isinstance(data, IterableDataset):
+            raise
+        raise FitError(f"{e}. The {type(data).__name__} (an IterableDataset) seems to yield samples, where fit "
+                       f"iterates global batches: {ITERABLE_RECIPE}") from None
+    return inputs, targets
 
 
 def epoch_order(n: int, seed: int, epoch: int, shuffle: bool) -> torch.Tensor:
@@ -73,68 +116,123 @@ class DataPlan:
         """How many global batches every epoch has (``len(self.batches(e))``, without drawing the order)."""
         return batch_count(len(self.dataset), self.batch_size, self.drop_last)
 
-    def loader(self, index_lists: list[list[int]], epoch: int) -> DataLoader[Any]:
-        """A DataLoader over exactly `index_lists` (one batch each, in order). Its own generator keeps
-        the global torch RNG untouched (dropout streams and exact resume depend on it)."""
-        return DataLoader(self.dataset, batch_sampler=index_lists, num_workers=self.num_workers,
-                          pin_memory=self.pin_memory, collate_fn=self.collate_fn,
+    def loader(self, index_lists: list[list[int]], epoch: int, keys: list[tuple[int, int]]) -> DataLoader[Any]:
+        """A DataLoader over exactly `index_lists` (one batch each, in order); ``keys[i]`` = (the global
+        batch's number in the epoch, the position of the list's first row in it) seeds list i's collate
+        (:func:`collate_seed`). Its own generator keeps the global torch RNG untouched (dropout streams
+        and exact resume depend on it)."""
+        batches = [Keyed(rows, collate_seed(self.seed, epoch, b, start)) for rows, (b, start) in zip(index_lists, keys)]
+        return DataLoader(KeyedReads(self.dataset), batch_sampler=batches,  # type: ignore[arg-type]
+                          num_workers=self.num_workers, pin_memory=self.pin_memory,
+                          collate_fn=SeededCollate(self.collate_fn or default_collate),
                           generator=torch.Generator().manual_seed(self.seed + epoch))
 
 
-#: What fit takes as one sample (a Dataset's item) or one batch (a collated batch, an iterable's element):
-#: the one rule of :func:`split_batch`, quoted in every refusal
-ACCEPTED = ("(inputs, target), (input_1, ..., input_k, target), or a mapping holding "
-            "\"labels\" (Hugging Face's convention: the model is called with every key, labels included, "
-            "and the target is item[\"labels\"])")
+def collate_seed(seed: int, epoch: int, batch: int, start: int) -> int:
+    """The seed of the collate of the rows from position `start` on of global batch `batch` of `epoch`
+    (0-based): a function of fit's `seed` and of where the rows are, so a random collate (masked-LM
+    masking) draws the same on any run of the same seed and world size, resumed or not, and differently
+    on each rank's rows (each rank holds other positions)."""
+    return zlib.crc32(f"collate {seed} {epoch} {batch} {start}".encode())
 
 
-def split_batch(batch: Any) -> tuple[Batch, Any]:
-    """``(inputs, targets)`` of a Dataset's item or collated batch, or of an iterable's (or eval_data's)
-    batch, by the one rule: a tuple/list ``(inputs, target)`` or ``(input_1, ..., input_k, target)``
-    (positional inputs), or a mapping holding ``"labels"`` -- then the inputs are the
-    whole mapping as a dict (the model computes its own loss from the labels, e.g. ``loss_fn =
-    lambda out, y: out.loss``) and the targets are ``batch["labels"]``, so per-sample slicing, eval
-    weighting and the ``(B*T,)``/``(B, T)`` target rule apply to them. Anything else: FitError naming
-    what is accepted (local: every rank holding the same batch refuses alike)."""
-    if isinstance(batch, Mapping):
-        if "labels" not in batch:
-            raise FitError(f"fit: a mapping item or batch must hold \"labels\" (its keys: {sorted(map(str, batch))}); "
-                           f"fit takes {ACCEPTED}")
-        inputs = plain_inputs(batch)  # a BatchEncoding: its dict, so pytree slices its tensors
-        return inputs, inputs["labels"]
-    if isinstance(batch, (tuple, list)) and len(batch) >= 2:
-        if len(batch) == 2:
-            return plain_inputs(batch[0]), batch[1]
-        return tuple(batch[:-1]), batch[-1]
-    raise FitError(f"fit: got a {type(batch).__name__}{f' of {len(batch)}' if isinstance(batch, (tuple, list)) else ''}"
-                   f" as an item or batch; fit takes {ACCEPTED}")
+class Keyed(list[Any]):
+    """A list (a batch's indices, then its items) carrying the seed of its collate: the seed travels with
+    the indices through the DataLoader's batch sampler, to a worker process too (it pickles)."""
+
+    def __init__(self, values: Iterable[Any], seed: int | None) -> None:
+        super().__init__(values)
+        self.seed = seed
 
 
-def check_first_item(dataset: Any) -> None:
-    """FitError (local, before any message) unless the Dataset's item 0 follows :func:`split_batch`'s rule.
-    Reads item 0 once on this rank, its RNG draws undone (torch's CPU generator and Python's `random`:
-    random augmentations must not shift the training's streams). A dataset read by region
-    (``spatial.data.RegionDataset``) is not read here: a rank must never read a whole sample of it (its
-    items are checked as the rank reads its blocks)."""
+class KeyedReads:
+    """What fit's DataLoader reads: the Dataset's items (by ``__getitems__`` where the dataset has it, as
+    a DataLoader would call it), returned as a :class:`Keyed` list holding the seed of their indices."""
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> Any:
+        return self.dataset[index]
+
+    def __getitems__(self, indices: list[int]) -> Keyed:
+        many = getattr(self.dataset, "__getitems__", None)
+        items = many(list(indices)) if many else [self.dataset[i] for i in indices]
+        return Keyed(items, getattr(indices, "seed", None))
+
+
+@dataclass(frozen=True)
+class SeededCollate:
+    """`collate` called with torch's CPU generator and Python's `random` seeded by the items' key
+    (:func:`collate_seed`) and restored after: a random collate (Hugging Face's
+    ``DataCollatorForLanguageModeling``, which masks with the global RNG) is reproducible, independent
+    between ranks, and leaves the training's RNG streams (dropout) as a collate drawing nothing would."""
+
+    collate: Callable[[list[Any]], Any]
+
+    def __call__(self, items: list[Any]) -> Any:
+        seed = getattr(items, "seed", None)
+        if seed is None:
+            return self.collate(list(items))
+        state = random.getstate()
+        try:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                random.seed(seed)
+                return self.collate(list(items))
+        finally:
+            random.setstate(state)
+
+
+def eval_loader(dataset: Any, batch_size: int, collate_fn: Callable[[list[Any]], Any] | None,
+                seed: int) -> DataLoader[Any]:
+    """fit's `eval_data` given as a map-style Dataset: read in order in global batches of `batch_size`,
+    each collated whole on every rank with the seed of its batch (:class:`SeededCollate`), so every rank
+    holds the same global batch even with a random collate."""
+    n = len(dataset)
+    # "epoch" -1: evaluation's own seeds, apart from every training epoch's
+    batches = [Keyed(range(i, min(i + batch_size, n)), collate_seed(seed, -1, i // batch_size, 0))
+               for i in range(0, n, batch_size)]
+    return DataLoader(KeyedReads(dataset), batch_sampler=batches,  # type: ignore[arg-type]
+                      collate_fn=SeededCollate(collate_fn or default_collate))
+
+
+def check_first_item(dataset: Any, collate_fn: Callable[[list[Any]], Any] | None = None) -> None:
+    """FitError (local, before any message) unless the Dataset's item 0 -- with a `collate_fn`, the batch
+    it collates from that item alone, since a collator may make the labels (Hugging Face's
+    ``DataCollatorForLanguageModeling``) or rename them (``DataCollatorWithPadding``: "label") -- follows
+    :func:`split_batch`'s rule. Reads item 0 once on this rank, its RNG draws (and the collate's) undone
+    (torch's CPU generator and Python's `random`: random augmentations must not shift the training's
+    streams). A dataset read by region (``spatial.data.RegionDataset``) is not read here: a rank must
+    never read a whole sample of it (its items are checked as the rank reads its blocks)."""
     from .spatial.data import RegionDataset  # on first use: fit's import loads no strategy
 
     if isinstance(dataset, RegionDataset):
         return
     state = random.getstate()
-    with torch.random.fork_rng(devices=[]):
-        item = dataset[0]
-    random.setstate(state)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            item = dataset[0]
+            if collate_fn is not None:
+                item = collate_fn([item])
+    finally:
+        random.setstate(state)
     split_batch(item)
 
 
 def read_shares(plan: DataPlan, epoch: int, start: int, share: Callable[[int], Share]) -> Iterator[BatchShare]:
     """This rank's :class:`BatchShare` of each global batch of `epoch` from batch `start` on. Only this
-    rank's rows are read (one DataLoader over them); a batch where the rank reads nothing yields a share
-    without data and reads nothing."""
+    rank's rows are read (one DataLoader over them), collated with the seed of their place
+    (:func:`collate_seed`); a batch where the rank reads nothing yields a share without data and reads
+    nothing."""
     batches = plan.batches(epoch)[start:]
     shares = [share(len(b)) for b in batches]
-    wanted = [b[s.start:s.stop].tolist() for b, s in zip(batches, shares) if s.rows > 0]
-    it = iter(plan.loader(wanted, epoch)) if wanted else iter(())
+    mine = [(i, b, s) for i, (b, s) in enumerate(zip(batches, shares), start) if s.rows > 0]
+    wanted = [b[s.start:s.stop].tolist() for _, b, s in mine]
+    it = iter(plan.loader(wanted, epoch, [(i, s.start) for i, _, s in mine])) if wanted else iter(())
     for b, s in zip(batches, shares):
         if s.rows == 0:
             yield BatchShare(None, None, len(b), s)
@@ -145,10 +243,10 @@ def read_shares(plan: DataPlan, epoch: int, start: int, share: Callable[[int], S
 
 def read_global(plan: DataPlan, epoch: int, start: int) -> Iterator[tuple[Batch, torch.Tensor]]:
     """Whole global batches of `epoch` from batch `start` on (for trainers without shares: every rank
-    reads every sample)."""
+    reads every sample, and collates with the same seed)."""
     lists = [b.tolist() for b in plan.batches(epoch)[start:]]
     if lists:
-        for batch in plan.loader(lists, epoch):
+        for batch in plan.loader(lists, epoch, [(i, 0) for i in range(start, start + len(lists))]):
             yield split_batch(batch)
 
 
@@ -237,4 +335,4 @@ def check_plan(dataset: object, batch_size: int | None, seed: object, num_worker
         raise FitError(f"collate_fn must be None or callable (items -> batch), got {collate_fn!r}")
     if len(dataset) == 0:  # type: ignore[arg-type]
         raise FitError("the Dataset is empty")
-    check_first_item(dataset)
+    check_first_item(dataset, collate_fn)

@@ -12,19 +12,21 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader
 
 from . import _registry, checkpoint
 from . import timeline as _timeline
 from ._data import (
     DataPlan,
+    check_not_iterable_dataset,
     check_plan,
     check_same_first_batch,
+    eval_loader,
     is_map_dataset,
     read_global,
     read_shares,
     skip,
     split_batch,
+    split_first_batch,
     take,
 )
 from ._utils.deprecation import renamed_options
@@ -301,7 +303,7 @@ def _partitions_of(name: str, partitions: int | None, replicas: int | None, size
 
 
 def _check_first_batch(data: object) -> None:
-    """The batch rule (:func:`~mpitrain._data.split_batch`) and the sharding rule
+    """The batch rule (:func:`~mpitrain.strategies.split_batch`) and the sharding rule
     (:func:`~mpitrain.strategies._batching.samples`) on the first global batch of a list or tuple of
     batches, before the trainer is built (no message yet). Other iterables cannot be peeked without
     reading them: their batches are checked as they are cut, on every rank alike."""
@@ -327,8 +329,9 @@ def _settings(data: object, epochs: int, steps: int | None, batch_size: int | No
             raise FitError(f"drop_last=True with a Dataset of {len(plan.dataset)} samples and batch_size={batch_size} "
                            f"leaves no batch")
     elif batch_size is not None or num_workers or pin_memory or collate_fn is not None:
-        raise FitError("batch_size, num_workers, pin_memory and collate_fn apply to a map-style "
-                       "torch.utils.data.Dataset (a DataLoader of yours takes its own collate_fn); "
+        check_not_iterable_dataset(data)
+        raise FitError("batch_size, num_workers, pin_memory and collate_fn apply to a map-style Dataset "
+                       "(a DataLoader of yours takes its own collate_fn); "
                        f"`data` is a {type(data).__name__} of global batches")
     if not is_int(accumulate) or accumulate < 1:
         raise FitError(f"accumulate must be an int >= 1, got {accumulate!r}")
@@ -442,7 +445,8 @@ class _Loop:
                 yield from read_global(plan, epoch, start)
             return
         for i, batch in enumerate(skip(self.data, start)):
-            inputs, targets = split_batch(batch)  # a tokenizer's BatchEncoding: its dict
+            # a tokenizer's BatchEncoding: its dict; the first batch's FitError names an IterableDataset's fix
+            inputs, targets = split_first_batch(self.data, batch) if i == 0 else split_batch(batch)
             if i == 0:
                 check_same_first_batch(self.comm, (inputs, targets), epoch)
             if stepper is not None:
@@ -653,9 +657,14 @@ def fit(model: nn.Module, data: Any, loss_fn: LossFn,
     `partitions` (the layers' parts) defaults to what the strategy takes: every rank for "model",
     ``world size // replicas`` for "hybrid" (which needs one of the two), 1 for the others.
 
-    `data` is either a map-style ``torch.utils.data.Dataset`` (with ``batch_size=``, the GLOBAL batch) or
-    an iterable of global mini-batches, the same on every rank: ``(inputs, targets)`` pairs or, by the same
-    rule as a Dataset's items, mappings holding ``"labels"`` (a DataLoader with its own `collate_fn`).
+    `data` is either a map-style Dataset (with ``batch_size=``, the GLOBAL batch) or an iterable of global
+    mini-batches, the same on every rank: ``(inputs, targets)`` pairs or, by the same rule as a Dataset's
+    items, mappings holding ``"labels"`` (a DataLoader with its own `collate_fn`). Map-style is a
+    ``torch.utils.data.Dataset`` with a length that is not an ``IterableDataset``, or any other object
+    with ``__len__`` and ``__getitem__`` (a Hugging Face ``datasets.Dataset``) that is not a list, tuple
+    or other sequence (of global batches), a mapping or a tensor. An ``IterableDataset`` (a
+    ``datasets.IterableDataset`` too) with ``batch_size=`` is refused: wrap it in
+    ``DataLoader(ds, batch_size=B, collate_fn=...)``, an iterable of global batches.
 
     * Dataset: epoch ``e`` visits ``torch.randperm(len(data), generator=torch.Generator().manual_seed(seed
       + e))`` (``arange`` if not `shuffle`) in global batches of `batch_size`, the last one smaller unless
@@ -664,10 +673,15 @@ def fit(model: nn.Module, data: Any, loss_fn: LossFn,
       global batch). The item at an index is ``(inputs, target)``, ``(input_1, ..., input_k, target)``
       or a mapping holding ``"labels"`` (Hugging Face's convention: the model is called with every key,
       labels included, and the target is ``item["labels"]``; ``loss_fn=lambda out, y: out.loss`` trains
-      on the model's own loss); fit reads item 0 once on every rank to check that before any message.
+      on the model's own loss; a ``"label"`` or ``"label_ids"`` key without ``"labels"`` is renamed
+      ``"labels"``, as Hugging Face's collators rename it); fit reads item 0 once on every rank to check
+      that (with `collate_fn`: the batch it collates from item 0) before any message.
       `collate_fn` joins items into a batch as a DataLoader's does (variable-length items need a
       padding one, e.g. ``transformers.DataCollatorWithPadding(tokenizer)``); it is called on each
-      rank's rows, so each rank pads its rows to their own longest.
+      rank's rows, so each rank pads its rows to their own longest, with torch's and Python's RNGs
+      seeded by the rows' place (seed, epoch, batch, first row) and restored after: a random collate
+      (``DataCollatorForLanguageModeling(mlm=True)``) masks alike on every run of the same seed and
+      world size, differently on each rank's rows, and leaves the training's RNG streams alone.
     * Iterable: the first batch of each epoch is checksummed across ranks (FitError naming the ranks
       that differ from rank 0).
 
@@ -726,7 +740,7 @@ def fit(model: nn.Module, data: Any, loss_fn: LossFn,
     sharded = _require(name, s, data)
     _check_first_batch(data)
     if eval_data is not None and is_map_dataset(eval_data):
-        eval_data = DataLoader(eval_data, batch_size=batch_size or 1, collate_fn=collate_fn)  # type: ignore[arg-type]
+        eval_data = eval_loader(eval_data, batch_size or 1, collate_fn, seed)
     resume_from = _find_resume(comm, s)
     spec = FitSpec(strategy=name, partitions=partitions, replicas=replicas, micro_batches=micro_batches,
                    schedule=schedule, balance=balance, options=strategy_options, stall=stall, loop=s.loop)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import os
 import socket
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, replace
 from typing import Any
 
@@ -23,7 +23,7 @@ from ..perf.calibrate import (
     measure_network,
 )
 from ..runtime import world
-from ..strategies import plain_inputs, samples
+from ..strategies import samples, split_batch
 from ..strategies.base import Batch, FitError, LossFn, is_int, is_number
 from ._candidates import STRATEGY_NAMES, Measured, candidates
 from ._measure import measure_plan
@@ -203,13 +203,15 @@ def _restore(data: dict[str, Any]) -> tuple[Any, Network, Network, Calibration, 
     return profile_from_dict(data["profile"]), net, intra, Calibration(**data["calibration"]), over
 
 
-def plan(model: nn.Module, sample_batch: tuple[Batch, torch.Tensor], loss_fn: LossFn, *,
+def plan(model: nn.Module, sample_batch: tuple[Batch, torch.Tensor] | Mapping[str, Any], loss_fn: LossFn, *,
          comm: Communicator | None = None, world_size: int | None = None, memory_limit: float | str | None = None,
          strategies: Iterable[str] | None = None, exact: bool = False, explain: bool = False,
          cache: str | os.PathLike[str] | bool = True) -> Plans:
     """The ways to train `model` on the ranks of `comm` (default: the world), fastest predicted first.
 
-    `sample_batch` is one global mini-batch ``(inputs, targets)`` as ``fit``'s data yields it. Each
+    `sample_batch` is one global mini-batch as ``fit``'s data yields it, read by fit's one rule
+    (``strategies.split_batch``): ``(inputs, targets)``, ``(input_1, ..., input_k, targets)``, or a
+    Hugging Face mapping holding ``"labels"`` (inputs: the whole mapping; targets: its labels). Each
     returned :class:`Plan` runs as ``fit(model, data, loss_fn, opt, strategy=p.strategy, **p.options)``.
     Candidates: data; model and hybrid for every P dividing the world (M by HyPar-Flow's halving
     search); spatial grids and sample x spatial; pipe-sgd with K in {1, 2} and each compression; and
@@ -235,8 +237,10 @@ def plan(model: nn.Module, sample_batch: tuple[Batch, torch.Tensor], loss_fn: Lo
     signature) in `cache` (True: ``~/.cache/mpitrain/planner``; False: not cached). Every rank
     returns the same plans in the same order."""
     comm = comm or world()
-    if isinstance(sample_batch, (tuple, list)) and len(sample_batch) == 2:  # a BatchEncoding: its dict, as fit
-        sample_batch = (plain_inputs(sample_batch[0]), sample_batch[1])
+    try:  # fit's one rule (a mapping holding "labels", "k inputs + target", a BatchEncoding as its dict)
+        sample_batch = split_batch(sample_batch)
+    except FitError as e:
+        raise PlanError(f"plan: sample_batch: {e}") from None
     names, limit = _check(model, sample_batch, loss_fn, comm, world_size, memory_limit, strategies, exact)
     W = comm.size if world_size is None else int(world_size)
     key = model_signature(model, sample_batch, W)

@@ -1,7 +1,8 @@
 """Slicing global mini-batches into per-replica and per-micro-batch pieces: equal ones (`shard`,
 `chunks`) and, for uneven batches, blocks as even as possible by the project's one blocking rule
 (:func:`~mpitrain.comm.base.split_sizes`); and how a batch's inputs call the model (`call_args`,
-`call_model`).
+`call_model`); and what a sample or batch is (:func:`split_batch`: the one rule of fit's data and the
+planner's sample batch, here, below both).
 
 The sharding rule (:func:`samples`): a batch's size is its inputs' dim 0 (n samples). Targets whose dim 0 is
 n, or a multiple k·n (a language model's ``(B*T,)`` token targets against ``(B, T)`` ids), are cut k rows per
@@ -27,7 +28,8 @@ from ..comm.base import Communicator, split_sizes
 from ._device import CPU, to_device
 from .base import Batch, BatchShare, FitError, Share
 
-__all__ = ["plain_inputs", "call_args", "call_model", "call_rows", "batch_size", "samples", "per_sample",
+__all__ = ["ACCEPTED", "LABEL_ALIASES", "split_batch", "plain_inputs",
+           "call_args", "call_model", "call_rows", "batch_size", "samples", "per_sample",
            "target_rows", "split_pairs", "shard", "chunks", "check_divisible", "rows", "even_share", "slice_share",
            "gather_rows", "gather_outputs"]
 
@@ -41,6 +43,46 @@ def plain_inputs(inputs: Any) -> Any:
     if isinstance(inputs, Mapping) and not isinstance(inputs, dict):
         return dict(inputs.items())
     return inputs
+
+
+#: What a sample (a Dataset's item) or a batch (a collated batch, an iterable's element, ``plan``'s sample
+#: batch) may be: the one rule of :func:`split_batch`, quoted in every refusal
+ACCEPTED = ("(inputs, target), (input_1, ..., input_k, target), or a mapping holding "
+            "\"labels\" (Hugging Face's convention: the model is called with every key, labels included, "
+            "and the target is item[\"labels\"]; a \"label\" or \"label_ids\" key is renamed \"labels\", as "
+            "Hugging Face's data collators rename it)")
+
+#: The names Hugging Face datasets give a class column (``label``; ``label_ids``), which its data collators
+#: (``default_data_collator``, ``DataCollatorWithPadding``) rename ``labels``, the models' keyword; in this order
+LABEL_ALIASES = ("label", "label_ids")
+
+
+def split_batch(batch: Any) -> tuple[Batch, Any]:
+    """``(inputs, targets)`` of a sample or a batch by the one rule that fit (a Dataset's items and
+    collated batches, an iterable's and eval_data's batches) and ``plan`` (its sample batch) share: a
+    tuple/list ``(inputs, target)`` or ``(input_1, ..., input_k, target)`` (positional inputs), or a
+    mapping holding ``"labels"`` -- then the inputs are the whole mapping as a dict (the model computes
+    its own loss from the labels, e.g. ``loss_fn = lambda out, y: out.loss``) and the targets are
+    ``batch["labels"]``, so per-sample slicing, eval weighting and the ``(B*T,)``/``(B, T)`` target rule
+    apply to them. A mapping without ``"labels"`` but with one of :data:`LABEL_ALIASES` (a Hugging Face
+    dataset's raw ``"label"`` column) has that key renamed ``"labels"``, as Hugging Face's collators do, so
+    the model gets ``labels=``. Anything else: FitError naming what is accepted (local: every rank holding
+    the same batch refuses alike)."""
+    if isinstance(batch, Mapping):
+        inputs = plain_inputs(batch)  # a BatchEncoding: its dict, so pytree slices its tensors
+        if "labels" not in inputs:
+            alias = next((k for k in LABEL_ALIASES if k in inputs), None)
+            if alias is None:
+                raise FitError(f"fit: a mapping item or batch must hold \"labels\" (its keys: "
+                               f"{sorted(map(str, batch))}); fit takes {ACCEPTED}")
+            inputs = {("labels" if k == alias else k): v for k, v in inputs.items()}
+        return inputs, inputs["labels"]
+    if isinstance(batch, (tuple, list)) and len(batch) >= 2:
+        if len(batch) == 2:
+            return plain_inputs(batch[0]), batch[1]
+        return tuple(batch[:-1]), batch[-1]
+    size = f" of {len(batch)}" if isinstance(batch, (tuple, list)) else ""
+    raise FitError(f"fit: got a {type(batch).__name__}{size} as an item or batch; fit takes {ACCEPTED}")
 
 
 def call_args(inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
