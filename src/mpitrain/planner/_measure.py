@@ -80,4 +80,4 @@ def trial_forward(model: nn.Module, chosen: Plan, batch: tuple[torch.Tensor, tor
     text = f"{type(error).__name__}: {error}" if error is not None else None
     if comm.size > 1:
         text = comm.broadcast_object(text, first)
-    return f"{text} (rank {first})"
+    return f"rank {first}: {text}"

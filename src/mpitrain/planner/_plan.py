@@ -146,8 +146,8 @@ def _spatial_check(model: nn.Module, comm: Communicator, sample_batch: tuple[Bat
             return "its input is not one NCHW tensor"
         failed = trial_forward(model, trial, (x, y), loss_fn, comm, rows=min(samples, len(x)))
         if failed:
-            return (f"the model's forward fails on a spatial block of the batch's {tuple(x.shape[1:])} samples "
-                    f"({failed}): a model that reads its input's size cannot run on blocks")
+            return (f"the model's forward fails on the blocks of the batch's {tuple(x.shape[1:])} samples "
+                    f"({failed}); a model that reads its input's size cannot run on blocks")
         return None
 
     return check
