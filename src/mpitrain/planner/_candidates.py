@@ -287,7 +287,7 @@ def _spatial(m: Measured) -> Iterator[Plan | Dropped]:
         samples = W // per
         for grid in _grids(per):
             opts = {"grid": grid, "samples": samples}
-            why = prof.spatial_error
+            why: str | None = prof.spatial_error
             if not why and not prof.convs:
                 why = "the model has no Conv2d to split"
             if not why and B % samples:

@@ -291,8 +291,9 @@ def plan(model: nn.Module, sample_batch: tuple[Batch, torch.Tensor] | Mapping[st
         hosts = tuple(r // max(hosts.count(h) for h in hosts) for r in range(W)) if len(set(hosts)) > 1 else ()
         net, cal = extrapolate_network(net, W), extrapolate_calibration(cal, comm.size, W)
         intra = intra if hosts else net
+    check = _spatial_check(model, comm, sample_batch, loss_fn, W == comm.size)
     measured = Measured(prof, net, cal, W, sum(isinstance(m, nn.BatchNorm2d) for m in model.modules()),
-                        _spatial_check(model, comm, sample_batch, loss_fn, W == comm.size), over, float(spare[0]), intra, hosts)
+                        check, over, float(spare[0]), intra, hosts)
     plans, dropped = candidates(measured, names, limit, exact)
     if W != comm.size:
         plans = [replace(p, measured=False) for p in plans]
