@@ -10,7 +10,9 @@ MobileNetV3-small (timm's ``BatchNormAct2d``, a BatchNorm subclass with its own 
 hard-swish) under data, model and spatial (2x1, 1x2; 3x1; 2x2 and 2x1 x 2 samples), nothing redistributed;
 ViT-tiny (the pipeline's fx capture of timm's fused attention and ``_assert``s) under data and model with
 timm's ``SoftTargetCrossEntropy`` on ``Mixup``/CutMix soft targets (the pipeline as model at 2 and 3 ranks,
-hybrid 2 x 2 at 4)."""
+hybrid 2 x 2 at 4). ViT under ``strategy="auto"``: its spatial plans are dropped (a trial forward fails on
+the blocks: timm's ``PatchEmbed`` asserts its input's size) and it trains as one process on the plan chosen;
+``strategy="spatial"`` refuses it with a FitError on every rank."""
 
 from __future__ import annotations
 
@@ -21,7 +23,9 @@ import pytest
 import torch
 from torch import nn
 
-from mpitrain.fit import fit
+from mpitrain.fit import FitError, fit
+from mpitrain.planner import plan
+from mpitrain.spatial.distribution import ranges
 from mpitrain.spatial.models import suite_grids, torchvision_module
 from tests.helpers import assert_all_ranks
 
@@ -121,3 +125,35 @@ def test_timm_vit_trains_as_one_process_on_mixup_soft_targets(comm):
     else:
         check(comm, "hybrid 2x2 soft targets", model, data, loss, 4, strategy="hybrid", partitions=2, replicas=2,
               micro_batches=2)
+
+
+def test_timm_vit_auto_drops_the_spatial_plans_and_trains_as_one_process(comm, tmp_path_factory):
+    """PatchEmbed asserts its input's height and width, so on any grid the forward fails on a block: every
+    spatial layout is dropped with that reason (the same on every rank), and auto trains on what is left."""
+    size = comm.size
+    model = build("vit_tiny_patch16_224", img_size=32)
+    loss = nn.CrossEntropyLoss()
+    data = batches(2 * size, 32)
+    cache = str(tmp_path_factory.mktemp("plans"))  # read and written by rank 0 only: fit reuses plan's calibration
+    plans = plan(model, data[0], loss, comm=comm, strategies={"data", "spatial"}, cache=cache)
+    spatial = [d for d in plans.dropped if d.strategy == "spatial"]
+    why = "forward fails on the blocks of the batch's (3, 32, 32) samples (rank 0: AssertionError: Input"
+    reasons = comm.allgather_object([d.describe() for d in spatial])
+    assert_all_ranks(comm, [p.strategy for p in plans] == ["data"] and len(spatial) >= 2
+                     and all(why in d.reason for d in spatial) and all(r == reasons[0] for r in reasons),
+                     f"{plans.table()}\n{plans.explanation()}")
+    check(comm, "auto", model, data, loss, size, strategy="auto", strategies=("data", "spatial"), cache=cache)
+
+
+def test_timm_vit_under_spatial_is_refused_naming_the_block_and_the_alternatives(comm):
+    model = build("vit_tiny_patch16_224", img_size=32)
+    try:
+        fit(model, batches(2, 32)[:1], nn.CrossEntropyLoss(), sgd, progress=False, strategy="spatial",
+            grid=(1, comm.size))
+        message = "no error"
+    except FitError as e:
+        message = str(e)
+    a, b = ranges(32, comm.size)[comm.rank]  # this rank's columns
+    want = (f"the model's forward failed on rank {comm.rank}'s spatial block (3, 32, {b - a}) of the batch's "
+            f"(3, 32, 32) samples (grid (1, {comm.size})): AssertionError: Input width")
+    assert_all_ranks(comm, want in message and "'data', 'model' or 'hybrid'" in message, message)

@@ -230,3 +230,16 @@ def test_a_language_model_with_flattened_targets_is_timed_on_the_shares_of_its_b
                      f"batch {profile['batch']}, timed {timed}")
     micro = [p.options.get("micro_batches", 1) for p in plans if p.strategy == "model"]
     assert_all_ranks(comm, all(4 * W % m == 0 for m in micro), f"micro-batches {micro} of a batch of {4 * W}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_cnn_keeps_every_spatial_plan_its_trial_forward_runs(comm):
+    """The trial forward that drops a model reading its input's size (tests/test_fit_timm.py: ViT) runs a
+    CNN's blocks: every grid of every sample-group count is a plan, none dropped."""
+    x, y = cnn_batch(n=4 * comm.size)
+    plans = plan(tiny_cnn(), (x, y), CE, comm=comm, cache=False, strategies={"spatial"})
+    layouts = {(p.options["grid"], p.options["samples"]) for p in plans if "switch_at" not in p.options}
+    want = {((a, per // a), comm.size // per) for per in range(2, comm.size + 1) if comm.size % per == 0
+            for a in range(1, per + 1) if per % a == 0}
+    assert_all_ranks(comm, layouts == want and not [d for d in plans.dropped if d.strategy == "spatial"],
+                     f"{layouts} vs {want}; {plans.explanation()}")

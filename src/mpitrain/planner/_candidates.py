@@ -37,7 +37,8 @@ SpatialCheck = Callable[[tuple[int, int], int], str | None]
 class Measured:
     """What prices a candidate, the same on every rank: the model profile, the world's network, the
     timing constants of Pipe-SGD's model, the world size, the BatchNorm2d count (spatial statistics
-    allreduces), `spatial_check(grid, samples)` (None or why the spatial strategy cannot run it) and
+    allreduces), `spatial_check(grid, samples)` (None or why the spatial strategy cannot run it; it may
+    run a trial forward over the ranks, so it is called last, for the same layouts on every rank) and
     the runtime's measured per-step overheads, which every plan of a strategy adds to its formula.
     `spare_cores`: cores per rank beyond the compute thread's one (0 .. 1): how much of a
     communication thread's work can run beside compute (eq. 4's overlap needs a core to run on).
@@ -286,7 +287,7 @@ def _spatial(m: Measured) -> Iterator[Plan | Dropped]:
         samples = W // per
         for grid in _grids(per):
             opts = {"grid": grid, "samples": samples}
-            why = prof.spatial_error or m.spatial_check(grid, samples)
+            why: str | None = prof.spatial_error
             if not why and not prof.convs:
                 why = "the model has no Conv2d to split"
             if not why and B % samples:
@@ -294,6 +295,9 @@ def _spatial(m: Measured) -> Iterator[Plan | Dropped]:
             if not why and prof.input_shape is not None and (prof.input_shape[2] < grid[0] * 2
                                                             or prof.input_shape[3] < grid[1] * 2):
                 why = f"the image {prof.input_shape[2:]} is too small for grid {grid}"
+            # last: the check converts and runs a trial forward (collective; the reasons above are the
+            # agreed profile's, so every rank reaches it for the same layouts in the same order)
+            why = why or m.spatial_check(grid, samples)
             if why:
                 yield Dropped("spatial", opts, why)
                 continue
@@ -354,7 +358,7 @@ def _mixed(m: Measured) -> Iterator[Plan | Dropped]:
     the spatial part and the gather of the outputs, as the spatial plans do."""
     prof, W, B = m.prof, m.world, m.prof.batch
     found = mixed_path(m, switch=True)
-    why = prof.spatial_error or m.spatial_check((W, 1), 1)
+    why = prof.spatial_error or (m.spatial_check((W, 1), 1) if found is not None else None)
     if found is None or why:
         yield Dropped("mixed", {}, why or "no per-layer path: needs a captured NCHW conv model, a batch of at "
                                          "least one sample per rank and a module to switch at (a call whose "

@@ -26,7 +26,7 @@ from ..runtime import world
 from ..strategies import samples, split_batch
 from ..strategies.base import Batch, FitError, LossFn, is_int, is_number
 from ._candidates import STRATEGY_NAMES, Measured, candidates
-from ._measure import measure_plan
+from ._measure import measure_plan, trial_forward
 from ._overhead import Overheads, measure_overheads
 from ._profile import (
     agree,
@@ -38,7 +38,7 @@ from ._profile import (
     profile_to_dict,
     store,
 )
-from ._types import PlanError, Plans
+from ._types import Plan, PlanError, Plans
 
 __all__ = ["plan", "available_memory", "parse_bytes"]
 
@@ -113,20 +113,41 @@ def _check(model: object, sample_batch: object, loss_fn: object, comm: Communica
     return names, limit
 
 
-def _spatial_check(model: nn.Module, comm: Communicator, own_ranks: bool = True) -> Any:
-    """``check(grid, samples)``: None if the spatial strategy converts every layer of `model`, else why
-    (the spatial package's own conversion, on a copy; constructing a Distribution sends nothing).
-    Not `own_ranks` (a plan for another rank count): converted over `comm`'s ranks on one grid, as
-    whether a layer converts does not depend on the grid."""
+def _spatial_check(model: nn.Module, comm: Communicator, sample_batch: tuple[Batch, torch.Tensor], loss_fn: LossFn,
+                   own_ranks: bool = True) -> Any:
+    """``check(grid, samples)``: None if the spatial strategy runs `model` on this batch, else why. First
+    the spatial package's own conversion, on a copy (local: constructing a Distribution sends nothing);
+    then a trial forward of the converted copy over `comm` on one row per sample group
+    (:func:`~mpitrain.planner._measure.trial_forward`: collective, the verdict agreed, so every rank
+    drops the plan with the same reason): converting looks at layers only, and a model that reads its
+    input's size (timm's ``PatchEmbed`` asserts it: ViT, Swin) fails only when its forward sees a block.
+    The candidates call it in the same order on every rank (their order is the agreed profile's), once
+    per layout. Not `own_ranks` (a plan for another rank count): converted and tried over `comm`'s ranks
+    on one grid, (comm.size, 1), as whether a layer converts does not depend on the grid."""
     from ..spatial.distribution import Distribution, SpatialError
     from ..spatial.parallelize import convert
 
+    verdicts: dict[tuple[tuple[int, int], int], str | None] = {}
+
     def check(grid: tuple[int, int], samples: int) -> str | None:
         layout = (grid, samples) if own_ranks else ((comm.size, 1), 1)
+        if layout not in verdicts:
+            verdicts[layout] = _spatial_verdict(*layout)
+        return verdicts[layout]
+
+    def _spatial_verdict(grid: tuple[int, int], samples: int) -> str | None:
         try:
-            convert(copy.deepcopy(model), Distribution(comm, *layout))
+            convert(copy.deepcopy(model), Distribution(comm, grid, samples))
         except (SpatialError, ValueError, TypeError) as e:
             return f"the spatial strategy cannot convert the model ({e})"
+        trial = Plan("spatial", {"grid": grid, "samples": samples}, 0.0, 0)
+        x, y = sample_batch
+        if not isinstance(x, torch.Tensor):  # the profile drops spatial for such inputs before this check
+            return "its input is not one NCHW tensor"
+        failed = trial_forward(model, trial, (x, y), loss_fn, comm, rows=min(samples, len(x)))
+        if failed:
+            return (f"the model's forward fails on the blocks of the batch's {tuple(x.shape[1:])} samples "
+                    f"({failed}); a model that reads its input's size cannot run on blocks")
         return None
 
     return check
@@ -270,8 +291,9 @@ def plan(model: nn.Module, sample_batch: tuple[Batch, torch.Tensor] | Mapping[st
         hosts = tuple(r // max(hosts.count(h) for h in hosts) for r in range(W)) if len(set(hosts)) > 1 else ()
         net, cal = extrapolate_network(net, W), extrapolate_calibration(cal, comm.size, W)
         intra = intra if hosts else net
+    check = _spatial_check(model, comm, sample_batch, loss_fn, W == comm.size)
     measured = Measured(prof, net, cal, W, sum(isinstance(m, nn.BatchNorm2d) for m in model.modules()),
-                        _spatial_check(model, comm, W == comm.size), over, float(spare[0]), intra, hosts)
+                        check, over, float(spare[0]), intra, hosts)
     plans, dropped = candidates(measured, names, limit, exact)
     if W != comm.size:
         plans = [replace(p, measured=False) for p in plans]

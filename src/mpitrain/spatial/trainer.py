@@ -240,7 +240,7 @@ class SpatialTrainer(StepTrainer):
             for b in batches:
                 x, info = self._share_block(b, blocks=True)
                 with autocast(self.loop.precision, self.device):
-                    out = self.step_loss(self.parallel(x), b, info, self.device)
+                    out = self.step_loss(self.forward(x), b, info, self.device)
                 if out.loss is None:
                     assert out.zero is not None
                     out.zero.backward()
@@ -249,6 +249,25 @@ class SpatialTrainer(StepTrainer):
                 if out.logs:
                     local += part
         return local
+
+    def forward(self, x: torch.Tensor) -> Any:
+        """The spatial model on this rank's block `x`. A model whose own code refuses the block (an
+        assert or a shape error: timm's ``PatchEmbed`` checks its input's size, so ViT and Swin cannot
+        run on blocks) raises FitError naming the block and the batch's shapes, the model's message
+        (its exception is the FitError's cause) and the strategies that run the model whole; the
+        spatial package's own errors pass as they are."""
+        try:
+            return self.parallel(x)
+        except (AssertionError, RuntimeError, ValueError) as e:
+            if isinstance(e, SpatialError):
+                raise
+            layout = layout_of(x)
+            whole = tuple(layout.shape[1:]) if layout is not None else "?"
+            raise FitError(f"strategy 'spatial': the model's forward failed on rank {self.dist.comm.rank}'s "
+                           f"spatial block {tuple(x.shape[1:])} of the batch's {whole} samples (grid "
+                           f"{self.dist.grid}): {type(e).__name__}: {e} — a model that reads its input's size "
+                           f"cannot run on blocks; use strategy 'data', 'model' or 'hybrid' (strategy 'auto' "
+                           f"drops such spatial plans)") from e
 
     def clip_grad_norm_(self, max_norm: float) -> None:
         """The gradients are already the global ones on every rank: each clips them alike."""
@@ -262,8 +281,8 @@ class SpatialTrainer(StepTrainer):
         x, _ = self._share_block(slice_share(inputs, targets, self.share(n)), blocks=False)  # type: ignore[arg-type]
         self.parallel.eval()
         try:
-            with torch.no_grad(), autocast(self.loop.precision, self.device):
-                out = pytree.tree_map(lambda t: gather(t) if layout_of(t) is not None else t, self.parallel(x))
+            with torch.no_grad(), autocast(self.loop.precision, self.device), settle_on_error(self.dist.sends.abandon):
+                out = pytree.tree_map(lambda t: gather(t) if layout_of(t) is not None else t, self.forward(x))
             return pytree.tree_map(  # type: ignore[no-any-return]
                 lambda t: (t.float() if t.dtype == torch.bfloat16 else t).cpu() if isinstance(t, torch.Tensor) else t,
                 out)
