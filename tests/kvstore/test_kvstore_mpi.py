@@ -142,16 +142,21 @@ def _refusal(op) -> str:
 def test_pushpull_only_keys_hold_no_value_sum_and_refuse_push_pull_broadcast(kv, comm):
     """init(..., pushpull_only=True), as DataParallel registers its buckets: the store's own accounting
     grows by nothing (a plain init grows it by the value), pushpull still sums, and push/pull/broadcast of
-    such a key raise on every rank, leaving nothing half-sent (the sums after them are still right)."""
+    such a key raise on every rank before anything moves: a plain key listed first is neither pushed nor
+    broadcast (it keeps its init value), and the sums after the refusals are still right."""
     sizes = {"g0": 300, "g1": 5}
     bufs = {k: _value(comm.rank, i, 0, n) for i, (k, n) in enumerate(sizes.items())}
     kv.init(list(sizes), list(bufs.values()), pushpull_only=True)
     bare = kv.held_bytes()
     kv.init("w", torch.zeros(3))
     plain = kv.held_bytes() - bare
+    ones = torch.ones(3) * (comm.rank + 1)
     refused = [_refusal(lambda: kv.pull("g0", torch.empty(300))),
-               _refusal(lambda: kv.push(["w", "g1"], [torch.zeros(3), torch.zeros(5)])),
-               _refusal(lambda: kv.broadcast("g1", torch.zeros(5), torch.empty(5)))]
+               _refusal(lambda: kv.push(["w", "g1"], [ones, torch.zeros(5)])),
+               _refusal(lambda: kv.broadcast(["w", "g1"], [ones, torch.zeros(5)], [torch.empty(3), torch.empty(5)]))]
+    w = torch.empty(3)
+    kv.pull("w", w)
+    assert_close_all_ranks(comm, w, torch.zeros(3), what="plain key listed before a refused one")
     for step in range(2):
         for i, (k, n) in enumerate(sizes.items()):
             bufs[k].copy_(_value(comm.rank, i, step, n))
