@@ -129,6 +129,51 @@ def test_init_with_different_shapes_raises_on_every_rank(kv, comm):
         kv.init("x", torch.zeros(2 + (comm.rank == 1)))
 
 
+def _refusal(op) -> str:
+    """The KVStoreError message `op` raised here ('' if it raised none)."""
+    try:
+        op()
+    except KVStoreError as e:
+        return str(e)
+    return ""
+
+
+@pytest.mark.mpi
+def test_pushpull_only_keys_hold_no_value_sum_and_refuse_push_pull_broadcast(kv, comm):
+    """init(..., pushpull_only=True), as DataParallel registers its buckets: the store's own accounting
+    grows by nothing (a plain init grows it by the value), pushpull still sums, and push/pull/broadcast of
+    such a key raise on every rank before anything moves: a plain key listed first is neither pushed nor
+    broadcast (it keeps its init value), and the sums after the refusals are still right."""
+    sizes = {"g0": 300, "g1": 5}
+    bufs = {k: _value(comm.rank, i, 0, n) for i, (k, n) in enumerate(sizes.items())}
+    kv.init(list(sizes), list(bufs.values()), pushpull_only=True)
+    bare = kv.held_bytes()
+    kv.init("w", torch.zeros(3))
+    plain = kv.held_bytes() - bare
+    ones = torch.ones(3) * (comm.rank + 1)
+    refused = [_refusal(lambda: kv.pull("g0", torch.empty(300))),
+               _refusal(lambda: kv.push(["w", "g1"], [ones, torch.zeros(5)])),
+               _refusal(lambda: kv.broadcast(["w", "g1"], [ones, torch.zeros(5)], [torch.empty(3), torch.empty(5)]))]
+    w = torch.empty(3)
+    kv.pull("w", w)
+    assert_close_all_ranks(comm, w, torch.zeros(3), what="plain key listed before a refused one")
+    for step in range(2):
+        for i, (k, n) in enumerate(sizes.items()):
+            bufs[k].copy_(_value(comm.rank, i, step, n))
+        kv.pushpull(list(sizes), list(bufs.values()))
+        kv.wait(list(sizes))
+        for i, (k, n) in enumerate(sizes.items()):
+            assert_close_all_ranks(comm, bufs[k], _sum(comm.size, i, step, n), what=f"pushpull_only {k}")
+    assert_all_ranks(comm, bare == 0 and plain == 12 and all("pushpull_only" in r for r in refused),
+                     f"held {bare} B, plain key {plain} B, refusals {refused}")
+
+
+@pytest.mark.mpi
+def test_pushpull_only_differing_across_ranks_raises_on_every_rank(kv, comm):
+    with pytest.raises(KVStoreError, match="different keys/shapes"):
+        kv.init("x", torch.zeros(2), pushpull_only=comm.rank == comm.size - 1)
+
+
 @pytest.mark.mpi
 def test_rank_num_workers_and_type(kv, comm):
     assert_all_ranks(comm, (kv.rank, kv.num_workers) == (comm.rank, comm.size) and kv.type in TYPES,

@@ -195,3 +195,18 @@ def test_dist_sync_mpi_declared_path_stall_ends_the_job_with_the_stall_message()
     assert proc.returncode != 0, out
     gave_up = [line for line in out.splitlines() if "dist_sync_mpi (declared)" in line and "gave up after" in line]
     assert gave_up and "aborting the job" in gave_up[0], out
+
+
+def test_local_pushpull_only_key_holds_nothing_sums_and_refuses_pull():
+    kv = kvstore.create("local")
+    kv.init(["g", "w"], [torch.ones(4), torch.ones(2)], pushpull_only=True)
+    held = kv.held_bytes()
+    t = torch.arange(4.0)
+    kv.pushpull("g", t)
+    kv.wait()
+    with pytest.raises(KVStoreError, match="pushpull_only"):
+        kv.pull("g", torch.empty(4))
+    with pytest.raises(KVStoreError, match="pushpull_only"):
+        kv.push("w", torch.ones(2))
+    kv.close()
+    assert held == 0 and torch.equal(t, torch.arange(4.0))

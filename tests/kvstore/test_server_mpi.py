@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from mpitrain import kvstore
+from mpitrain.comm import tracing
 from mpitrain.kvstore import KVStoreError
 from tests.helpers import assert_all_ranks, assert_close_all_ranks
 
@@ -100,3 +101,54 @@ def test_dist_sync_worker_calls_on_a_server_rank_raise(comm):
             kv.serve()
         kv.close()
     assert_close_all_ranks(comm, torch.zeros(1), torch.zeros(1), what="reached the end")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("servers", [1, 2])
+def test_dist_sync_pushpull_only_keys_keep_no_worker_copy_and_refuse_pull(comm, servers):
+    """init(..., pushpull_only=True) on the parameter server: the workers keep no copy of the value (their
+    held_bytes stay 0; a plain key counts), pushpull still gives the sum, and pull/push of such a key are
+    refused on every worker before any request is sent (the next pushpull still pairs up)."""
+    kv = _store(comm, servers)
+    ok, msg = True, ""
+    if kv.is_server:
+        kv.serve()
+    else:
+        w, nw = kv.rank, kv.num_workers
+        kv.init(["small", "big"], [torch.zeros(5), torch.zeros(37)], pushpull_only=True)
+        bare = kv.held_bytes()
+        kv.init("plain", torch.zeros(4))
+        refused, calls = [], _Calls()
+        previous = tracing.set_tracer(calls)  # the calls on every communicator of this (worker) process
+        try:
+            for op in (lambda: kv.pull("big", torch.empty(37)), lambda: kv.push("small", torch.zeros(5))):
+                try:
+                    op()
+                    refused.append("")
+                except KVStoreError as e:
+                    refused.append(str(e))
+        finally:
+            tracing.set_tracer(previous)
+        for step in range(2):
+            t, u = _grad(w, step, 37), _grad(w, step, 5)
+            kv.pushpull(["big", "small"], [t, u])
+            kv.wait()
+            ok &= torch.equal(t, sum(_grad(v, step, 37) for v in range(nw)))
+            ok &= torch.equal(u, sum(_grad(v, step, 5) for v in range(nw)))
+        ok &= bare == 0 and kv.held_bytes() == 16 and all("pushpull_only" in r for r in refused) and not calls.names
+        msg = f"held {bare} B then {kv.held_bytes()} B, refusals {refused}, calls made by them {calls.names}"
+        kv.close()
+    assert_all_ranks(comm, ok, msg or "wrong sum")
+
+
+class _Calls:
+    """A tracer (comm/tracing.py): the names of the calls made on traced communicators."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+
+    def add(self, kind: str, name: str, t0: int, t1: int, args: dict | None = None) -> None:
+        self.names.append(name)
+
+    def add_wait(self, name: str, t0: int, t1: int, args: dict | None = None, clip: bool = True) -> None:
+        pass

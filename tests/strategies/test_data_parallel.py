@@ -107,8 +107,23 @@ def test_training_equals_one_process_on_concatenated_batch(comm, kvstore, opt):
     assert_all_ranks(comm, len(dp.buckets) >= 3, f"expected several buckets, got {dp.buckets}")
     o, ro = optimizer_for(opt)(dp.parameters()), optimizer_for(opt)(ref.parameters())
     _train_side_by_side(comm, dp, ref, o, ro, batches(comm.size, STEPS))
+    held, refused = dp.kv.held_bytes(), _pull_refusal(dp)
     dp.close()
     assert_same_params(comm, replica, ref, f"{kvstore}/{opt}")
+    # the store keeps no copy of the buckets (registered pushpull_only), and says so when pulled
+    assert_all_ranks(comm, held == 0 and "pushpull_only" in refused, f"store holds {held} B; pull: {refused!r}")
+
+
+def _pull_refusal(dp: DataParallel) -> str:
+    """The KVStoreError a pull of `dp`'s first bucket raises ('' if none): its key has no stored value."""
+    from mpitrain.kvstore import KVStoreError
+
+    b = dp.buckets[0]
+    try:
+        dp.kv.pull(b.key, torch.empty_like(b.buffer))
+    except KVStoreError as e:
+        return str(e)
+    return ""
 
 
 @pytest.mark.parametrize("kvstore", COLLECTIVE_TYPES)
@@ -192,7 +207,7 @@ def test_parameter_server_kvstore_trains_like_one_process(comm):
     ref = make_model(SmallCNN, comm)
     kv = kvstore.create("dist_sync", comm=comm, num_servers=1)
     workers = comm.split(None if kv.is_server else 0, comm.rank)
-    err = 0.0
+    err, held, refused = 0.0, 0, "pushpull_only"
     if kv.is_server:
         kv.serve()  # until every worker has closed the store
     else:
@@ -201,11 +216,13 @@ def test_parameter_server_kvstore_trains_like_one_process(comm):
             dp = DataParallel(replica, kvstore=kv, comm=workers, **SMALL)
             o, ro = optimizer_for("sgd")(dp.parameters()), optimizer_for("sgd")(ref.parameters())
             _train_side_by_side(workers, dp, ref, o, ro, batches(workers.size, STEPS, seed=11))
+            held, refused = kv.held_bytes(), _pull_refusal(dp)
             dp.close()
             err = max_param_diff(replica, ref)
         finally:
             kv.close()
-    assert_all_ranks(comm, err <= ATOL, f"dist_sync: max parameter difference {err}")
+    assert_all_ranks(comm, err <= ATOL and held == 0 and "pushpull_only" in refused,
+                     f"dist_sync: max parameter difference {err}; workers hold {held} B; pull: {refused!r}")
 
 
 @pytest.mark.parametrize("kvstore", ["dist_sync_mpi", "depchain"])

@@ -147,13 +147,19 @@ class AllreduceStore(KVStore):
         return self._ctl.size
 
     # -- registration ----------------------------------------------------------------------------
-    def init(self, key: Key | Sequence[Key], value: Value | Sequence[Value]) -> None:
-        """Collective over workers: register keys; rank 0's values become the stored values."""
+    def init(self, key: Key | Sequence[Key], value: Value | Sequence[Value], *, pushpull_only: bool = False) -> None:
+        """Collective over workers: register keys; rank 0's values become the stored values. With
+        `pushpull_only` only the signatures are registered (no stored copy, no broadcast): the keys take
+        ``pushpull``/``wait`` only (see :mod:`mpitrain.kvstore._interface`)."""
         self._check_open()
         items = self._registry.items(key, value)
         self.wait()
-        for k in self._registry.register(items):
+        for k in self._registry.register(items, keep=not pushpull_only):
             self._registered(k)
+
+    def held_bytes(self) -> int:
+        """Bytes of stored values this worker holds (0 for ``pushpull_only`` keys)."""
+        return self._registry.held_bytes()
 
     def _registered(self, key: Key) -> None:  # noqa: B027 - optional hook
         """Hook: a key was registered (collectively, in the same order on every worker)."""
@@ -217,30 +223,31 @@ class AllreduceStore(KVStore):
         The value is copied at once into a private buffer, so the caller may reuse it."""
         self._check_open()
         items = [(k, tensors(v, f"push({k!r})")) for k, v in pairs(key, value, "push")]
-        infos = [self._info(k, src[0], "push") for k, src in items]  # all checked before any is queued
+        # all checked before any is queued (a pushpull_only key has no stored value to reduce into)
+        stores = [self._registry.value(k, src[0], "push") for k, src in items]
         for k, src in items:
             self._check_codec(k, src[0], "push")
-        for (k, src), info in zip(items, infos):
+        for (k, src), store in zip(items, stores):
             with self._buf_lock:
                 free = self._push_bufs.setdefault(k, [])
-                buf = free.pop() if free else torch.empty_like(info.store)
+                buf = free.pop() if free else torch.empty_like(store)
             buf.copy_(src[0])
             for s in src[1:]:
                 buf.add_(s)
-            self._enqueue(Entry(k, buf, functools.partial(self._after_push, k, info, buf)))
+            self._enqueue(Entry(k, buf, functools.partial(self._after_push, k, store, buf)))
 
-    def _after_push(self, key: Key, info: KeyInfo, summed: torch.Tensor) -> None:
+    def _after_push(self, key: Key, store: torch.Tensor, summed: torch.Tensor) -> None:
         """Runs where the reduction completed: store the sum or step the optimizer with it."""
         try:
             if self._opt_factory is None:
-                info.store.copy_(summed)
+                store.copy_(summed)
             else:
                 opt = self._opts.get(key)
                 if opt is None:
-                    opt = self._opts[key] = self._opt_factory([info.store])
-                info.store.grad = summed
+                    opt = self._opts[key] = self._opt_factory([store])
+                store.grad = summed
                 opt.step()
-                info.store.grad = None
+                store.grad = None
         finally:
             with self._buf_lock:
                 self._push_bufs[key].append(summed)
@@ -255,11 +262,11 @@ class AllreduceStore(KVStore):
             if o is None:
                 raise KVStoreError(f"pull({k!r}): pass `out`, the tensor(s) to copy the value into")
             for t in tensors(o, f"pull({k!r})"):
-                self._info(k, t, "pull")
+                self._registry.value(k, t, "pull")  # refuses a pushpull_only key before any wait
         self.wait([k for k, _ in items])
         for k, o in items:
             for t in tensors(o, f"pull({k!r})"):
-                t.copy_(self._keys[k].store)
+                t.copy_(self._registry.value(k, t, "pull"))
 
     def broadcast(self, key: Key | Sequence[Key], value: Value | Sequence[Value], out: Any,
                   root_rank: int = 0, priority: int = 0) -> None:
@@ -313,10 +320,10 @@ class AllreduceStore(KVStore):
             raise KVStoreError("load_optimizer_states: no optimizer set (call set_optimizer first)")
         self.wait()
         for k, state in torch.load(fname, weights_only=False).items():
-            info = self._info(k, None, "load_optimizer_states")
+            store = self._registry.value(k, None, "load_optimizer_states")
             opt = self._opts.get(k)
             if opt is None:
-                opt = self._opts[k] = self._opt_factory([info.store])
+                opt = self._opts[k] = self._opt_factory([store])
             opt.load_state_dict(state)
 
     def set_gradient_compression(self, compression_params: dict[str, Any]) -> None:

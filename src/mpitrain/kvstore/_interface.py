@@ -6,6 +6,12 @@ Semantics common to every type:
 * ``init`` is collective over the workers: every worker registers the same keys with the same
   shape/dtype (checked with one pickled allgather, so a mismatch raises on every worker before any
   data moves) and rank 0's value becomes the stored value.
+* ``init(..., pushpull_only=True)`` registers the keys' shape/dtype and stores **no** value (no copy,
+  no broadcast): such a key is only ever summed by ``pushpull`` (and waited). ``push``, ``pull`` and
+  ``broadcast`` of it raise :class:`KVStoreError` before any message moves (``pull``/``push`` on the
+  worker that calls them: the registration is the same on every worker; ``broadcast`` on every
+  worker, from its collective check). DataParallel registers its gradient buckets this way, so the
+  store holds no copy of the gradients.
 * ``push``/``pushpull``/``pull``/``broadcast`` return after queueing; ``wait(keys)`` returns when every
   operation issued so far on those keys is complete and their outputs are safe to read. ``pull`` and
   ``broadcast`` wait for the key themselves, so their output is complete when they return.
@@ -104,12 +110,13 @@ def tensors(value: Value, what: str) -> list[torch.Tensor]:
 
 @dataclass
 class KeyInfo:
-    """A registered key: its position in the init order, signature and stored value."""
+    """A registered key: its position in the init order, signature and stored value (None for a key
+    registered ``pushpull_only``: nothing is stored for it)."""
 
     index: int
     shape: tuple[int, ...]
     dtype: torch.dtype
-    store: torch.Tensor
+    store: torch.Tensor | None
 
 
 class Registry:
@@ -141,13 +148,15 @@ class Registry:
                 raise KVStoreError(f"init: key {k!r} is already initialized")
         return items
 
-    def register(self, items: list[tuple[Key, torch.Tensor]]) -> list[Key]:
-        """Collective: check the signatures alike, then store rank 0's values (a broadcast per key, in
-        order). Returns the keys, registered in the same order on every worker."""
-        self.check_same([(k, tuple(t.shape), str(t.dtype)) for k, t in items], "init")
+    def register(self, items: list[tuple[Key, torch.Tensor]], keep: bool = True) -> list[Key]:
+        """Collective: check the signatures (and `keep`) alike, then store rank 0's values (a broadcast
+        per key, in order), or with ``keep=False`` (``init(..., pushpull_only=True)``) store nothing and
+        move no data. Returns the keys, registered in the same order on every worker."""
+        self.check_same([(k, tuple(t.shape), str(t.dtype), keep) for k, t in items], "init")
         for k, t in items:
-            store = t.detach().to("cpu", copy=True).contiguous()
-            self.ctl.broadcast(store, 0)
+            store = t.detach().to("cpu", copy=True).contiguous() if keep else None
+            if store is not None:
+                self.ctl.broadcast(store, 0)
             self.keys[k] = KeyInfo(len(self.keys), tuple(t.shape), t.dtype, store)
         return [k for k, _ in items]
 
@@ -161,10 +170,27 @@ class Registry:
                                f"got {tuple(t.shape)} {t.dtype}")
         return info
 
+    def value(self, key: Key, t: torch.Tensor | None, what: str) -> torch.Tensor:
+        """The key's stored value, checked as :meth:`info`; KVStoreError for a key registered
+        ``pushpull_only`` (it has none). Local: decides the same on every worker (same registrations)."""
+        store = self.info(key, t, what).store
+        if store is None:
+            raise KVStoreError(_no_value(key, what))
+        return store
+
+    def held_bytes(self) -> int:
+        """Bytes of the stored values this worker holds (a ``pushpull_only`` key holds none)."""
+        return sum(i.store.numel() * i.store.element_size() for i in self.keys.values() if i.store is not None)
+
     def new_keys(self, key: Key | Sequence[Key], value: Any, what: str) -> list[tuple[Key, Any]]:
-        """Collective: the (key, value) pairs of `key` not yet registered, checked alike on every worker."""
-        new = [(k, v) for k, v in pairs(key, value, what) if k not in self.keys]
-        self.check_same(sorted(str(k) for k, _ in new), f"{what} (keys not yet initialized)")
+        """Collective: the (key, value) pairs of `key` not yet registered, checked alike on every worker;
+        a registered key without a stored value (``pushpull_only``) raises on every worker, before any data
+        moves."""
+        keys = pairs(key, value, what)
+        bare = [k for k, _ in keys if k in self.keys and self.keys[k].store is None]
+        new = [(k, v) for k, v in keys if k not in self.keys]
+        self.check_same(sorted(str(k) for k, _ in new), f"{what} (keys not yet initialized)",
+                        _no_value(bare[0], what) if bare else None)
         return new
 
     def broadcast(self, key: Key | Sequence[Key], value: Any, out: Any, root_rank: int) -> None:
@@ -173,12 +199,18 @@ class Registry:
         outs = pairs(key, out, "broadcast outs")
         for (k, v), (_, o) in zip(pairs(key, value, "broadcast"), outs):
             src = tensors(v, "broadcast")[0]
-            info = self.info(k, src, "broadcast")
+            store = self.value(k, src, "broadcast")
             if self.ctl.rank == root_rank:
-                info.store.copy_(src)
-            self.ctl.broadcast(info.store, root_rank)
+                store.copy_(src)
+            self.ctl.broadcast(store, root_rank)
             for t in tensors(o, f"broadcast({k!r}) out"):
-                t.copy_(info.store)
+                t.copy_(store)
+
+
+def _no_value(key: Key, what: str) -> str:
+    return (f"{what}: key {key!r} was initialized with pushpull_only=True (as DataParallel registers its "
+            f"gradient buckets): it has no stored value, so only pushpull and wait take it; init another "
+            f"key for push/pull/broadcast")
 
 
 class KVStore(abc.ABC):
@@ -199,8 +231,14 @@ class KVStore(abc.ABC):
         """How many workers push and pull."""
 
     @abc.abstractmethod
-    def init(self, key: Key | Sequence[Key], value: Value | Sequence[Value]) -> None:
-        """Collective over workers: register keys; rank 0's values become the stored values."""
+    def init(self, key: Key | Sequence[Key], value: Value | Sequence[Value], *, pushpull_only: bool = False) -> None:
+        """Collective over workers: register keys; rank 0's values become the stored values. With
+        `pushpull_only` only their shape/dtype are registered: nothing is stored or sent, and the keys
+        take only ``pushpull``/``wait`` (``push``/``pull``/``broadcast`` of them raise KVStoreError)."""
+
+    @abc.abstractmethod
+    def held_bytes(self) -> int:
+        """Bytes of stored values this worker holds for its keys (0 for ``pushpull_only`` keys)."""
 
     @abc.abstractmethod
     def push(self, key: Key | Sequence[Key], value: Value | Sequence[Value], priority: int = 0) -> None:

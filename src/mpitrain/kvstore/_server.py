@@ -9,6 +9,7 @@ value, by :func:`split_sizes`); a smaller key lives whole on server ``init_index
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -79,7 +80,7 @@ class ServerStore(KVStore):
     # -- placement -------------------------------------------------------------------------------
     def _shards(self, info: KeyInfo) -> list[tuple[int, int, int]]:
         """(server rank, start, stop) blocks of the flattened key."""
-        n = info.store.numel()
+        n = math.prod(info.shape)
         if n < self._bound or self._nservers == 1:
             return [(self._server_ranks[info.index % self._nservers], 0, n)]
         blocks = zip(self._server_ranks, spans(split_sizes(n, self._nservers)))
@@ -93,20 +94,27 @@ class ServerStore(KVStore):
             raise KVStoreError(f"{what}: rank {self._world.rank} is a dist_sync server; "
                                f"it must call kv.serve()")
 
-    def init(self, key: Key | Sequence[Key], value: Any) -> None:
+    def init(self, key: Key | Sequence[Key], value: Any, *, pushpull_only: bool = False) -> None:
         """Collective over workers. Worker 0 ships each initial value to the servers and waits for
         their acknowledgement; the barrier after it makes every worker see the keys only then, so no
-        push can reach a server before the key exists there."""
+        push can reach a server before the key exists there. With `pushpull_only` the workers keep no
+        copy of the value (the servers hold theirs, as for every key) and the keys take only
+        ``pushpull``/``wait`` (see :mod:`mpitrain.kvstore._interface`)."""
         self._check_worker("init")
         items = self._registry.items(key, value)
         self.wait()
-        for k in self._registry.register(items):
-            if self.rank == 0:
-                self._ship(self._registry.keys[k])
+        self._registry.register(items, keep=not pushpull_only)
+        if self.rank == 0:
+            for k, t in items:  # the caller's value is rank 0's: the stored one, where there is one
+                self._ship(self._registry.keys[k], t)
         self._ctl.barrier()
 
-    def _ship(self, info: KeyInfo) -> None:
-        flat = info.store.view(-1)
+    def held_bytes(self) -> int:
+        """Bytes of stored values this worker holds (0 for ``pushpull_only`` keys; the servers' not counted)."""
+        return self._registry.held_bytes()
+
+    def _ship(self, info: KeyInfo, value: torch.Tensor) -> None:
+        flat = value.detach().to("cpu").reshape(-1)
         reqs, acks = [], []
         for s, lo, hi in self._shards(info):
             reqs += proto.send(self._net, s, proto.INIT, info.index, flat[lo:hi].clone())
@@ -117,8 +125,13 @@ class ServerStore(KVStore):
         """Send each worker's value to the key's servers; returns at once (the value is copied).
         `priority` is accepted for MXNet compatibility and unused."""
         self._check_worker("push")
-        for k, v in pairs(key, value, "push"):
-            src = tensors(v, f"push({k!r})")
+        items = [(k, tensors(v, f"push({k!r})")) for k, v in pairs(key, value, "push")]
+        for k, src in items:  # every key checked before the first is sent
+            self._registry.value(k, src[0], "push")
+        self._push(items)
+
+    def _push(self, items: list[tuple[Key, list[torch.Tensor]]]) -> None:
+        for k, src in items:
             info = self._registry.info(k, src[0], "push")
             flat = src[0].detach().reshape(-1).clone() if len(src) == 1 else _sum(src).view(-1)
             for s, lo, hi in self._shards(info):
@@ -128,12 +141,23 @@ class ServerStore(KVStore):
              ignore_sparse: bool = True) -> None:
         """Fetch the merged value of the latest round this worker pushed; returns with `out` complete."""
         self._check_worker("pull")
+        items = self._pull_items(key, out)
+        for k, outs in items:  # every key checked before the first request is sent
+            self._registry.value(k, outs[0], "pull")
+        self._pull(items)
+
+    def _pull_items(self, key: Key | Sequence[Key], out: Any) -> list[tuple[Key, list[torch.Tensor]]]:
+        items = []
         for k, o in pairs(key, out, "pull"):
             if o is None:
                 raise KVStoreError(f"pull({k!r}): pass `out`, the tensor(s) to copy the value into")
-            outs = tensors(o, f"pull({k!r})")
+            items.append((k, tensors(o, f"pull({k!r})")))
+        return items
+
+    def _pull(self, items: list[tuple[Key, list[torch.Tensor]]]) -> None:
+        for k, outs in items:
             info = self._registry.info(k, outs[0], "pull")
-            first = outs[0] if outs[0].is_contiguous() else torch.empty_like(info.store)
+            first = outs[0] if outs[0].is_contiguous() else torch.empty(info.shape, dtype=info.dtype)
             flat = first.view(-1)
             for s, lo, hi in self._shards(info):
                 req = self._net.irecv(flat[lo:hi], s, proto.REPLY)
@@ -148,8 +172,14 @@ class ServerStore(KVStore):
         if self._opt_set:
             raise KVStoreError("dist_sync pushpull is the plain sum, but an optimizer is set on the servers; "
                                "use push(key, grad) then pull(key, weight)")
-        self.push(key, ins, priority)
-        self.pull(key, ins if outs is None else outs, priority)
+        self._check_worker("pushpull")
+        items = [(k, tensors(v, f"pushpull({k!r})")) for k, v in pairs(key, ins, "pushpull")]
+        out_items = self._pull_items(key, ins if outs is None else outs)
+        for (k, src), (_, o) in zip(items, out_items):  # every key checked before the first is sent
+            self._registry.info(k, src[0], "pushpull")
+            self._registry.info(k, o[0], "pushpull outs")
+        self._push(items)
+        self._pull(out_items)
 
     def _track(self, key: Key, reqs: list[Request], keep: torch.Tensor) -> None:
         self._inflight.setdefault(key, []).extend(reqs)

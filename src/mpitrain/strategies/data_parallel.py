@@ -91,7 +91,9 @@ class DataParallel(nn.Module):
       norm statistics) are broadcast first, so every rank must run those forwards together.
     * With one worker nothing is pushed: the sum over one worker is the gradient itself. A store named
       on a one-rank communicator is then the local one (no store thread runs), and the buckets are not
-      registered in it (no host copy of them): its :attr:`kv` holds no keys.
+      registered in it: its :attr:`kv` holds no keys. A store with several workers gets the buckets'
+      keys with ``init(..., pushpull_only=True)``: it stores no value for them (``kv.held_bytes()`` is 0;
+      ``kv.pull`` of a bucket's key raises KVStoreError), so it keeps no copy of the gradients.
     * Devices: buckets live on the parameters' device. For a model on a CUDA device, the forward's
       tensor arguments are moved there first (as DDP with ``device_ids``; CPU inputs are copied), and
       each bucket is reduced after an event recorded on the backward's stream, on a side stream: the
@@ -114,7 +116,7 @@ class DataParallel(nn.Module):
     backward is reduce-scattered as its buckets complete: only the pieces hold gradients, accumulated
     over backward passes until the optimizer clears them, so :meth:`no_sync` is refused). With `zero`
     the `kvstore` is not used: the buckets are allreduced (1) or reduce-scattered (2, 3) on ZeRO's own
-    communicator (a store keeps a copy of every bucket, which would cost as much as the gradients). At
+    communicator (a store has no reduce-scatter, and its thread and communicators would be idle). At
     stage 3 a bucket's parameters are whole only from the forward of the first module holding them to
     that of the last, and again in backward (gathered, the next bucket prefetched, released when its
     gradients are reduced): every rank must run the same modules in the same order, and a rank without
@@ -142,8 +144,8 @@ class DataParallel(nn.Module):
         del named  # detached aliases: they would keep the parameters' memory alive once ZeRO moves them
         self.overlap = bool(overlap)  # push buckets during backward (True) or all when it ends
         self.stage = zero
-        # ZeRO reduces on its own communicator (its store would keep a copy of every bucket); from
-        # stage 2 on there are no whole gradient buckets either
+        # ZeRO reduces on its own communicator (a store has no reduce-scatter); from stage 2 on there
+        # are no whole gradient buckets either
         self._owns_kv = isinstance(kvstore, str) and not zero
         self._kv = _make_kvstore(kvstore, comm) if not zero else None
         workers = self._kv.num_workers if self._kv is not None else comm.size
@@ -159,12 +161,10 @@ class DataParallel(nn.Module):
         self._scale = 1.0 / workers if workers > 1 else None
         # one worker: the sum over workers is the gradient itself, so buckets are not pushed at all
         self._solo = workers == 1
-        # One worker pushes nothing: registering the buckets in a store of its own over one rank would
-        # only copy every bucket to the host (on a GPU, the whole gradient and a wait per fit call).
+        # One worker pushes nothing: a store of its own over one rank gets no registrations at all.
         # A store the caller passed is registered all the same (it may be theirs to use).
         if self._kv is not None and not (self._owns_kv and comm.size == 1):
-            for b in self.buckets:
-                self._kv.init(b.key, b.buffer)
+            self._register_buckets()
             self._declare_order()
         self.zero = Zero([b.params for b in self.buckets], comm, zero, name=f"{name}.zero") if zero else None
         self._gathers = ModuleGathers(self.zero, module) if self.zero is not None and zero == 3 else None
@@ -173,6 +173,19 @@ class DataParallel(nn.Module):
         self._sync_graph = True     # decided by the forward that built the graph being differentiated
         self._closed = False
         self._reset()
+
+    def _register_buckets(self) -> None:
+        """Collective: register the buckets' keys in the store. A KVStore gets them ``pushpull_only``: it
+        stores no value for them (the buckets are only ever pushpulled in place), so it holds no copy of
+        the gradients and rank 0's buckets are not broadcast; a duck-typed store gets a plain ``init``."""
+        from ..kvstore import KVStore
+
+        kv = self.kv
+        if isinstance(kv, KVStore):
+            kv.init(self._keys, [b.buffer for b in self.buckets], pushpull_only=True)
+            return
+        for b in self.buckets:
+            kv.init(b.key, b.buffer)
 
     def _declare_order(self) -> None:
         """Collective: tell a store that offers ``declare_order`` (dist_sync_mpi) the bucket order, which
