@@ -404,3 +404,34 @@ def test_export_traces_a_loaders_cpu_rows_where_the_parameters_are(device):
     assert traced.how == "export"
     assert [p.meta["val"].device.type for p in traced.placeholders] == [device]
     assert ids.device.type == "cpu"
+
+
+class _ThroughAlias(nn.Module):
+    """Partition-like forwards whose input reaches an in-place op directly, through an Identity (timm's
+    ``bn1.drop`` before its in-place ``bn1.act``) or through a view, or only through a copy."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how, self.drop, self.act = how, nn.Identity(), nn.Hardswish(inplace=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.how == "identity":
+            return self.act(self.drop(x))
+        if self.how == "view":
+            return x.view(-1).relu_()
+        if self.how == "getitem":
+            return x[0].add_(1)
+        return x.clone().relu_()  # "copy": the input itself is never written
+
+
+@pytest.mark.parametrize("how, mutated", [("identity", True), ("view", True), ("getitem", True), ("copy", False)])
+def test_an_input_written_in_place_through_an_alias_is_cloned_and_runs_as_received(how, mutated):
+    """A received activation is an autograd leaf: writing it, or a view of it, in place raises. The stage
+    clones exactly the inputs some node writes through an alias (and runs as torch would on a copy)."""
+    from mpitrain.strategies.pipeline._graph import mutated_placeholders
+
+    gm = torch.fx.symbolic_trace(_ThroughAlias(how))
+    assert mutated_placeholders(gm) == ({"x"} if mutated else set())
+    x = torch.randn(2, 3, requires_grad=True)  # as a stage receives it
+    gm(x.clone() if mutated else x).sum().backward()
+    assert x.grad is not None

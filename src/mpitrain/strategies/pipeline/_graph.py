@@ -783,18 +783,46 @@ def tied_groups(parts: list[Partition]) -> list[tuple[tuple[int, ...], list[nn.P
 
 
 def mutated_placeholders(gm: fx.GraphModule) -> set[str]:
-    """Placeholders that some node modifies in place (``relu(inplace=True)``, ``x += y``, ``x.add_``).
+    """Placeholders that some node modifies in place (``relu(inplace=True)``, ``x += y``, ``x.add_``),
+    directly or through a value that may share its memory (:func:`_alias`: an ``Identity``, a view).
 
-    A received activation is a leaf of the partition's autograd graph, which torch forbids mutating;
-    these inputs are cloned first so the partition runs the same in-place code as the whole model."""
+    A received activation is a leaf of the partition's autograd graph, which torch forbids mutating (a
+    view of it too); these inputs are cloned first so the partition runs the same in-place code as the
+    whole model (timm's MobileNetV3: ``bn1.drop``, an Identity, then ``bn1.act``, an in-place Hardswish)."""
     out = set()
     for n in gm.graph.nodes:
         if n.op != "placeholder":
             continue
-        for u in n.users:
-            if u.args and u.args[0] is n and _in_place(gm, u):
-                out.add(n.name)
+        seen, todo = {n}, [n]
+        while todo and n.name not in out:
+            v = todo.pop()
+            for u in v.users:
+                if u.args and u.args[0] is v and _in_place(gm, u):
+                    out.add(n.name)
+                elif u not in seen and _alias(gm, u, v):
+                    seen.add(u)
+                    todo.append(u)
     return out
+
+
+#: Methods and functions whose result may share its first argument's memory (a view, or the tensor itself).
+_VIEWS = {"view", "view_as", "reshape", "reshape_as", "flatten", "unflatten", "transpose", "permute", "squeeze",
+          "unsqueeze", "expand", "expand_as", "narrow", "t", "contiguous", "detach", "as_strided", "split",
+          "chunk", "unbind", "movedim", "swapaxes", "select", "diagonal", "getitem", "__getitem__", "type_as", "to"}
+
+
+def _alias(gm: fx.GraphModule, n: fx.Node, of: fx.Node) -> bool:
+    """Whether `n`'s value may share the memory of its input `of` (conservative: a clone costs a copy, a
+    missed alias an autograd error)."""
+    if not n.args or n.args[0] is not of:
+        return False
+    if n.op == "call_module":
+        return isinstance(gm.get_submodule(str(n.target)), nn.Identity)
+    if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):  # ATen: ask its schema
+        return any(r.alias_info is not None for r in n.target._schema.returns)
+    if n.op in ("call_method", "call_function"):
+        return str(getattr(n.target, "__name__", n.target)) in _VIEWS
+    return False
 
 
 def _in_place(gm: fx.GraphModule, n: fx.Node) -> bool:
