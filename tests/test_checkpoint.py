@@ -102,3 +102,17 @@ def test_strategies_without_checkpoint_hooks_refuse_clearly_before_any_message(t
         train(tmp_path, strategy=strategy)
     with pytest.raises(FitError, match=f"grad_clip= is not supported by strategy '{strategy}' yet"):
         train(None, strategy=strategy, grad_clip=1.0, drop_last=True)
+
+
+def test_split_by_bytes_gives_every_part_at_most_its_share_plus_one_item():
+    from mpitrain.strategies._reshard import split_by_bytes
+
+    g = random.Random(5)
+    for parts in (1, 2, 3, 4, 7):
+        sizes = [g.choice([4, 400, 40_000, 4_000_000]) * g.randint(1, 9) for _ in range(g.randint(0, 60))]
+        owner = split_by_bytes(sizes, parts)
+        assert owner == split_by_bytes(list(sizes), parts)  # the same assignment on every rank
+        loads = [sum(s for s, o in zip(sizes, owner) if o == p) for p in range(parts)]
+        assert all(0 <= o < parts for o in owner) and sum(loads) == sum(sizes)
+        assert max(loads) <= sum(sizes) / parts + max(sizes, default=0), (parts, loads)
+    assert split_by_bytes([10, 10, 10, 10], 2) == [0, 1, 0, 1] and split_by_bytes([1, 8, 1], 2) == [1, 0, 1]

@@ -15,11 +15,16 @@ A loading rank names what it holds (:class:`Held`: a name and an element range, 
 its ZeRO piece) and reads saved ranks one at a time (:func:`load_named`), copying every overlap, until
 all it holds is covered; a saved tensor seen whole wins over pieces, the first saved rank read wins over
 later ones (so a rank reading its own saved shard first keeps its own BatchNorm statistics).
+
+What is equal on every rank by construction (a replicated strategy's whole parameters, and at zero=0
+their optimizer state) need be written once in total: :func:`split_by_bytes` gives every rank the same
+assignment of such tensors to writers, and a reader gathers them from whichever shard holds them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+import heapq
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +32,8 @@ import torch
 
 from .base import FitError
 
-__all__ = ["Held", "whole", "tensor_entries", "optimizer_entries", "load_named", "assemble", "NAMED"]
+__all__ = ["Held", "whole", "tensor_entries", "optimizer_entries", "load_named", "assemble", "split_by_bytes",
+           "NAMED"]
 
 #: The layout key that says a checkpoint's shards hold state by name (this module's format).
 NAMED = "named"
@@ -59,6 +65,13 @@ def whole(name: str, t: torch.Tensor) -> Held:
     return Held(name, 0, t.numel(), tuple(t.shape))
 
 
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """`t` detached, copied when it is a view into a larger storage (a parameter inside a flat ZeRO
+    buffer): torch.save writes a tensor's whole storage, which would put every rank's share on disk."""
+    t = t.detach()
+    return t.clone() if t.untyped_storage().nbytes() > t.numel() * t.element_size() else t
+
+
 def tensor_entries(held: Iterable[tuple[torch.Tensor, Held]]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """(``"model"``, ``"model_pieces"``) of the tensors a rank holds: whole ones by name, pieces with
     their range."""
@@ -66,24 +79,40 @@ def tensor_entries(held: Iterable[tuple[torch.Tensor, Held]]) -> tuple[dict[str,
     pieces: dict[str, Any] = {}
     for t, h in held:
         if h.is_whole:
-            model[h.name] = t.detach().reshape(h.shape)  # a ZeRO piece may be a whole parameter
+            model[h.name] = _own(t).reshape(h.shape)  # a ZeRO piece may be a whole parameter
         else:
             pieces[h.name] = {"shape": list(h.shape), "start": h.start, "stop": h.stop,
-                              "piece": t.detach().reshape(-1)}
+                              "piece": _own(t).reshape(-1)}
     return model, pieces
 
 
-def optimizer_entries(optimizer: torch.optim.Optimizer, names: Mapping[int, Held]) -> dict[str, Any]:
-    """``"optim"`` of `optimizer`, whose parameters (wholes or pieces) are named by ``names[id(q)]``."""
+def split_by_bytes(sizes: Sequence[int], parts: int) -> list[int]:
+    """The part in ``range(parts)`` that writes each item of `sizes` (bytes): the largest item first, each
+    to the part with the fewest bytes so far (the lowest part on a tie). A pure function of its arguments,
+    so every rank computes the same assignment from the same sizes; no part gets more than
+    ``sum(sizes) / parts + max(sizes)`` (the part an item joins holds at most the average before it)."""
+    owner = [0] * len(sizes)
+    loads = [(0, p) for p in range(parts)]  # a heap of (bytes so far, part)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        load, part = heapq.heappop(loads)
+        owner[i] = part
+        heapq.heappush(loads, (load + int(sizes[i]), part))
+    return owner
+
+
+def optimizer_entries(optimizer: torch.optim.Optimizer, names: Mapping[int, Held],
+                      skip: Collection[int] = ()) -> dict[str, Any]:
+    """``"optim"`` of `optimizer`, whose parameters (wholes or pieces) are named by ``names[id(q)]``;
+    a parameter whose ``id`` is in `skip` is left out (another rank writes its state)."""
     groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     state: dict[str, Any] = {}
     for g in optimizer.param_groups:
         for q in g["params"]:
             st = optimizer.state.get(q)
-            if not st:
+            if not st or id(q) in skip:
                 continue
             h = names[id(q)]
-            flat = {k: v.detach().reshape(-1) for k, v in st.items()
+            flat = {k: _own(v).reshape(-1) for k, v in st.items()
                     if isinstance(v, torch.Tensor) and v.shape == q.shape and v.dim() > 0}
             other = {k: v for k, v in st.items() if k not in flat}
             state[h.name] = {"shape": list(h.shape), "start": h.start, "stop": h.stop, "flat": flat, "other": other}

@@ -25,7 +25,7 @@ from ._broadcast import (
 from ._buckets import MB, Bucket, adopt, plan_buckets
 from ._device import CPU, autocast, model_device, to_device
 from ._grad_allreduce import allreduce_gradients, start_allreduce_gradients
-from ._reshard import NAMED, Held, load_named, optimizer_entries, tensor_entries, whole
+from ._reshard import NAMED, Held, load_named, optimizer_entries, split_by_bytes, tensor_entries, whole
 from ._zero import ModuleGathers, Zero, check_optimizer, check_stage, module_units, storage_bytes
 from .base import (
     DEFAULT_LOOP,
@@ -624,17 +624,39 @@ class DataTrainer(StepTrainer):
                     names.setdefault(id(t), whole(name, t))
         return tensors, names
 
+    def _written_elsewhere(self) -> set[int]:
+        """``id`` of the replicated tensors another rank writes. The parameters this rank holds whole are
+        equal on every rank (broadcast at construction, then stepped alike from the averaged gradients,
+        ZeRO 1/2 gathering the stepped pieces), and so is their optimizer state at zero=0: each is
+        written once in total, by the rank :func:`split_by_bytes` assigns it (every rank computes the
+        same assignment: the state_dict's names, shapes and dtypes were checked equal at construction).
+        A tied parameter goes with all its names. Buffers (BatchNorm statistics differ per rank) and
+        ZeRO pieces stay with their rank."""
+        zero = self.dp.zero
+        params = {id(p) for p in self.dp.module.parameters()}
+        replicated: dict[int, torch.Tensor] = {}
+        for t in self.dp.module.state_dict(keep_vars=True).values():
+            if id(t) in params and not (zero is not None and zero.stage == 3 and t in zero.slot):
+                replicated.setdefault(id(t), t)
+        owners = split_by_bytes([t.numel() * t.element_size() for t in replicated.values()], self.comm.size)
+        return {key for key, owner in zip(replicated, owners) if owner != self.comm.rank}
+
     def state_dict(self) -> dict[str, object]:
-        """This rank's shard, by name (:mod:`._reshard`): the model's tensors it holds (all of them whole,
-        except its pieces of the parameters at zero=3) and its optimizer's state (its pieces' with zero)."""
+        """This rank's shard, by name (:mod:`._reshard`): the buffers it holds, its share of the replicated
+        parameters (and at zero=0 of their optimizer state: :meth:`_written_elsewhere`; together the
+        ranks' shards hold each once), its pieces of the parameters at zero=3 and its optimizer state's
+        pieces with zero. So the checkpoint holds the weights once, and each rank writes ~1/N of them."""
         tensors, names = self._held()
-        model, pieces = tensor_entries(tensors)
-        return {"model": model, "model_pieces": pieces, "optim": optimizer_entries(self.optimizer, names)}
+        skip = self._written_elsewhere()
+        model, pieces = tensor_entries((t, h) for t, h in tensors if id(t) not in skip)
+        return {"model": model, "model_pieces": pieces, "optim": optimizer_entries(self.optimizer, names, skip)}
 
     def load_state_dict(self, read: Callable[[int], dict[str, object]], saved_layout: Mapping[str, object]) -> None:
         """From a checkpoint by name of any layout (any world size and ZeRO stage, or a pipeline's):
-        every tensor and optimizer state this rank holds is read from the saved ranks that cover it.
-        Same world size and strategy: this rank's own shard first (its BatchNorm statistics)."""
+        every tensor and optimizer state this rank holds is read from the saved ranks that cover it (a
+        replicated parameter from the one rank that wrote it; a checkpoint in which every rank wrote
+        everything loads alike). Same world size and strategy: this rank's own shard first (its
+        BatchNorm statistics)."""
         if not saved_layout.get(NAMED):
             raise FitError(f"cannot resume strategy 'data' (layout {self.layout()}) from a checkpoint of layout "
                            f"{dict(saved_layout)}: it predates checkpoints by name")

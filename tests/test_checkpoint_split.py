@@ -1,0 +1,107 @@
+"""A data-parallel checkpoint holds the replicated weights once: at N ranks every whole parameter (and at
+zero=0 its optimizer state) is in exactly one rank's shard, the shards' bytes on disk add up to ~1x the
+weights (+ per-rank buffers, RNG and optimizer pieces), not N x; a run resumed from it at the same
+world size ends bit-identical to the uninterrupted run on every rank, and so does one resumed from a
+checkpoint of the older layout (every rank wrote everything). Other world sizes and ZeRO stages:
+tests/strategies/test_zero.py (test_checkpoints_resume_at_another_world_size_...)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from mpitrain import checkpoint
+from mpitrain.fit import fit
+from mpitrain.strategies import assemble
+from tests.helpers import assert_all_ranks, bitwise_equal
+
+pytestmark = pytest.mark.mpi
+
+SMALL = 32 << 10  # a rank's bytes besides the weights: RNG states (~10 KiB), buffers, file overhead
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)  # weights of very different sizes: the split balances bytes, not counts
+    return nn.Sequential(nn.Linear(6, 128), nn.BatchNorm1d(128), nn.ReLU(), nn.Dropout(0.2), nn.Linear(128, 128),
+                         nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 3))
+
+
+def data() -> TensorDataset:
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(48, 6, generator=g)
+    return TensorDataset(x, (x[:, :3] @ torch.randn(3, 3, generator=g)).argmax(1))
+
+
+def train(comm, directory: str, zero: int, **kw):
+    torch.manual_seed(100 + comm.rank)  # dropout streams differ per rank
+    return fit(model(), data(), F.cross_entropy, lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
+               strategy="data", zero=zero, batch_size=12, epochs=2, checkpoint_dir=directory, checkpoint_every=3,
+               grad_clip=1.0, progress=False, comm=comm, **kw)
+
+
+def to_old_layout(src: Path, dst: Path, zero: int, comm) -> None:
+    """Copy checkpoint `src` to `dst` as the older layout wrote it: every rank's shard holds every whole
+    tensor (its own buffers) and at zero=0 every parameter's optimizer state (with zero its own pieces)."""
+    if comm.rank == 0:
+        shutil.copytree(src, dst)
+    comm.allgather_object(None)  # the copy exists before any rank rewrites its shard
+    shards = [checkpoint.read_shard(src, r)["trainer"] for r in range(comm.size)]
+    pieces = {n for s in shards for n in s["model_pieces"]}
+    mine = checkpoint.read_shard(src, comm.rank)
+    trainer = mine["trainer"]
+    trainer["model"] = {**{k: v for k, v in assemble(shards).items() if k not in pieces}, **trainer["model"]}
+    if zero == 0:
+        trainer["optim"]["state"] = {k: v for s in shards for k, v in s["optim"]["state"].items()}
+    torch.save(mine, dst / checkpoint.shard_name(comm.rank))
+    comm.allgather_object(None)
+
+
+def last_step(directory: Path) -> str:
+    found = checkpoint.latest(directory)
+    assert found is not None
+    return found.name
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_data_checkpoint_holds_the_weights_once_and_resumes_bit_identical(comm, tmp_path, zero):
+    root = Path(comm.broadcast_object(str(tmp_path)))
+    full = train(comm, str(root / "full"), zero)
+    stopped = train(comm, str(root / "part"), zero, on_step_end=lambda s: s.step == 5)
+    assert_all_ranks(comm, len(stopped.history) == 2, "the run did not stop in epoch 2")
+    to_old_layout(root / "part" / "step-5", root / "old" / "step-5", zero, comm)
+
+    # the weights and the momentum (split at zero=0, ZeRO pieces otherwise) are on disk once in total
+    params = dict(model().named_parameters())
+    weights = sum(p.numel() * p.element_size() for p in params.values())
+    largest = max(p.numel() * p.element_size() for p in params.values())
+    step3 = root / "full" / "step-3"
+    sizes = [(step3 / checkpoint.shard_name(r)).stat().st_size for r in range(comm.size)]
+    assert_all_ranks(comm, sum(sizes) <= 2 * weights + comm.size * SMALL,
+                     f"shards of {sizes} bytes at {comm.size} ranks: weights + momentum are {2 * weights}")
+    assert_all_ranks(comm, max(sizes) <= 2 * weights / comm.size + 2 * largest + SMALL,
+                     f"shards of {sizes} bytes: one writes more than its share of {2 * weights} + one tensor")
+    held = [n for r in range(comm.size) for n in checkpoint.read_shard(step3, r)["trainer"]["model"] if n in params]
+    assert_all_ranks(comm, zero == 3 or sorted(held) == sorted(params),
+                     f"parameters written {sorted(held)}: each must be in exactly one shard")
+
+    for directory in ("part", "old"):
+        resumed = train(comm, str(root / directory), zero, resume=True)
+        what = f"zero={zero}, resumed from the {'older layout' if directory == 'old' else 'split checkpoint'}"
+        assert_all_ranks(comm, bitwise_equal(resumed.model.state_dict(), full.model.state_dict()),
+                         f"{what}: this rank's weights or buffers differ from the uninterrupted run")
+        assert_all_ranks(comm, [h["loss"] for h in resumed.history] == [h["loss"] for h in full.history],
+                         f"{what}: losses differ")
+        last = last_step(root / "full")
+        assert_all_ranks(comm, bitwise_equal(checkpoint.read_shard(root / directory / last, comm.rank),
+                                             checkpoint.read_shard(root / "full" / last, comm.rank)),
+                         f"{what}: the final checkpoint's shard (optimizer state, RNG) differs")
+    consolidated, want = checkpoint.load_checkpoint(root / "full"), full.model.state_dict()
+    ok = list(consolidated) == list(want) and all(torch.equal(consolidated[k], v) for k, v in want.items()
+                                                  if comm.rank == 0 or k in params)
+    assert_all_ranks(comm, ok, "load_checkpoint differs from the trained model (rank 0's buffers)")
