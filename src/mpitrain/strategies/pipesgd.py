@@ -307,9 +307,11 @@ class PipeSGDTrainer(StepTrainer):
         for b in batches:
             if b.share.rows == 0 or b.targets is None:
                 continue
+            weight = self.weight(b.targets, b.share.rows)  # counted targets, or samples (k target rows each)
             with autocast(self.loop.precision, self.device):
-                loss = self.loss_fn(call_model(self.model, b.inputs, self.device), to_device(b.targets, self.device))
-            local += self.backward(loss, b.share.rows, total)  # rows: samples (the targets may hold k each)
+                out = call_model(self.model, b.inputs, self.device)
+                loss = self.loss_fn(out, to_device(b.targets, self.device))
+            local += self.backward(loss, weight, total, out)
         self.stats["compute_s"] += time.perf_counter() - t0
         return local
 
@@ -330,7 +332,7 @@ class PipeSGDTrainer(StepTrainer):
         torch.nn.utils.clip_grad_norm_(self.params, max_norm)
 
     def eval_step(self, inputs: Batch, targets: torch.Tensor) -> Any:
-        return replica_eval(self.model, self.comm, self.place, inputs, targets, self.device)
+        return replica_eval(self.model, self.comm, self.place, inputs, targets, self.device, loss_fn=self.loss_fn)
 
     # -- checkpoints (CheckpointTrainer) ---------------------------------------------------------------
     def layout(self) -> dict[str, object]:
