@@ -31,7 +31,8 @@ from .base import Batch, BatchShare, FitError, Share
 __all__ = ["ACCEPTED", "LABEL_ALIASES", "split_batch", "plain_inputs",
            "call_args", "call_model", "call_rows", "batch_size", "samples", "per_sample",
            "target_rows", "split_pairs", "shard", "chunks", "check_divisible", "rows", "even_share", "slice_share",
-           "gather_rows", "gather_outputs", "DEFAULT_IGNORE_INDEX", "ignore_index_of", "integer_targets", "counted",
+           "gather_rows", "gather_outputs", "DEFAULT_IGNORE_INDEX", "ignore_index_of", "integer_targets", "label_shift",
+           "counted",
            "zero_loss"]
 
 
@@ -233,14 +234,28 @@ def integer_targets(targets: Any) -> bool:
                                                       or targets.dtype == torch.bool)
 
 
-def counted(targets: Any, rows: int, ignore_index: int | None) -> int:
+def label_shift(model: object, loss_fn: object) -> int:
+    """The label positions at the start of each row that `loss_fn` does not see: 1 for a Hugging Face
+    causal LM computing its own loss (its ``loss_function`` is ``ForCausalLMLoss``: ``labels[..., 1:]``
+    are the targets of ``logits[..., :-1]``) when `loss_fn` names no ``ignore_index`` (``out.loss``);
+    else 0 (a loss carrying ``ignore_index``, such as ``nn.CrossEntropyLoss``, counts the targets as given)."""
+    if hasattr(loss_fn, "ignore_index"):
+        return 0
+    own = getattr(model, "loss_function", None)
+    return 1 if getattr(own, "__name__", "") == "ForCausalLMLoss" else 0
+
+
+def counted(targets: Any, rows: int, ignore_index: int | None, shift: int = 0) -> int:
     """The weight of a share of `rows` samples whose loss is a mean (fit's one rule for every strategy,
     micro-batch and accumulated batch): for integer targets, the number of their elements other than
     `ignore_index` -- what a token-mean loss (cross-entropy over labels padded or masked with -100)
     divides by, so weighting shares by it gives the mean over the counted elements of the whole step;
-    for other targets (float, bool), or `ignore_index` None, `rows`. Reads the count back to the host."""
+    for other targets (float, bool), or `ignore_index` None, `rows`. `shift` (:func:`label_shift`): the
+    first positions of each row (of ``(B, T)`` targets) left out. Reads the count back to the host."""
     if ignore_index is None or not integer_targets(targets):
         return rows
+    if shift and targets.dim() >= 2:
+        targets = targets[..., shift:]
     return int((targets != ignore_index).sum())
 
 

@@ -14,7 +14,7 @@ from torch.utils._pytree import tree_leaves
 from ..comm.base import Communicator
 from ..comm.place import Place
 from ..runtime import world
-from ._batching import batch_size, call_model, split_pairs
+from ._batching import batch_size, call_model, label_shift, split_pairs
 from ._broadcast import (
     broadcast_optimizer_state,
     broadcast_parameters,
@@ -534,6 +534,7 @@ class DataTrainer(StepTrainer):
         self.dp.broadcast_buffers = False
         self._buffers = [b for _, b in model.named_buffers()] if opts.broadcast_buffers else []
         self.loss_fn, self.comm, self.micro_batches, self.loop = loss_fn, comm, micro_batches, loop
+        self.label_shift = label_shift(model, loss_fn)
         #: every rank a replica of the whole model (ZeRO's shard group, when sharding, is the world)
         self.place = Place.of(comm.size, comm.rank, replicas=comm.size)
         self.replicas = comm.size  # DataParallel averages over the ranks
@@ -598,7 +599,7 @@ class DataTrainer(StepTrainer):
         """The model's outputs for the whole batch on every rank, in the model's own structure (a
         tensor, tuple, ModelOutput: every tensor leaf gathered along dim 0)."""
         return replica_eval(self.dp.module, self.comm, self.place, inputs, targets, self.device, self.loop.precision,
-                            self.loss_fn)
+                            self.loss_fn, self.label_shift)
 
     # -- checkpoints (CheckpointTrainer) ---------------------------------------------------------------
     def layout(self) -> dict[str, object]:

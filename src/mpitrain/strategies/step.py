@@ -88,6 +88,8 @@ class StepTrainer(ABC):
     place: Place
     #: whether shares are weighted by :meth:`weight` (False: by rows; spatial counts its loss's elements itself)
     token_weights: bool = True
+    #: label positions per row the loss does not see (:func:`~._batching.label_shift`; set from the model)
+    label_shift: int = 0
     #: the current step's weight (:meth:`weigh`): what :meth:`scale` divides by
     step_weight: float = 1.0
     #: whether the job's targets are counted (integer); None until the first step asked every rank
@@ -191,7 +193,7 @@ class StepTrainer(ABC):
         integers (those other than ``loss_fn.ignore_index``, default -100), else `rows`."""
         if not self._counting:
             return rows
-        return counted(targets, rows, self.ignore_index)
+        return counted(targets, rows, self.ignore_index, self.label_shift)
 
     def share_weights(self, targets: Any, sizes: list[int]) -> list[int]:
         """:meth:`weight` of each block of `sizes` samples of `targets` (``sum(sizes)`` samples, k target
@@ -267,16 +269,16 @@ class StepTrainer(ABC):
 
 @torch.no_grad()
 def replica_eval(module: nn.Module, comm: Communicator, place: Place, inputs: Batch, targets: torch.Tensor,
-                 device: torch.device, precision: str = "fp32", loss_fn: object = None) -> Any:
+                 device: torch.device, precision: str = "fp32", loss_fn: object = None, shift: int = 0) -> Any:
     """The eval step of a strategy that keeps a whole replica per rank: each replica runs its block of the
     batch (:func:`~._batching.even_share`), the outputs are gathered along dim 0 on every rank, in the
     model's own structure; a 0-dim mean (``out.loss``) is averaged with each block weighted by
-    :func:`~._batching.counted` (`loss_fn`'s ignore index), as training weighs shares. Collective on `comm`."""
+    :func:`~._batching.counted` (`loss_fn`'s ignore index, `shift`), as training weighs shares. Collective on `comm`."""
     n = samples(inputs, targets)
     s = even_share(n, place.replicas, place.replica)
     with autocast(precision, device):
         out = call_rows(module, inputs, s.start, s.stop, device)
     blocks = [even_share(n, place.replicas, r) for r in range(place.replicas)]
     ignore = ignore_index_of(loss_fn)
-    weights = [counted(target_rows(targets, n, b.start, b.stop), b.rows, ignore) for b in blocks]
+    weights = [counted(target_rows(targets, n, b.start, b.stop), b.rows, ignore, shift) for b in blocks]
     return gather_outputs(comm, out, [b.rows for b in blocks], weights)
