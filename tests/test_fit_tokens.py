@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from mpitrain.fit import LoopState, fit
+from mpitrain.fit import fit
 from tests.helpers import assert_all_ranks, assert_close_all_ranks
 from tests.strategies.pipeline.tiny_transformers import build, lm_batches, own_loss
 
@@ -103,12 +103,8 @@ def test_token_mean_losses_train_and_record_like_one_process(comm, own, empty):
         accumulate = opts.get("accumulate", 1)
         want, want_losses = one_process(build("gpt2"), batches, own, accumulate)
         seen: list[float] = []
-
-        def record(state: LoopState) -> None:
-            seen.append(state.loss)
-
         result = fit(build("gpt2"), as_fit_data(batches, own), loss_fn, sgd, progress=False,
-                     on_step_end=record, **opts)
+                     on_step_end=lambda state, seen=seen: seen.append(state.loss), **opts)
         what = f"{opts}, {'own loss' if own else 'CE'}, {'empty share' if empty else 'padded'}"
         for (name, a), b in zip(result.model.named_parameters(), want.parameters()):
             assert_all_ranks(comm, bool(torch.isfinite(a).all()), f"{what}: {name} holds NaN or inf")
