@@ -707,9 +707,9 @@ def fit(model: nn.Module, data: Any, loss_fn: LossFn,
     `steps` caps the optimizer steps per epoch. Callbacks ``on_step_end(state)`` / ``on_epoch_end(state)`` get a
     :class:`LoopState`; returning True or raising :class:`StopTraining` ends the run after that step. Without
     ``on_step_end`` nothing needs a step's loss at once: the step losses stay on the device and are summed over the
-    ranks in one message every 16 steps (and at the epoch's end, before a checkpoint), so the loop sends no message and
-    waits for no device on the other steps; the history holds the same floats either way, and the progress bar shows the
-    latest step loss read.
+    ranks in one message every 16 steps (and at the epoch's end, before a checkpoint), so the loop sends no loss message
+    and waits for no device on the other steps (integer targets: each step allreduces its counted elements first);
+    the history holds the same floats either way, and the progress bar shows the latest step loss read.
 
     `eval_data` (batches as `data`'s, or a Dataset read in batches of `batch_size`) is evaluated after
     every epoch: the record's ``eval_loss`` and ``eval_<name>`` of each of `metrics` (callables
