@@ -3,7 +3,9 @@ ignored positions (-100) trains exactly as ONE process computing the mean over e
 step, under data, model (2 micro-batches), hybrid (2x2 at 4 ranks) and accumulate=2 -- also when some
 rank's (micro-batch's, replica's) rows hold no counted token (its loss alone is 0/0 = NaN) -- and the
 recorded step loss and ``eval_loss`` are that global token mean. Both the model's own loss (GPT-2's
-``out.loss``, which shifts the labels by one) and ``nn.CrossEntropyLoss`` on the logits (targets as given).
+``out.loss``, which shifts the labels by one), ``nn.CrossEntropyLoss`` on the logits (targets as given),
+and the same token mean written out (whose gradient, unlike torch's fused one, is NaN on a share keeping
+no token).
 Float64 models; the model's own loss is computed in float32 by transformers (``logits.float()``): 1e-7
 there, 1e-10 with the cross-entropy on float64 logits."""
 
@@ -32,6 +34,20 @@ class LogitsCE(nn.CrossEntropyLoss):
     def forward(self, out: Any, targets: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         logits = out.logits
         return super().forward(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+class WrittenOutCE(nn.Module):
+    """The same token mean written out, ``sum(per-token CE * kept) / kept.sum()``: unlike torch's fused
+    cross-entropy (whose backward gives 0 when nothing is kept), a share keeping no token back-propagates
+    0 * d(x / 0) = NaN into every gradient if it is back-propagated at all."""
+
+    ignore_index = -100
+
+    def forward(self, out: Any, targets: torch.Tensor) -> torch.Tensor:
+        logits, targets = out.logits.reshape(-1, out.logits.shape[-1]), targets.reshape(-1)
+        kept = targets != self.ignore_index
+        per_token = nn.functional.cross_entropy(logits, targets.clamp(min=0), reduction="none")
+        return (per_token * kept).sum() / kept.sum()
 
 
 def sgd(params):
@@ -92,20 +108,21 @@ def layouts(comm) -> list[dict[str, Any]]:
     return out
 
 
-@pytest.mark.parametrize("own", [True, False], ids=["out.loss", "CrossEntropyLoss"])
-@pytest.mark.parametrize("empty", [False, True], ids=["padded", "a-share-without-tokens"])
-def test_token_mean_losses_train_and_record_like_one_process(comm, own, empty):
+@pytest.mark.parametrize(("loss", "empty"), [("out.loss", False), ("out.loss", True), ("CrossEntropyLoss", False),
+                                           ("CrossEntropyLoss", True), ("written-out", True)])
+def test_token_mean_losses_train_and_record_like_one_process(comm, loss, empty):
+    own = loss == "out.loss"
     batches = token_batches(own, empty)
     atol = 1e-7 if own else 1e-10
     loss_atol = 2e-6 if own else 1e-10  # a float32 loss of ~4.6: its ulp is 4.8e-7
-    loss_fn = own_loss if own else LogitsCE()
+    loss_fn = own_loss if own else LogitsCE() if loss == "CrossEntropyLoss" else WrittenOutCE()
     for opts in layouts(comm):
         accumulate = opts.get("accumulate", 1)
         want, want_losses = one_process(build("gpt2"), batches, own, accumulate)
         seen: list[float] = []
         result = fit(build("gpt2"), as_fit_data(batches, own), loss_fn, sgd, progress=False,
                      on_step_end=lambda state, seen=seen: seen.append(state.loss), **opts)
-        what = f"{opts}, {'own loss' if own else 'CE'}, {'empty share' if empty else 'padded'}"
+        what = f"{opts}, {loss}, {'empty share' if empty else 'padded'}"
         for (name, a), b in zip(result.model.named_parameters(), want.parameters()):
             assert_all_ranks(comm, bool(torch.isfinite(a).all()), f"{what}: {name} holds NaN or inf")
             assert_close_all_ranks(comm, a.detach(), b.detach(), atol=atol, what=f"{what}: {name}")
