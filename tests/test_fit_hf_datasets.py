@@ -9,7 +9,8 @@ Hugging Face's data collators, and a tokenizer built without the hub (``tokenize
 * ``DataCollatorForLanguageModeling(mlm=False)`` (GPT-2 on blocks of equal length, as run_clm groups
   texts): labels = input_ids;
 * ``mlm=True``: random masking, each rank collating its own rows under the seed of their place
-  (``_data.collate_seed``): equal to one process replaying those collates and fit's row weighting, and
+  (``_data.collate_seed``): equal to one process replaying those collates and taking the mean over every
+  masked token of the step (fit's token weighting), and
   the same on a second run;
 * ``to_iterable_dataset()`` with ``batch_size=``: refused on every rank, naming the DataLoader recipe,
   which trains like one process;
@@ -176,7 +177,8 @@ def replay_masked(model: nn.Module, ds: Any, collator, reads: list[tuple[int, in
                   losses: list[tuple[int, int]]) -> nn.Module:
     """One process doing what fit promises for a random collate: rows ``[a, b)`` of each global batch (each
     of `reads`: what one rank reads) collated under ``collate_seed(SEED, 0, batch, a)``, the model's own
-    loss on each of `losses` (a rank's rows, or a micro-batch's) weighted by its rows."""
+    loss on each of `losses` (a rank's rows, or a micro-batch's) weighted by its masked tokens: the mean
+    over every masked token of the step (fit's token weighting)."""
     model = copy.deepcopy(model)
     opt = sgd(model.parameters())
     for i, rows in enumerate(order()):
@@ -185,11 +187,12 @@ def replay_masked(model: nn.Module, ds: Any, collator, reads: list[tuple[int, in
             torch.manual_seed(collate_seed(SEED, 0, i, a))
             parts[a] = collator([ds[j] for j in rows[a:b]])
         opt.zero_grad()
-        total = 0.0
+        pieces = []
         for a, b in losses:
             start = max(s for s in parts if s <= a)
-            piece = {k: v[a - start:b - start] for k, v in parts[start].items()}
-            total = total + model(**piece).loss * (b - a) / len(rows)
+            pieces.append({k: v[a - start:b - start] for k, v in parts[start].items()})
+        counts = [int((p["labels"] != -100).sum()) for p in pieces]  # the masked tokens each loss averages
+        total = sum(model(**p).loss * c for p, c in zip(pieces, counts) if c) / sum(counts)
         total.backward()
         opt.step()
     return model

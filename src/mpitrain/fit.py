@@ -686,10 +686,16 @@ def fit(model: nn.Module, data: Any, loss_fn: LossFn,
       that differ from rank 0).
 
     Each step's loss is the mean over its global batch (``accumulate=k``: over its k batches, one
-    optimizer step); a batch that does not split evenly is split as evenly as possible with
-    gradients weighted by sample counts, so every strategy computes what one process training on
+    optimizer step); a batch that does not split evenly is split as evenly as possible. Each share's
+    (rank's, micro-batch's, accumulated batch's) mean loss is weighted by what it averages over: with
+    integer targets, their elements other than the loss's ``ignore_index`` (default -100; a Hugging Face
+    causal LM's own loss: ``labels[..., 1:]``), else its samples; so a token-mean loss over labels padded
+    or masked with -100 is the mean over the step's counted tokens, and a share counting none adds
+    nothing (its NaN is not back-propagated). Every strategy thus computes what one process training on
     those batches computes (up to float rounding, and except where the strategy changes the maths on
-    purpose: pipe-sgd's staleness, lossy compression). `optimizer` is a callable ``params ->
+    purpose: pipe-sgd's staleness, lossy compression). This assumes `loss_fn` is a mean over its counted
+    elements (a per-sequence mean would be mis-weighted); a `loss_fn` whose ``ignore_index`` attribute is
+    None is weighted by samples (docs/training-runs.md, "Token-level losses"). `optimizer` is a callable ``params ->
     torch.optim.Optimizer`` or an optimizer instance built on `model`'s parameters
     (``torch.optim.SGD(model.parameters(), lr=0.1)``), rebuilt once at entry for the parameters each
     rank holds: same class, each group's hyperparameters, its state if it holds any; the instance
@@ -701,9 +707,9 @@ def fit(model: nn.Module, data: Any, loss_fn: LossFn,
     `steps` caps the optimizer steps per epoch. Callbacks ``on_step_end(state)`` / ``on_epoch_end(state)`` get a
     :class:`LoopState`; returning True or raising :class:`StopTraining` ends the run after that step. Without
     ``on_step_end`` nothing needs a step's loss at once: the step losses stay on the device and are summed over the
-    ranks in one message every 16 steps (and at the epoch's end, before a checkpoint), so the loop sends no message and
-    waits for no device on the other steps; the history holds the same floats either way, and the progress bar shows the
-    latest step loss read.
+    ranks in one message every 16 steps (and at the epoch's end, before a checkpoint), so the loop sends no loss message
+    and waits for no device on the other steps (integer targets: each step allreduces its counted elements first);
+    the history holds the same floats either way, and the progress bar shows the latest step loss read.
 
     `eval_data` (batches as `data`'s, or a Dataset read in batches of `batch_size`) is evaluated after
     every epoch: the record's ``eval_loss`` and ``eval_<name>`` of each of `metrics` (callables

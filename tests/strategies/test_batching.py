@@ -6,6 +6,7 @@ from collections import UserDict
 
 import pytest
 import torch
+from torch import nn
 
 from mpitrain.strategies._batching import (
     batch_size,
@@ -57,3 +58,37 @@ def test_targets_that_are_no_multiple_of_the_batch_are_refused_naming_both_shape
         samples(inputs, torch.cat([targets, targets[:1]]))
     with pytest.raises(FitError, match="multiple"):
         samples(inputs, targets[:2])  # fewer rows than samples
+
+
+def test_counted_is_integer_targets_other_than_the_ignore_index_else_rows():
+    """fit's one weighting rule (docs/training-runs.md, "Token-level losses")."""
+    from mpitrain.strategies._batching import counted, ignore_index_of, label_shift
+
+    labels = torch.tensor([[5, 6, -100], [-100, 7, 8]])
+    assert counted(labels, 2, -100) == 4
+    assert counted(labels, 2, -100, shift=1) == 3  # a causal LM's own loss scores labels[..., 1:]
+    assert counted(labels.reshape(-1), 2, -100, shift=1) == 4  # flat targets: nothing to shift
+    assert counted(labels, 2, None) == 2  # opted out: rows
+    assert counted(torch.full((2, 3), -100), 2, -100) == 0
+    assert counted(torch.randn(2, 3), 2, -100) == 2  # float targets: rows
+    assert counted(torch.tensor([True, False]), 2, -100) == 2
+    assert ignore_index_of(nn.CrossEntropyLoss(ignore_index=3)) == 3
+    assert ignore_index_of(lambda out, y: out) == -100
+    assert label_shift(nn.Linear(2, 2), lambda out, y: out) == 0  # not a Hugging Face causal LM
+
+
+def test_zero_loss_back_propagates_zero_through_the_outputs_not_the_nan_loss():
+    from mpitrain.strategies._batching import zero_loss
+
+    lin = nn.Linear(3, 4)
+    logits = lin(torch.randn(2, 3))
+    targets = torch.full((2,), -100)
+    kept = targets != -100  # a token mean written out (torch's own cross-entropy back-propagates 0 here)
+    per_token = torch.nn.functional.cross_entropy(logits, targets.clamp(min=0), reduction="none")
+    loss = (per_token * kept).sum() / kept.sum()
+    assert loss.isnan()
+    (loss * 0).backward(retain_graph=True)
+    assert lin.weight.grad.isnan().all()  # why zero_loss exists: 0 * d(sum / 0) is NaN
+    lin.zero_grad()
+    zero_loss({"logits": logits, "loss": loss}, loss).backward()
+    assert torch.equal(lin.weight.grad, torch.zeros_like(lin.weight))

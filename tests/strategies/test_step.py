@@ -130,8 +130,9 @@ def test_step_on_several_batches_is_one_process_step_on_their_concatenation_and_
     assert all(torch.allclose(a, b, atol=1e-14) for a, b in zip(t.model.parameters(), ref.parameters()))
 
 
-def test_scale_is_rows_times_replicas_over_total_and_backward_returns_the_float64_per_sample_sum(comm):
+def test_scale_is_weight_times_replicas_over_the_step_weight_and_backward_returns_the_float64_weighted_sum(comm):
     t = Recording(comm, replicas=4)
+    t.step_weight = 12  # what weigh() sets: the step's counted elements (here rows)
     assert t.scale(3, 12) == 3 * 4 / 12
     loss = torch.tensor(0.5, dtype=torch.float32, requires_grad=True)
     part = t.backward(loss, 3, 12)

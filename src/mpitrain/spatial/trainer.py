@@ -134,6 +134,9 @@ class SpatialTrainer(StepTrainer):
     model's device (blocks read by region are read on the CPU, then moved); :meth:`eval_step` returns
     its outputs on the CPU."""
 
+    #: spatial weighs its own losses (:mod:`mpitrain.spatial._fit_loss`: global counts on blocks, rows else)
+    token_weights = False
+
     def __init__(self, model: nn.Module, loss_fn: LossFn, optimizer: OptimizerFactory, dist: Distribution,
                  bn_stats: str = "global", overlap: bool = True, loop: LoopSpec = DEFAULT_LOOP,
                  switch_at: str | None = None) -> None:

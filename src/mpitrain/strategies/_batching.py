@@ -31,7 +31,9 @@ from .base import Batch, BatchShare, FitError, Share
 __all__ = ["ACCEPTED", "LABEL_ALIASES", "split_batch", "plain_inputs",
            "call_args", "call_model", "call_rows", "batch_size", "samples", "per_sample",
            "target_rows", "split_pairs", "shard", "chunks", "check_divisible", "rows", "even_share", "slice_share",
-           "gather_rows", "gather_outputs"]
+           "gather_rows", "gather_outputs", "DEFAULT_IGNORE_INDEX", "ignore_index_of", "integer_targets", "label_shift",
+           "counted",
+           "zero_loss"]
 
 
 def plain_inputs(inputs: Any) -> Any:
@@ -215,6 +217,61 @@ def slice_share(inputs: Batch, targets: torch.Tensor, share: Share) -> BatchShar
                       target_rows(targets, n, share.start, share.stop) if share.targets else None, n, share)
 
 
+#: the ignore index of a loss that names none: Hugging Face models' own loss and ``F.cross_entropy``'s default
+DEFAULT_IGNORE_INDEX = -100
+
+
+def ignore_index_of(loss_fn: object) -> int | None:
+    """The target value `loss_fn` does not count: its ``ignore_index`` (``nn.CrossEntropyLoss``,
+    ``nn.NLLLoss``), else -100 (Hugging Face models' ``out.loss``, ``F.cross_entropy``). A loss whose
+    ``ignore_index`` attribute is None opts out of token weighting (:func:`counted` then counts rows)."""
+    return getattr(loss_fn, "ignore_index", DEFAULT_IGNORE_INDEX)
+
+
+def integer_targets(targets: Any) -> bool:
+    """Whether `targets` are a tensor of integers (class indices, token ids): what :func:`counted` counts."""
+    return isinstance(targets, torch.Tensor) and not (targets.is_floating_point() or targets.is_complex()
+                                                      or targets.dtype == torch.bool)
+
+
+def label_shift(model: object, loss_fn: object) -> int:
+    """The label positions at the start of each row that `loss_fn` does not see: 1 for a Hugging Face
+    causal LM computing its own loss (its ``loss_function`` is ``ForCausalLMLoss``: ``labels[..., 1:]``
+    are the targets of ``logits[..., :-1]``) when `loss_fn` names no ``ignore_index`` (``out.loss``);
+    else 0 (a loss carrying ``ignore_index``, such as ``nn.CrossEntropyLoss``, counts the targets as given)."""
+    if hasattr(loss_fn, "ignore_index"):
+        return 0
+    own = getattr(model, "loss_function", None)
+    return 1 if getattr(own, "__name__", "") == "ForCausalLMLoss" else 0
+
+
+def counted(targets: Any, rows: int, ignore_index: int | None, shift: int = 0) -> int:
+    """The weight of a share of `rows` samples whose loss is a mean (fit's one rule for every strategy,
+    micro-batch and accumulated batch): for integer targets, the number of their elements other than
+    `ignore_index` -- what a token-mean loss (cross-entropy over labels padded or masked with -100)
+    divides by, so weighting shares by it gives the mean over the counted elements of the whole step;
+    for other targets (float, bool), or `ignore_index` None, `rows`. `shift` (:func:`label_shift`): the
+    first positions of each row (of ``(B, T)`` targets) left out. Reads the count back to the host."""
+    if ignore_index is None or not integer_targets(targets):
+        return rows
+    if shift and targets.dim() >= 2:
+        targets = targets[..., shift:]
+    return int((targets != ignore_index).sum())
+
+
+def zero_loss(out: Any, loss: torch.Tensor) -> torch.Tensor:
+    """A zero with the graph of `out` (the model's outputs) for a share that counts no target element:
+    its loss is 0/0 = NaN, and back-propagating even ``0 * loss`` spreads NaN (0 * 1/0) into every
+    gradient, so the share back-propagates zero through its non-scalar outputs instead; every parameter
+    hook and pipeline send still runs, as for any share. `loss` times zero only when the outputs hold no
+    such tensor."""
+    leaves = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.dim() > 0
+              and t.requires_grad and t.is_floating_point()]
+    if not leaves:
+        return loss * 0
+    return torch.stack([t.sum() for t in leaves]).sum() * 0
+
+
 def gather_rows(comm: Communicator, out: torch.Tensor, sizes: list[int]) -> torch.Tensor:
     """Collective: every rank's `out` (``sizes[rank]`` rows, the same trailing shape) concatenated in
     rank order, on every rank. Pads to the largest block for one allgather."""
@@ -229,29 +286,32 @@ def gather_rows(comm: Communicator, out: torch.Tensor, sizes: list[int]) -> torc
 
 def _row_weighted_means(comm: Communicator, leaves: list[Any], sizes: list[int]) -> None:
     """Collective: every 0-dim floating tensor of `leaves` replaced, in place, by its mean over the ranks
-    weighted by their rows (`sizes`; a rank without rows weighs nothing), in its dtype, on the CPU. One
-    allreduce for all of them; none if there are none (every rank's outputs have the same structure)."""
+    weighted by `sizes` (their rows, or their counted target elements, :func:`counted`; a rank weighing
+    nothing contributes nothing, its NaN included), in its dtype, on the CPU. One allreduce for all of
+    them; none if there are none (every rank's outputs have the same structure)."""
     at = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.dim() == 0 and t.is_floating_point()]
     if not at:
         return
-    sums = torch.stack([leaves[i].detach().cpu().double() for i in at]) * sizes[comm.rank]
+    mine = torch.stack([leaves[i].detach().cpu().double() for i in at])
+    sums = mine * sizes[comm.rank] if sizes[comm.rank] else torch.zeros_like(mine)
     comm.allreduce(sums)
     for i, total in zip(at, sums.tolist()):
         leaves[i] = torch.tensor(total / max(sum(sizes), 1), dtype=leaves[i].dtype)
 
 
-def gather_outputs(comm: Communicator, out: Any, sizes: list[int]) -> Any:
+def gather_outputs(comm: Communicator, out: Any, sizes: list[int], weights: list[int] | None = None) -> Any:
     """Collective: :func:`gather_rows` of every tensor leaf of `out` with a dimension (a tensor, tuple,
     dict or ModelOutput, in leaf order: every rank's `out` has the same structure), in the same
     structure, on the CPU (fit compares them with its CPU targets); bf16 leaves come back as float32.
     A 0-dim floating leaf is a mean the model took over its rows (a Hugging Face model's ``out.loss``
     computed from ``labels`` among the inputs): it comes back as the mean over all rows, each rank's
-    weighted by its rows, as fit weighs the training loss. Other leaves come back as this rank holds them."""
+    weighted by its `weights` (default: its rows; :func:`counted`), as fit weighs the training loss.
+    Other leaves come back as this rank holds them."""
     def gather(t: Any) -> Any:
         if not _sliced(t):
             return t
         t = t.cpu()  # the same tensor for a CPU one
         return gather_rows(comm, t.float() if t.dtype == torch.bfloat16 else t, sizes)
     leaves, spec = pytree.tree_flatten(out)
-    _row_weighted_means(comm, leaves, sizes)
+    _row_weighted_means(comm, leaves, sizes if weights is None else weights)
     return pytree.tree_unflatten([gather(t) for t in leaves], spec)

@@ -14,7 +14,7 @@ from torch.utils._pytree import tree_leaves
 from ..comm.base import Communicator
 from ..comm.place import Place
 from ..runtime import world
-from ._batching import batch_size, call_model, split_pairs
+from ._batching import batch_size, call_model, label_shift, split_pairs
 from ._broadcast import (
     broadcast_optimizer_state,
     broadcast_parameters,
@@ -534,6 +534,7 @@ class DataTrainer(StepTrainer):
         self.dp.broadcast_buffers = False
         self._buffers = [b for _, b in model.named_buffers()] if opts.broadcast_buffers else []
         self.loss_fn, self.comm, self.micro_batches, self.loop = loss_fn, comm, micro_batches, loop
+        self.label_shift = label_shift(model, loss_fn)
         #: every rank a replica of the whole model (ZeRO's shard group, when sharding, is the world)
         self.place = Place.of(comm.size, comm.rank, replicas=comm.size)
         self.replicas = comm.size  # DataParallel averages over the ranks
@@ -558,6 +559,7 @@ class DataTrainer(StepTrainer):
         ``no_sync`` but the last (one reduction per step); a rank without rows joins the reduction."""
         m = self.micro_batches
         pieces = [pair for b in batches if b.share.rows for pair in split_pairs(b.inputs, b.targets, m)]
+        weights = [self.weight(y, batch_size(x)) for x, y in pieces]  # before the move: no device read
         if self.device != CPU:
             pieces = to_device(pieces, self.device)
         local = torch.zeros((), dtype=torch.float64, device=self.device)  # sum of this rank's per-sample losses
@@ -566,8 +568,9 @@ class DataTrainer(StepTrainer):
             local_only = j < len(pieces) - 1 and self.dp.stage < 2
             with self.dp.no_sync() if local_only else contextlib.nullcontext():
                 with autocast(self.loop.precision, self.device):
-                    loss = self.loss_fn(call_model(self.dp, x), y)
-                local += self.backward(loss, batch_size(x), total)  # weighted by samples (k target rows each)
+                    out = call_model(self.dp, x)
+                    loss = self.loss_fn(out, y)
+                local += self.backward(loss, weights[j], total, out)  # weighted by counted targets, or samples
         if not pieces:
             self.dp.sync_without_backward()
         return local
@@ -595,7 +598,8 @@ class DataTrainer(StepTrainer):
     def eval_step(self, inputs: Batch, targets: torch.Tensor) -> Any:
         """The model's outputs for the whole batch on every rank, in the model's own structure (a
         tensor, tuple, ModelOutput: every tensor leaf gathered along dim 0)."""
-        return replica_eval(self.dp.module, self.comm, self.place, inputs, targets, self.device, self.loop.precision)
+        return replica_eval(self.dp.module, self.comm, self.place, inputs, targets, self.device, self.loop.precision,
+                            self.loss_fn, self.label_shift)
 
     # -- checkpoints (CheckpointTrainer) ---------------------------------------------------------------
     def layout(self) -> dict[str, object]:

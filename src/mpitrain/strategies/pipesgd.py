@@ -35,7 +35,7 @@ from ..comm.place import Place
 from ..comm.reducer import Bucket, Handle, ReduceError, ReducePolicy, Reducer
 from ..comm.ring import DEFAULT_CHUNK_BYTES
 from ..timeline import span
-from ._batching import call_model
+from ._batching import call_model, label_shift
 from ._broadcast import broadcast_parameters, check_same_everywhere
 from ._device import autocast, model_device, to_device
 from .base import (
@@ -243,6 +243,7 @@ class PipeSGDTrainer(StepTrainer):
     def __init__(self, model: nn.Module, loss_fn: LossFn, optimizer: OptimizerFactory, comm: Communicator,
                  opts: PipeSGDOptions, stall: StallPolicy = DEFAULT_POLICY, loop: LoopSpec = DEFAULT_LOOP) -> None:
         self.model, self.loss_fn, self.comm, self.loop = model, loss_fn, comm, loop
+        self.label_shift = label_shift(model, loss_fn)
         #: every rank a replica of the whole model
         self.place = Place.of(comm.size, comm.rank, replicas=comm.size)
         self.replicas = comm.size  # the ring averages over the ranks
@@ -307,9 +308,11 @@ class PipeSGDTrainer(StepTrainer):
         for b in batches:
             if b.share.rows == 0 or b.targets is None:
                 continue
+            weight = self.weight(b.targets, b.share.rows)  # counted targets, or samples (k target rows each)
             with autocast(self.loop.precision, self.device):
-                loss = self.loss_fn(call_model(self.model, b.inputs, self.device), to_device(b.targets, self.device))
-            local += self.backward(loss, b.share.rows, total)  # rows: samples (the targets may hold k each)
+                out = call_model(self.model, b.inputs, self.device)
+                loss = self.loss_fn(out, to_device(b.targets, self.device))
+            local += self.backward(loss, weight, total, out)
         self.stats["compute_s"] += time.perf_counter() - t0
         return local
 
@@ -330,7 +333,8 @@ class PipeSGDTrainer(StepTrainer):
         torch.nn.utils.clip_grad_norm_(self.params, max_norm)
 
     def eval_step(self, inputs: Batch, targets: torch.Tensor) -> Any:
-        return replica_eval(self.model, self.comm, self.place, inputs, targets, self.device)
+        return replica_eval(self.model, self.comm, self.place, inputs, targets, self.device, loss_fn=self.loss_fn,
+                            shift=self.label_shift)
 
     # -- checkpoints (CheckpointTrainer) ---------------------------------------------------------------
     def layout(self) -> dict[str, object]:

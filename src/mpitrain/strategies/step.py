@@ -6,17 +6,23 @@ order of a step is written once (:meth:`StepTrainer.train_shares`):
 1. refuse a finished trainer (``trained_model()`` closed it);
 2. :meth:`~StepTrainer.begin_step`: clear the gradients (and what the strategy does first: a pipeline's
    set-up on its first batch, broadcast buffers, pipe-sgd's stale update);
-3. :meth:`~StepTrainer.local_pass`: this rank's forward and backward on its rows, each batch's mean loss
-   weighted by :meth:`~StepTrainer.scale` = ``rows * replicas / total`` (the gradient finish averages over
-   `replicas`: undo it, divide by the step's samples), returning the sum of this rank's per-sample
-   losses in float64;
-4. :meth:`~StepTrainer.finish_gradients`: what makes the gradient whole (reduce over replicas, drain a
+3. :meth:`~StepTrainer.weigh`: the step's weight, the sum over every share of the target elements its
+   mean loss counts (:func:`~._batching.counted`: integer targets other than the loss's ignore index,
+   else rows) -- one allreduce of one number per step once the first step found integer targets, none
+   otherwise (then the weight is the step's samples);
+4. :meth:`~StepTrainer.local_pass`: this rank's forward and backward on its rows, each share's (batch's,
+   micro-batch's) mean loss weighted by :meth:`~StepTrainer.scale` = ``weight * replicas / step weight``
+   (the gradient finish averages over `replicas`: undo it, divide by the step's weight), so the gradient
+   is that of the mean over the step's counted elements, as one process computes it on the whole step;
+   a share counting nothing back-propagates zero (:func:`~._batching.zero_loss`), not its NaN. Returns
+   the sum of this rank's weighted losses in float64, rescaled to samples (``* total / step weight``);
+5. :meth:`~StepTrainer.finish_gradients`: what makes the gradient whole (reduce over replicas, drain a
    pipeline, hand it to a communication thread); it says whether this step's gradient is ready now;
-5. if it is, :meth:`~StepTrainer.update`: clip by the global norm (``spec.loop.grad_clip``, the
+6. if it is, :meth:`~StepTrainer.update`: clip by the global norm (``spec.loop.grad_clip``, the
    strategy's :meth:`~StepTrainer.clip_grad_norm_`), then ``optimizer.step()``;
-6. :meth:`~StepTrainer.step_losses`: one allgather of the ranks' loss sums over :attr:`~StepTrainer.comm`,
+7. :meth:`~StepTrainer.step_losses`: one allgather of the ranks' loss sums over :attr:`~StepTrainer.comm`,
    added up correctly rounded and divided by ``total``: the step's mean loss, equal on every rank. Steps
-   1-5 alone are :meth:`~StepTrainer.train_shares_local`; fit (without ``on_step_end``) gathers 16 steps'
+   1-6 alone are :meth:`~StepTrainer.train_shares_local`; fit (without ``on_step_end``) gathers 16 steps'
    losses in one message, so its loop neither waits for the device nor sends per step.
 
 A strategy supplies its share of a global batch (:meth:`~StepTrainer.share`), those hooks, and its layout
@@ -38,7 +44,18 @@ from torch.utils.data import Dataset
 
 from ..comm.base import Communicator
 from ..comm.place import Place
-from ._batching import call_rows, even_share, gather_outputs, samples, slice_share
+from ._batching import (
+    call_rows,
+    counted,
+    even_share,
+    gather_outputs,
+    ignore_index_of,
+    integer_targets,
+    samples,
+    slice_share,
+    target_rows,
+    zero_loss,
+)
 from ._device import autocast
 from .base import DEFAULT_LOOP, Batch, BatchShare, LoopSpec, Share
 
@@ -69,6 +86,14 @@ class StepTrainer(ABC):
     #: this rank's place, read by the default :meth:`share` (its replicas); a subclass that defines
     #: share() itself need not set it
     place: Place
+    #: whether shares are weighted by :meth:`weight` (False: by rows; spatial counts its loss's elements itself)
+    token_weights: bool = True
+    #: label positions per row the loss does not see (:func:`~._batching.label_shift`; set from the model)
+    label_shift: int = 0
+    #: the current step's weight (:meth:`weigh`): what :meth:`scale` divides by
+    step_weight: float = 1.0
+    #: whether the job's targets are counted (integer); None until the first step asked every rank
+    _counting: bool | None = None
 
     # -- what fit reads ---------------------------------------------------------------------------------
     def share(self, n: int) -> Share:
@@ -112,10 +137,14 @@ class StepTrainer(ABC):
         if self.closed:
             raise RuntimeError(f"this {self.label} trainer is finished (trained_model() closed it)")
         self.begin_step(batches)
+        self.weigh(batches, total)
         local = self.local_pass(batches, total)
         if self.finish_gradients():
             self.update()
-        return local.reshape(1)
+        if self.step_weight == total:
+            return local.reshape(1)
+        # the weighted sum in samples, so that fit's division by `total` gives the mean over counted elements
+        return (local * (total / self.step_weight if self.step_weight else math.nan)).reshape(1)
 
     def step_losses(self, local: torch.Tensor) -> list[float]:
         """Collective on :attr:`comm` (step 6: one allgather): for each element of `local`, a 1-D float64
@@ -152,16 +181,68 @@ class StepTrainer(ABC):
         """Scale the (whole, averaged) gradient as ``clip_grad_norm_`` over the whole model in one process;
         collective where the norm needs other ranks' parts."""
 
-    def scale(self, rows: int, total: int) -> float:
-        """The factor on a mean loss over `rows` samples of a step of `total`: ``rows * replicas / total``,
-        so that after the finish's average the gradient is that of the step's mean loss."""
-        return rows * self.replicas / total
+    @property
+    def ignore_index(self) -> int | None:
+        """The target value the strategy's ``loss_fn`` does not count (:func:`~._batching.ignore_index_of`:
+        its ``ignore_index``, else -100; None: count rows)."""
+        return ignore_index_of(getattr(self, "loss_fn", None))  # every concrete strategy sets loss_fn
 
-    def backward(self, loss: torch.Tensor, rows: int, total: int) -> torch.Tensor:
-        """Back-propagate the mean `loss` over `rows` samples weighted by :meth:`scale`; returns its
-        per-sample sum in float64 (detached), what :meth:`local_pass` adds up."""
-        (loss * self.scale(rows, total)).backward()
-        return loss.detach().double() * rows
+    def weight(self, targets: Any, rows: int) -> int:
+        """The weight of a share of `rows` samples with `targets` (fit's one rule,
+        :func:`~._batching.counted`): the target elements its mean loss counts when the job's targets are
+        integers (those other than ``loss_fn.ignore_index``, default -100), else `rows`."""
+        if not self._counting:
+            return rows
+        return counted(targets, rows, self.ignore_index, self.label_shift)
+
+    def share_weights(self, targets: Any, sizes: list[int]) -> list[int]:
+        """:meth:`weight` of each block of `sizes` samples of `targets` (``sum(sizes)`` samples, k target
+        rows each): a pipeline's micro-batches; `sizes` itself without targets (a rank computing no loss)."""
+        if targets is None or not self._counting:
+            return list(sizes)
+        n, out, start = sum(sizes), [], 0
+        for s in sizes:
+            out.append(self.weight(target_rows(targets, n, start, start + s), s))
+            start += s
+        return out
+
+    def weigh(self, batches: Sequence[BatchShare], total: int) -> None:
+        """Set :attr:`step_weight`, the step's weight over every rank: the sum of :meth:`weight` over the
+        ranks' shares holding targets. Collective on :attr:`comm` (every rank, before any forward): the
+        first step allreduces whether any rank holds integer targets with their count (the ranks without
+        targets, a pipeline's first stages, learn it there); later steps allreduce the count only when
+        they do, and send nothing otherwise (the weight is then `total`, the samples)."""
+        if not self.token_weights or self._counting is False:
+            self.step_weight = total
+            return
+        held = [b for b in batches if b.targets is not None and b.share.rows]
+        asking = self._counting is None
+        if asking:
+            self._counting = True  # counted() as if integer; a float batch counts its rows, unused then
+        mine = float(sum(self.weight(b.targets, b.share.rows) for b in held))
+        integer = any(integer_targets(b.targets) for b in held)
+        sums = torch.tensor([mine, float(integer)] if asking else [mine], dtype=torch.float64)
+        self.comm.allreduce(sums)
+        if asking:
+            self._counting = bool(sums[1] > 0)
+        self.step_weight = float(sums[0]) if self._counting else total
+
+    def scale(self, weight: int, total: int) -> float:
+        """The factor on a mean loss of a share of `weight` (:meth:`weight`) in a step of `total` samples:
+        ``weight * replicas / step_weight``, so that after the finish's average the gradient is that of the
+        step's mean over its counted elements (with rows: its mean loss)."""
+        return weight * self.replicas / self.step_weight
+
+    def backward(self, loss: torch.Tensor, weight: int, total: int, out: Any = None) -> torch.Tensor:
+        """Back-propagate the mean `loss` of a share of `weight` (:meth:`weight`) times :meth:`scale`;
+        returns ``loss * weight`` in float64 (detached), what :meth:`local_pass` adds up. A share of
+        weight 0 (every target ignored: its loss is NaN) back-propagates zero through `out`, the model's
+        outputs (:func:`~._batching.zero_loss`), so the gradient holds no NaN, and adds 0."""
+        if weight == 0:
+            zero_loss(out, loss).backward()
+            return torch.zeros((), dtype=torch.float64, device=loss.device)
+        (loss * self.scale(weight, total)).backward()
+        return loss.detach().double() * weight
 
     # -- the rest of the Trainer ------------------------------------------------------------------------
     @abstractmethod
@@ -188,13 +269,16 @@ class StepTrainer(ABC):
 
 @torch.no_grad()
 def replica_eval(module: nn.Module, comm: Communicator, place: Place, inputs: Batch, targets: torch.Tensor,
-                 device: torch.device, precision: str = "fp32") -> Any:
+                 device: torch.device, precision: str = "fp32", loss_fn: object = None, shift: int = 0) -> Any:
     """The eval step of a strategy that keeps a whole replica per rank: each replica runs its block of the
     batch (:func:`~._batching.even_share`), the outputs are gathered along dim 0 on every rank, in the
-    model's own structure. Collective on `comm`."""
+    model's own structure; a 0-dim mean (``out.loss``) is averaged with each block weighted by
+    :func:`~._batching.counted` (`loss_fn`'s ignore index, `shift`), as training weighs shares. Collective on `comm`."""
     n = samples(inputs, targets)
     s = even_share(n, place.replicas, place.replica)
     with autocast(precision, device):
         out = call_rows(module, inputs, s.start, s.stop, device)
-    sizes = [even_share(n, place.replicas, r).rows for r in range(place.replicas)]
-    return gather_outputs(comm, out, sizes)
+    blocks = [even_share(n, place.replicas, r) for r in range(place.replicas)]
+    ignore = ignore_index_of(loss_fn)
+    weights = [counted(target_rows(targets, n, b.start, b.stop), b.rows, ignore, shift) for b in blocks]
+    return gather_outputs(comm, out, [b.rows for b in blocks], weights)

@@ -43,12 +43,22 @@ def micro_slices(inputs: dict, labels: torch.Tensor, slices: int):
         yield {key: v[i * n:(i + 1) * n] for key, v in inputs.items()}, labels[i * k:(i + 1) * k]
 
 
+def kept_tokens(model, loss_fn, labels: torch.Tensor) -> int:
+    """The labels a token-mean loss averages over: those other than -100; the model's own loss of a causal
+    LM (transformers' ForCausalLMLoss) scores ``labels[..., 1:]`` only."""
+    causal = loss_fn is own_loss and getattr(model.loss_function, "__name__", "") == "ForCausalLMLoss"
+    return int((labels[..., 1:] if causal and labels.dim() > 1 else labels).ne(-100).sum())
+
+
 def backward_in_slices(model, inputs: dict, labels: torch.Tensor, slices: int, loss_fn=lm_loss) -> None:
-    """One process: the gradients of the global batch's mean loss, as `slices` equal micro-batches,
-    added to the parameters' ``.grad``."""
+    """One process: the gradients of the global batch's mean loss over its kept tokens, as `slices`
+    equal micro-batches each weighted by its kept tokens (1/slices without -100 labels), added to the
+    parameters' ``.grad``."""
     dev = next(model.parameters()).device  # the loader's CPU rows go where the model is
-    for x, y in micro_slices(inputs, labels, slices):
-        (loss_fn(model(**{k: v.to(dev) for k, v in x.items()}), y.to(dev)) / slices).backward()
+    pieces = list(micro_slices(inputs, labels, slices))
+    kept = [kept_tokens(model, loss_fn, y) for _, y in pieces]
+    for (x, y), c in zip(pieces, kept):
+        (loss_fn(model(**{k: v.to(dev) for k, v in x.items()}), y.to(dev)) * c / sum(kept)).backward()
 
 
 def reference_train(model, data, optimizer, slices: int, loss_fn=lm_loss):

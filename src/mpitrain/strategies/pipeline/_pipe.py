@@ -24,7 +24,7 @@ first batch (:meth:`Pipeline.build`).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -323,17 +323,18 @@ class Pipeline:
         return self._runtime
 
     def train_pass(self, inputs: Any | None, targets: Any | None, sizes: list[int], scales: list[float],
-                   loss_fn: LossFn, flat: bool = False) -> float:
+                   loss_fn: LossFn, flat: bool = False, weights: list[int] | None = None) -> float:
         """Forward and backward of this replica's rows of one batch, cut into micro-batches of `sizes`
         rows (any sizes >= 1; none: this replica has no rows), micro-batch m back-propagating
         ``loss * scales[m]``. Gradients are ADDED to ``.grad`` and not reduced (:meth:`reduce_gradients`).
         `inputs` (pipeline rank 0 only, else None; `flat`: already :func:`model_args` leaves) and
         `targets` (:attr:`last_rank` only) hold ``sum(sizes)`` rows. Every rank of the replica calls
-        it with the same `sizes`, after the build. Returns the sum over its micro-batches of
-        ``loss * size`` on the last pipeline rank (0 elsewhere)."""
+        it with the same `sizes`, after the build. `weights` (default `sizes`): each micro-batch's weight
+        (:func:`~.._batching.counted`); one of weight 0 back-propagates zero instead of its (NaN) loss.
+        Returns the sum over its micro-batches of ``loss * weight`` on the last pipeline rank (0 elsewhere)."""
         rt = self._built()
         leaves = None if inputs is None else inputs if flat else self._flat(inputs)
-        return rt.train_pass(leaves, targets, sizes, scales, loss_fn)
+        return rt.train_pass(leaves, targets, sizes, scales, loss_fn, sizes if weights is None else weights)
 
     def reduce_gradients(self) -> None:
         """Collective over every rank: finish the sends of the passes, average ``.grad`` over the
@@ -349,18 +350,19 @@ class Pipeline:
         counts it). Returns that norm (the same on every rank: replicas hold averaged gradients)."""
         return self._built().clip_gradients(max_norm)
 
-    def eval(self, inputs: Any) -> Any:
+    def eval(self, inputs: Any, weigh: Callable[[int, int], int] | None = None) -> Any:
         """Forward only, in eval mode, on any batch size (uneven slices by `split_sizes`); returns the
         model's outputs for the whole batch on every rank, in the model's own structure. Every tensor
         output must have the batch as dim 0, or be a 0-dim floating mean the model took over its rows
         (a Hugging Face model's loss from ``labels`` among the inputs): that one comes back as the mean
-        over the whole batch, each micro-batch weighted by its rows."""
+        over the whole batch, each micro-batch of rows ``[a, b)`` weighted by ``weigh(a, b)`` (default:
+        its rows; fit passes :func:`~.._batching.counted` of its targets), one weighing 0 left out."""
         flat = self._flat(inputs)
         B = batch_size(flat)
         rt = self._runtime
         if rt is None:
             rt = self.build(inputs, max(1, split_sizes(B, self.R)[0] // self.M))
-        return rt.eval(flat, B)
+        return rt.eval(flat, B, weigh or (lambda a, b: b - a))
 
     def trained_model(self) -> nn.Module:
         """The user's model instance, every tensor broadcast from the first partition holding it

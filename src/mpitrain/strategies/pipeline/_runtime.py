@@ -24,7 +24,7 @@ from ..._utils.flat import spans
 from ..._utils.stall import DEFAULT_POLICY, StallPolicy, watched
 from ...comm import settle_on_error
 from ...comm.base import Communicator, Request, split_sizes
-from .._batching import target_rows
+from .._batching import target_rows, zero_loss
 from .._buckets import Bucket, adopt, gradient_buckets
 from .._device import to_device
 from .._grad_allreduce import allreduce_gradients
@@ -120,7 +120,7 @@ class PipelineRuntime:
 
     # -- passes -----------------------------------------------------------------------------------
     def train_pass(self, flat: list[Any] | None, targets: Any | None, sizes: list[int], scales: list[float],
-                   loss_fn: LossFn) -> float:
+                   loss_fn: LossFn, weights: list[int]) -> float:
         """Forward and backward of this replica's rows of one batch (every rank of the replica, the
         same `sizes`): see :meth:`~._pipe.Pipeline.train_pass`; `flat`: the inputs' flat leaves
         (pipeline rank 0 only, or every rank without `inputs_on_first`)."""
@@ -136,8 +136,11 @@ class PipelineRuntime:
 
         def last_fn(m: int, out: list[Any]) -> torch.Tensor:
             dev = next((o.device for o in out if isinstance(o, torch.Tensor)), _CPU)  # targets go to the outputs
-            loss = loss_fn(pytree.tree_unflatten(out, out_spec), to_device(micro_tgt[m], dev))
-            losses.append((loss.detach(), sizes[m]))
+            tree = pytree.tree_unflatten(out, out_spec)
+            loss = loss_fn(tree, to_device(micro_tgt[m], dev))
+            if weights[m] == 0:  # every target ignored: the loss is NaN, its backward would spread it
+                return zero_loss(tree, loss)
+            losses.append((loss.detach(), weights[m]))
             return loss * scales[m]
 
         self.mode(train=True)
@@ -167,21 +170,23 @@ class PipelineRuntime:
                 trailing = self.shapes.trailing(first, self.pipe)
         return [self.shapes.meta(None if shared else micro_args[m], s, trailing) for m, s in enumerate(sizes)]
 
-    def eval(self, flat: list[Any], B: int) -> Any:
+    def eval(self, flat: list[Any], B: int, weigh: Callable[[int, int], int]) -> Any:
         """Forward only, in eval mode, of a batch of `B` rows every rank holds (`flat`): the model's
-        outputs for the whole batch on every rank (collective over `comm`)."""
+        outputs for the whole batch on every rank (collective over `comm`); a 0-dim mean is weighted per
+        micro-batch of rows ``[a, b)`` by ``weigh(a, b)`` (:meth:`~._pipe.Pipeline.eval`)."""
         R, V, M = self.layout.R, self.layout.V, self.spec.micro_batches
         per_replica = split_sizes(B, R)
         off = sum(per_replica[:self.layout.replica])
         sizes = [s for s in split_sizes(per_replica[self.layout.replica], M) if s > 0]
         starts = [off + sum(sizes[:m]) for m in range(len(sizes))]
+        weights = [weigh(a, a + s) for a, s in zip(starts, sizes)]
         metas = [self.shapes.meta(flat, s) for s in sizes]
         leaves, means = self._output_leaves(flat, B)
 
         def last_fn(m: int, out: list[Any]) -> None:
             for i, (r, o) in enumerate(zip(leaves, out)):
-                if i in means:  # this replica's row-weighted sum of a mean the model took over its rows
-                    r[self.layout.replica] += float(o) * sizes[m]
+                if i in means:  # this replica's weighted sum of a mean the model took over its rows
+                    r[self.layout.replica] += float(o) * weights[m] if weights[m] else 0.0
                 elif isinstance(r, torch.Tensor):
                     r[starts[m]:starts[m] + sizes[m]].copy_(o)
 
@@ -203,7 +208,7 @@ class PipelineRuntime:
                     if isinstance(t, torch.Tensor):
                         self.comm.broadcast(t[r:r + 1] if i in means else t[begin:begin + size], root=root)
         for i, dtype in means.items():  # the mean over the whole batch, as gather_outputs gives it
-            leaves[i] = (leaves[i].sum() / max(B, 1)).to(dtype)
+            leaves[i] = (leaves[i].sum() / max(weigh(0, B), 1)).to(dtype)
         return pytree.tree_unflatten(leaves, self.cut.traced.out_spec)
 
     def _actions(self, count: int) -> list[Action]:

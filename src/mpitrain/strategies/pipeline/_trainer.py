@@ -30,7 +30,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from ...comm.base import Communicator, split_sizes
-from .._batching import even_share, per_sample
+from .._batching import counted, even_share, ignore_index_of, label_shift, per_sample, samples, target_rows
 from .._reshard import NAMED, Held, assemble, load_named, optimizer_entries, tensor_entries, whole
 from .._zero import check_optimizer
 from ..base import (
@@ -124,6 +124,7 @@ class PipelineTrainer(StepTrainer):
         self.pipe, self.loss_fn, self.strategy, self.loop = pipe, loss_fn, strategy, loop
         self.comm = pipe.comm
         self.replicas = pipe.R  # each partition's gradients are averaged over its replicas
+        self.label_shift = label_shift(pipe.model, loss_fn)
         self.label = strategy
         # the user's names of the model's parameters: they survive a meta model's materialisation
         self._names = {id(q): name for name, q in pipe.model.named_parameters(remove_duplicate=False)}
@@ -157,8 +158,9 @@ class PipelineTrainer(StepTrainer):
         local = torch.zeros((), dtype=torch.float64)
         for b in batches:
             sizes = [s for s in split_sizes(b.share.stop - b.share.start, pipe.M) if s > 0]
-            scales = [self.scale(s, total) for s in sizes]
-            local += pipe.train_pass(_own_rows(b.inputs, b), b.targets, sizes, scales, self.loss_fn)
+            weights = self.share_weights(b.targets, sizes)  # counted on the last stage (its targets)
+            scales = [self.scale(w, total) for w in weights]
+            local += pipe.train_pass(_own_rows(b.inputs, b), b.targets, sizes, scales, self.loss_fn, weights=weights)
         return local
 
     def finish_gradients(self) -> bool:
@@ -209,7 +211,9 @@ class PipelineTrainer(StepTrainer):
 
     def eval_step(self, inputs: Any, targets: Any) -> Any:
         """Forward only, in eval mode; any batch size (every rank holds it); bf16 outputs as float32."""
-        out = self.pipe.eval(inputs)
+        n, ignore = samples(inputs, targets), ignore_index_of(self.loss_fn)
+        out = self.pipe.eval(inputs, lambda a, b: counted(target_rows(targets, n, a, b), b - a, ignore,
+                                                               self.label_shift))
         return pytree.tree_map(lambda t: t.float() if isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16
                                else t, out)
 
