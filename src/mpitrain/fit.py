@@ -33,7 +33,7 @@ from ._utils.deprecation import renamed_options
 from ._utils.stall import StallPolicy
 from .comm.base import Communicator
 from .runtime import world
-from .strategies import NAMED, StepTrainer, optimizer_factory, samples, slice_share
+from .strategies import DEFAULT_IGNORE_INDEX, NAMED, StepTrainer, optimizer_factory, samples, slice_share
 from .strategies.base import (
     Balance,
     Batch,
@@ -103,7 +103,7 @@ def accuracy(outputs: Any, targets: torch.Tensor) -> float:
         dim = -1
     if targets.is_floating_point() and targets.shape == logits.shape:
         targets = targets.argmax(dim=dim)
-    counted = targets != -100
+    counted = targets != DEFAULT_IGNORE_INDEX
     hits = (logits.argmax(dim=dim) == targets) & counted
     return float(hits.sum()) / max(int(counted.sum()), 1)
 

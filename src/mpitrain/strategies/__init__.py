@@ -5,7 +5,16 @@ what they share lives in :mod:`.base`.
 The helpers other packages use (fit, checkpoint, the planner, spatial, horovod, the benchmarks) are exported
 here; the private modules that define them serve strategies alone (docs/ARCHITECTURE.md, Import rules)."""
 
-from ._batching import ACCEPTED, plain_inputs, rows, samples, slice_share, split_batch, target_rows
+from ._batching import (
+    ACCEPTED,
+    DEFAULT_IGNORE_INDEX,
+    plain_inputs,
+    rows,
+    samples,
+    slice_share,
+    split_batch,
+    target_rows,
+)
 from ._broadcast import broadcast_optimizer_state, broadcast_tensors
 from ._buckets import MB, Bucket, plan_buckets
 from ._device import autocast, model_device, to_device
@@ -15,7 +24,7 @@ from .base import FitError, FitSpec, StrategyOptions, Trainer
 from .step import StepTrainer
 
 __all__ = ["FitError", "FitSpec", "StrategyOptions", "Trainer", "StepTrainer", "ACCEPTED", "split_batch",
-           "plain_inputs",
+           "plain_inputs", "DEFAULT_IGNORE_INDEX",
            "rows", "samples", "slice_share", "target_rows", "broadcast_optimizer_state", "broadcast_tensors",
            "MB", "Bucket", "plan_buckets", "autocast", "model_device", "to_device", "NAMED", "assemble",
            "optimizer_factory"]

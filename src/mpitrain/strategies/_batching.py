@@ -32,8 +32,7 @@ __all__ = ["ACCEPTED", "LABEL_ALIASES", "split_batch", "plain_inputs",
            "call_args", "call_model", "call_rows", "batch_size", "samples", "per_sample",
            "target_rows", "split_pairs", "shard", "chunks", "check_divisible", "rows", "even_share", "slice_share",
            "gather_rows", "gather_outputs", "DEFAULT_IGNORE_INDEX", "ignore_index_of", "integer_targets", "label_shift",
-           "counted",
-           "zero_loss"]
+           "counted", "counted_rows", "zero_loss"]
 
 
 def plain_inputs(inputs: Any) -> Any:
@@ -257,6 +256,12 @@ def counted(targets: Any, rows: int, ignore_index: int | None, shift: int = 0) -
     if shift and targets.dim() >= 2:
         targets = targets[..., shift:]
     return int((targets != ignore_index).sum())
+
+
+def counted_rows(targets: Any, n: int, start: int, stop: int, ignore_index: int | None, shift: int = 0) -> int:
+    """:func:`counted` of samples ``[start, stop)`` of a batch of `n` samples with `targets` (k target rows
+    each, :func:`target_rows`): the weight of a block of rows (a micro-batch, a replica's eval block)."""
+    return counted(target_rows(targets, n, start, stop), stop - start, ignore_index, shift)
 
 
 def zero_loss(out: Any, loss: torch.Tensor) -> torch.Tensor:

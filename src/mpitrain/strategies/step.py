@@ -47,13 +47,13 @@ from ..comm.place import Place
 from ._batching import (
     call_rows,
     counted,
+    counted_rows,
     even_share,
     gather_outputs,
     ignore_index_of,
     integer_targets,
     samples,
     slice_share,
-    target_rows,
     zero_loss,
 )
 from ._device import autocast
@@ -200,11 +200,9 @@ class StepTrainer(ABC):
         rows each): a pipeline's micro-batches; `sizes` itself without targets (a rank computing no loss)."""
         if targets is None or not self._counting:
             return list(sizes)
-        n, out, start = sum(sizes), [], 0
-        for s in sizes:
-            out.append(self.weight(target_rows(targets, n, start, start + s), s))
-            start += s
-        return out
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        return [counted_rows(targets, sum(sizes), a, a + s, self.ignore_index, self.label_shift)
+                for a, s in zip(starts, sizes)]
 
     def weigh(self, batches: Sequence[BatchShare], total: int) -> None:
         """Set :attr:`step_weight`, the step's weight over every rank: the sum of :meth:`weight` over the
@@ -217,9 +215,8 @@ class StepTrainer(ABC):
             return
         held = [b for b in batches if b.targets is not None and b.share.rows]
         asking = self._counting is None
-        if asking:
-            self._counting = True  # counted() as if integer; a float batch counts its rows, unused then
-        mine = float(sum(self.weight(b.targets, b.share.rows) for b in held))
+        # counted() itself gives a float batch its rows: the count is right before the verdict is known
+        mine = float(sum(counted(b.targets, b.share.rows, self.ignore_index, self.label_shift) for b in held))
         integer = any(integer_targets(b.targets) for b in held)
         sums = torch.tensor([mine, float(integer)] if asking else [mine], dtype=torch.float64)
         self.comm.allreduce(sums)
@@ -280,5 +277,5 @@ def replica_eval(module: nn.Module, comm: Communicator, place: Place, inputs: Ba
         out = call_rows(module, inputs, s.start, s.stop, device)
     blocks = [even_share(n, place.replicas, r) for r in range(place.replicas)]
     ignore = ignore_index_of(loss_fn)
-    weights = [counted(target_rows(targets, n, b.start, b.stop), b.rows, ignore, shift) for b in blocks]
+    weights = [counted_rows(targets, n, b.start, b.stop, ignore, shift) for b in blocks]
     return gather_outputs(comm, out, [b.rows for b in blocks], weights)

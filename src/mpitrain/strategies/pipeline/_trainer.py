@@ -30,7 +30,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from ...comm.base import Communicator, split_sizes
-from .._batching import counted, even_share, ignore_index_of, label_shift, per_sample, samples, target_rows
+from .._batching import counted_rows, even_share, ignore_index_of, label_shift, per_sample, samples
 from .._reshard import NAMED, Held, assemble, load_named, optimizer_entries, tensor_entries, whole
 from .._zero import check_optimizer
 from ..base import (
@@ -212,8 +212,7 @@ class PipelineTrainer(StepTrainer):
     def eval_step(self, inputs: Any, targets: Any) -> Any:
         """Forward only, in eval mode; any batch size (every rank holds it); bf16 outputs as float32."""
         n, ignore = samples(inputs, targets), ignore_index_of(self.loss_fn)
-        out = self.pipe.eval(inputs, lambda a, b: counted(target_rows(targets, n, a, b), b - a, ignore,
-                                                               self.label_shift))
+        out = self.pipe.eval(inputs, lambda a, b: counted_rows(targets, n, a, b, ignore, self.label_shift))
         return pytree.tree_map(lambda t: t.float() if isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16
                                else t, out)
 
