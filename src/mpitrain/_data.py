@@ -13,6 +13,7 @@ from __future__ import annotations
 import random
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -128,6 +129,19 @@ class DataPlan:
                           generator=torch.Generator().manual_seed(self.seed + epoch))
 
 
+@contextmanager
+def _rngs_restored() -> Iterator[None]:
+    """torch's CPU generator and Python's `random` as they were before the block, whatever it draws (a
+    collate's masking, a dataset's augmentations): the training's streams (dropout, exact resume) move
+    only where the training draws."""
+    state = random.getstate()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            yield
+    finally:
+        random.setstate(state)
+
+
 def collate_seed(seed: int, epoch: int, batch: int, start: int) -> int:
     """The seed of the collate of the rows from position `start` on of global batch `batch` of `epoch`
     (0-based): a function of fit's `seed` and of where the rows are, so a random collate (masked-LM
@@ -177,14 +191,10 @@ class SeededCollate:
         seed = getattr(items, "seed", None)
         if seed is None:
             return self.collate(list(items))
-        state = random.getstate()
-        try:
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(seed)
-                random.seed(seed)
-                return self.collate(list(items))
-        finally:
-            random.setstate(state)
+        with _rngs_restored():
+            torch.manual_seed(seed)
+            random.seed(seed)
+            return self.collate(list(items))
 
 
 def eval_loader(dataset: Any, batch_size: int, collate_fn: Callable[[list[Any]], Any] | None,
@@ -212,14 +222,10 @@ def check_first_item(dataset: Any, collate_fn: Callable[[list[Any]], Any] | None
 
     if isinstance(dataset, RegionDataset):
         return
-    state = random.getstate()
-    try:
-        with torch.random.fork_rng(devices=[]):
-            item = dataset[0]
-            if collate_fn is not None:
-                item = collate_fn([item])
-    finally:
-        random.setstate(state)
+    with _rngs_restored():
+        item = dataset[0]
+        if collate_fn is not None:
+            item = collate_fn([item])
     split_batch(item)
 
 
