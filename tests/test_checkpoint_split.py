@@ -112,7 +112,8 @@ def test_data_checkpoint_holds_the_weights_once_and_resumes_bit_identical(comm, 
 def mlp() -> nn.Module:
     torch.manual_seed(0)  # float64, weights of very different sizes
     return nn.Sequential(nn.Linear(6, 96), nn.BatchNorm1d(96), nn.ReLU(), nn.Dropout(0.2), nn.Linear(96, 96),
-                         nn.ReLU(), nn.Linear(96, 64), nn.ReLU(), nn.Linear(64, 96), nn.ReLU(), nn.Linear(96, 3)).double()
+                         nn.ReLU(), nn.Linear(96, 64), nn.ReLU(), nn.Linear(64, 96), nn.ReLU(),
+                         nn.Linear(96, 3)).double()
 
 
 def cnn() -> nn.Module:
