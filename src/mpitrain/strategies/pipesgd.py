@@ -38,7 +38,7 @@ from ..timeline import span
 from ._batching import call_model, label_shift
 from ._broadcast import broadcast_parameters, check_same_everywhere
 from ._device import autocast, model_device, to_device
-from ._reshard import NAMED, Held, load_replica, replica_entries, tensor_entries, whole
+from ._reshard import NAMED, load_replica, replica_entries, tensor_entries, whole
 from .base import (
     DEFAULT_LOOP,
     Batch,
@@ -404,7 +404,7 @@ class PipeSGDTrainer(StepTrainer):
             grads = {f"pending/{j}/{k}": g for j, e in enumerate(s["pending"]) for k, g in e["grads"].items()}
             return {**s, "model": {**s["model"], **grads}}
 
-        extra = [(g, Held(f"pending/{j}/{names[id(p)]}", 0, p.numel(), tuple(p.shape)))
+        extra = [(g, whole(f"pending/{j}/{names[id(p)]}", p))
                  for j, flat in enumerate(flats) for p, g in zip(self.params, self._views(flat))]
         load_replica(self.model, self.optimizer, shard, [first, *(r for r in range(world) if r != first)], extra)
 
