@@ -6,9 +6,10 @@ Layout of one checkpoint::
     DIR/step-<k>/manifest.json     format, step, position in the data, strategy layout, history (JSON)
     DIR/step-<k>/rank-<r>.pt       rank r's shard: {"trainer": ..., "rng": ..., "scheduler": ...}
 
-A shard by name (``strategies/_reshard.py``) may hold any subset of the model's tensors: data writes each
-replicated parameter in one rank's shard only, so readers gather by name across shards (`FORMAT` 1
-covers both that and the older layout in which every data rank wrote everything).
+A shard by name (``strategies/_reshard.py``) may hold any subset of the model's tensors: data, pipe-sgd and
+spatial write each replicated parameter in one rank's shard only (hybrid: in one replica's of its
+partition), so readers gather by name across shards (`FORMAT` 1 covers both that and the older layouts in
+which every rank wrote its whole replica or partition).
 
 Atomicity: the shards and the manifest are written into ``DIR/.step-<k>.tmp/``, each file fsynced,
 then the directory fsynced, renamed to ``step-<k>`` and ``DIR`` fsynced. Only directories named

@@ -110,6 +110,10 @@ def accuracy(outputs: Any, targets: torch.Tensor) -> float:
 
 _NAMED_METRICS: dict[str, Metric] = {"accuracy": accuracy}
 
+#: Strategies whose checkpoints (by name) resume only themselves: pipe-sgd's hold gradients in flight, and
+#: resuming spatial from another strategy's (or the reverse) is not tested.
+_OWN_STRATEGY_ONLY = frozenset({"pipe-sgd", "spatial"})
+
 
 def _metrics(metrics: Iterable[str | Metric] | Mapping[str, Metric] | None) -> dict[str, Metric]:
     if metrics is None:
@@ -585,8 +589,10 @@ class _Loop:
         """Every rank: continue from the checkpoint at `path` (FitError if it was another kind of run)."""
         saved, now = manifest["data"], _data_signature(self.s)
         trainer = self._checkpointer()
-        # state saved by name loads into any strategy that reads it so (data <-> model/hybrid, any ZeRO)
-        by_name = bool(manifest["layout"].get(NAMED)) and bool(trainer.layout().get(NAMED))
+        # state saved by name loads into any strategy that reads it so (data <-> model/hybrid, any ZeRO);
+        # pipe-sgd's and spatial's shards are by name too, but resume only their own strategy
+        by_name = bool(manifest["layout"].get(NAMED)) and bool(trainer.layout().get(NAMED)) and \
+            not {manifest["strategy"], self.strategy} & _OWN_STRATEGY_ONLY
         if (manifest["strategy"] != self.strategy and not by_name) or saved != now:
             raise FitError(f"cannot resume from {path}: it was written by strategy {manifest['strategy']!r} "
                            f"with data {saved}, this run is strategy {self.strategy!r} with data {now}")

@@ -211,7 +211,7 @@ def train(comm, layout, directory, dropout=0.3, **kw):
 
 
 def optimizer_state(path: Path, rank: int) -> dict:
-    return checkpoint.read_shard(checkpoint.latest(path), rank)["trainer"]["optimizer"]
+    return checkpoint.read_shard(checkpoint.latest(path), rank)["trainer"]
 
 
 @pytest.mark.parametrize("which", [0, 1], ids=["spatial", "hybrid"])

@@ -20,7 +20,18 @@ from torch.utils.data import Dataset
 from ..comm import settle_on_error
 from ..comm.base import Communicator
 from ..comm.place import Place, PlaceError
-from ..strategies import StepTrainer, autocast, broadcast_tensors, model_device, samples, slice_share, to_device
+from ..strategies import (
+    NAMED,
+    StepTrainer,
+    autocast,
+    broadcast_tensors,
+    load_replica,
+    model_device,
+    replica_entries,
+    samples,
+    slice_share,
+    to_device,
+)
 from ..strategies.base import (
     DEFAULT_LOOP,
     Batch,
@@ -295,26 +306,36 @@ class SpatialTrainer(StepTrainer):
     # -- checkpoints (CheckpointTrainer) -----------------------------------------------------------------
     def layout(self) -> dict[str, object]:
         """Every rank holds the whole model (weights, optimizer state; BatchNorm buffers too, equal on
-        every rank with ``bn_stats="global"``)."""
+        every rank with ``bn_stats="global"``); the shards are by name (``NAMED``)."""
         return {"strategy": "spatial", "world_size": self.dist.comm.size, "grid": list(self.dist.grid),
-                "samples": self.dist.samples, "bn_stats": self.bn_stats, "replicated": True}
+                "samples": self.dist.samples, "bn_stats": self.bn_stats, "replicated": True, NAMED: True}
 
     def state_dict(self) -> dict[str, object]:
-        """This rank's replica: the user's model state_dict and the optimizer state (no message)."""
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+        """This rank's shard by name (no message): its share of the parameters and of their optimizer state
+        (equal on every rank: the gradients are summed over the world before each step; together the
+        shards hold each once, split by bytes) and its own buffers (BatchNorm statistics, per rank under
+        ``bn_stats`` "spatial"/"local")."""
+        shard, _ = replica_entries(self.model, self.optimizer, self.dist.comm.size, self.dist.comm.rank)
+        return shard
 
     def load_state_dict(self, read: Callable[[int], dict[str, object]], saved_layout: Mapping[str, object]) -> None:
-        """Same layout: this rank's shard. Another grid, sample count or world size: rank 0's (weights
-        and optimizer state are replicated; BatchNorm buffers of ``bn_stats`` "spatial"/"local", which
-        differ per rank, restart from rank 0's)."""
+        """Same layout: this rank's shard first (its own buffers), the parameters and optimizer state from
+        whichever shard holds them. Another grid, sample count or world size: rank 0's first (BatchNorm
+        buffers of ``bn_stats`` "spatial"/"local", which differ per rank, restart from rank 0's). A
+        checkpoint of the older layout (every rank wrote its whole replica, not by name) loads alike."""
         now = self.layout()
         if saved_layout.get("strategy") != "spatial" or not saved_layout.get("replicated"):
             raise FitError(f"cannot resume strategy 'spatial' (layout {now}) from a checkpoint of layout "
                            f"{dict(saved_layout)}: resharding between these layouts is not supported")
         same = all(saved_layout.get(k) == now[k] for k in ("world_size", "grid", "samples", "bn_stats"))
-        state = read(self.dist.comm.rank if same else 0)
-        self.model.load_state_dict(state["model"])  # type: ignore[arg-type]
-        self.optimizer.load_state_dict(state["optimizer"])  # type: ignore[arg-type]
+        first = self.dist.comm.rank if same else 0
+        if not saved_layout.get(NAMED):  # older: every shard a whole replica, the optimizer's own state_dict
+            state = read(first)
+            self.model.load_state_dict(state["model"])  # type: ignore[arg-type]
+            self.optimizer.load_state_dict(state["optimizer"])  # type: ignore[arg-type]
+            return
+        world = int(saved_layout["world_size"])  # type: ignore[call-overload]
+        load_replica(self.model, self.optimizer, read, [first, *(r for r in range(world) if r != first)])
 
     def trained_model(self) -> nn.Module:
         return self.model

@@ -19,7 +19,7 @@ from ._broadcast import broadcast_optimizer_state, broadcast_tensors
 from ._buckets import MB, Bucket, plan_buckets
 from ._device import autocast, model_device, to_device
 from ._optimizer import optimizer_factory
-from ._reshard import NAMED, assemble
+from ._reshard import NAMED, assemble, load_replica, replica_entries
 from .base import FitError, FitSpec, StrategyOptions, Trainer
 from .step import StepTrainer
 
@@ -27,4 +27,4 @@ __all__ = ["FitError", "FitSpec", "StrategyOptions", "Trainer", "StepTrainer", "
            "plain_inputs", "DEFAULT_IGNORE_INDEX",
            "rows", "samples", "slice_share", "target_rows", "broadcast_optimizer_state", "broadcast_tensors",
            "MB", "Bucket", "plan_buckets", "autocast", "model_device", "to_device", "NAMED", "assemble",
-           "optimizer_factory"]
+           "replica_entries", "load_replica", "optimizer_factory"]

@@ -33,7 +33,7 @@ import torch
 from .base import FitError
 
 __all__ = ["Held", "whole", "tensor_entries", "optimizer_entries", "load_named", "assemble", "split_by_bytes",
-           "NAMED"]
+           "written_elsewhere", "replica_entries", "load_replica", "NAMED"]
 
 #: The layout key that says a checkpoint's shards hold state by name (this module's format).
 NAMED = "named"
@@ -98,6 +98,45 @@ def split_by_bytes(sizes: Sequence[int], parts: int) -> list[int]:
         owner[i] = part
         heapq.heappush(loads, (load + int(sizes[i]), part))
     return owner
+
+
+def written_elsewhere(replicated: Iterable[torch.Tensor], parts: int, part: int) -> set[int]:
+    """``id`` of those of `replicated` (tensors equal on every part, listed in the same order on every
+    part; one listed twice, a tied weight, counts once) that :func:`split_by_bytes` gives to a part other
+    than `part`: what `part` leaves out of its shard so that the parts together write each once."""
+    unique: dict[int, torch.Tensor] = {}
+    for t in replicated:
+        unique.setdefault(id(t), t)
+    owners = split_by_bytes([t.numel() * t.element_size() for t in unique.values()], parts)
+    return {key for key, owner in zip(unique, owners) if owner != part}
+
+
+def replica_entries(module: torch.nn.Module, optimizer: torch.optim.Optimizer, parts: int,
+                    part: int) -> tuple[dict[str, Any], set[int]]:
+    """The shard by name (``"model"``, ``"model_pieces"``, ``"optim"``) of rank `part` of `parts` ranks that
+    each hold a whole replica of `module` with `optimizer` over its parameters, and the ``id`` of the
+    tensors another rank writes. The parameters (equal on every rank: the caller's guarantee) and their
+    optimizer state are split by :func:`written_elsewhere`; the buffers (BatchNorm statistics, which may
+    differ per rank; a few KiB) stay in every rank's shard."""
+    named = module.state_dict(keep_vars=True)
+    params = {id(p) for p in module.parameters()}
+    skip = written_elsewhere((t for t in named.values() if id(t) in params), parts, part)
+    model, pieces = tensor_entries((t, whole(k, t)) for k, t in named.items() if id(t) not in skip)
+    return {"model": model, "model_pieces": pieces,
+            "optim": optimizer_entries(optimizer, _param_names(module), skip)}, skip
+
+
+def load_replica(module: torch.nn.Module, optimizer: torch.optim.Optimizer, read: Callable[[int], Mapping[str, Any]],
+                 ranks: Iterable[int], extra: Iterable[tuple[torch.Tensor, Held]] = ()) -> None:
+    """Fill a whole replica of `module` (and `extra` tensors, saved under their names in ``"model"``) and
+    `optimizer`'s state from the shards by name ``read(r)``, r in `ranks` (:func:`load_named`)."""
+    tensors = [(t, whole(k, t)) for k, t in module.state_dict(keep_vars=True).items()]
+    load_named(read, ranks, [*tensors, *extra], optimizer, _param_names(module))
+
+
+def _param_names(module: torch.nn.Module) -> dict[int, Held]:
+    """Each parameter of `module` under its first name (a tied one once), as the optimizer's state is named."""
+    return {id(p): whole(k, p) for k, p in module.named_parameters()}
 
 
 def optimizer_entries(optimizer: torch.optim.Optimizer, names: Mapping[int, Held],

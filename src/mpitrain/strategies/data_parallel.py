@@ -25,7 +25,7 @@ from ._broadcast import (
 from ._buckets import MB, Bucket, adopt, plan_buckets
 from ._device import CPU, autocast, model_device, to_device
 from ._grad_allreduce import allreduce_gradients, start_allreduce_gradients
-from ._reshard import NAMED, Held, load_named, optimizer_entries, split_by_bytes, tensor_entries, whole
+from ._reshard import NAMED, Held, load_named, optimizer_entries, tensor_entries, whole, written_elsewhere
 from ._zero import ModuleGathers, Zero, check_optimizer, check_stage, module_units, storage_bytes
 from .base import (
     DEFAULT_LOOP,
@@ -632,18 +632,15 @@ class DataTrainer(StepTrainer):
         """``id`` of the replicated tensors another rank writes. The parameters this rank holds whole are
         equal on every rank (broadcast at construction, then stepped alike from the averaged gradients,
         ZeRO 1/2 gathering the stepped pieces), and so is their optimizer state at zero=0: each is
-        written once in total, by the rank :func:`split_by_bytes` assigns it (every rank computes the
+        written once in total, by the rank :func:`written_elsewhere` assigns it (every rank computes the
         same assignment: the state_dict's names, shapes and dtypes were checked equal at construction).
         A tied parameter goes with all its names. Buffers (BatchNorm statistics differ per rank) and
         ZeRO pieces stay with their rank."""
         zero = self.dp.zero
         params = {id(p) for p in self.dp.module.parameters()}
-        replicated: dict[int, torch.Tensor] = {}
-        for t in self.dp.module.state_dict(keep_vars=True).values():
-            if id(t) in params and not (zero is not None and zero.stage == 3 and t in zero.slot):
-                replicated.setdefault(id(t), t)
-        owners = split_by_bytes([t.numel() * t.element_size() for t in replicated.values()], self.comm.size)
-        return {key for key, owner in zip(replicated, owners) if owner != self.comm.rank}
+        return written_elsewhere((t for t in self.dp.module.state_dict(keep_vars=True).values()
+                                  if id(t) in params and not (zero is not None and zero.stage == 3 and t in zero.slot)),
+                                 self.comm.size, self.comm.rank)
 
     def state_dict(self) -> dict[str, object]:
         """This rank's shard, by name (:mod:`._reshard`): the buffers it holds, its share of the replicated

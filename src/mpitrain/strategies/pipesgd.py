@@ -38,6 +38,7 @@ from ..timeline import span
 from ._batching import call_model, label_shift
 from ._broadcast import broadcast_parameters, check_same_everywhere
 from ._device import autocast, model_device, to_device
+from ._reshard import NAMED, load_replica, replica_entries, tensor_entries, whole
 from .base import (
     DEFAULT_LOOP,
     Batch,
@@ -268,7 +269,7 @@ class PipeSGDTrainer(StepTrainer):
 
     def _bind(self, flat: torch.Tensor) -> None:
         """Make every parameter's .grad a view into `flat` (backward accumulates into it in place)."""
-        for p, view in zip(self.params, views(flat, [p.shape for p in self.params])):
+        for p, view in zip(self.params, self._views(flat)):
             p.grad = view
 
     @property
@@ -339,19 +340,33 @@ class PipeSGDTrainer(StepTrainer):
     # -- checkpoints (CheckpointTrainer) ---------------------------------------------------------------
     def layout(self) -> dict[str, object]:
         return {"strategy": "pipe-sgd", "world_size": self.comm.size, "replicated": not self.error_feedback,
-                "staleness": self.K}
+                "staleness": self.K, NAMED: True}
 
     def state_dict(self) -> dict[str, object]:
-        """Weights, optimizer, iteration counter and the averaged gradients still to be applied (their
-        allreduces are completed here, not applied: the algorithm applies them at their iteration), and
-        the error-feedback residual (per rank)."""
-        pending = [(h.iteration, self.comm_thread.wait(h)) for h in self._pending]
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "t": self.t,
-                "pending": pending, "residual": self.comm_thread.residual}
+        """This rank's shard by name: its share of the weights, of their optimizer state and of the averaged
+        gradients still to be applied (all equal on every rank: each applies bitwise the same averaged
+        gradient; together the shards hold each once, split by bytes; the allreduces are completed here,
+        not applied: the algorithm applies them at their iteration), the iteration counter, and its own
+        buffers and error-feedback residual."""
+        shard, skip = replica_entries(self.model, self.optimizer, self.comm.size, self.comm.rank)
+        names = {id(p): k for k, p in self.model.named_parameters()}
+        pending = []
+        for h in self._pending:
+            flat = self.comm_thread.wait(h)
+            grads, _ = tensor_entries((g, whole(names[id(p)], p)) for p, g in zip(self.params, self._views(flat))
+                                      if id(p) not in skip)
+            pending.append({"iteration": h.iteration, "grads": grads})
+        return {**shard, "t": self.t, "pending": pending, "residual": self.comm_thread.residual}
+
+    def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Each trained parameter's gradient in the flat buffer `flat`."""
+        return views(flat, [p.shape for p in self.params])
 
     def load_state_dict(self, read: Callable[[int], dict[str, object]], saved_layout: Mapping[str, object]) -> None:
-        """Same world size: this rank's shard. Another world size (no error feedback, same staleness):
-        rank 0's; the in-flight gradients are averages, the same on every rank."""
+        """Same world size: this rank's shard first (its buffers, residual), the weights, optimizer state
+        and in-flight gradients from whichever shard holds them. Another world size (no error feedback,
+        same staleness): rank 0's first; the in-flight gradients are averages, the same on every rank. A
+        checkpoint of the older layout (every rank wrote its whole replica, not by name) loads alike."""
         now = self.layout()
         same = saved_layout.get("world_size") == self.comm.size
         if saved_layout.get("strategy") != "pipe-sgd" or saved_layout.get("staleness") != self.K or \
@@ -359,18 +374,39 @@ class PipeSGDTrainer(StepTrainer):
             raise FitError(f"cannot resume strategy 'pipe-sgd' (layout {now}) from a checkpoint of layout "
                            f"{dict(saved_layout)}: the staleness must match, and a world-size change needs "
                            f"error_feedback=False (its residuals are per rank)")
-        state = read(self.comm.rank if same else 0)
-        self.model.load_state_dict(state["model"])  # type: ignore[arg-type]
-        self.optimizer.load_state_dict(state["optimizer"])  # type: ignore[arg-type]
-        self.t = int(state["t"])  # type: ignore[call-overload]
-        for iteration, grad in state["pending"]:  # type: ignore[attr-defined]
-            flat = self._free.popleft()
-            flat.copy_(grad)
-            handle = _Handle(flat, int(iteration))
+        first = self.comm.rank if same else 0
+        state: dict[str, Any] = read(first)
+        self.t = int(state["t"])
+        flats = [self._free.popleft() for _ in state["pending"]]
+        if saved_layout.get(NAMED):
+            self._load_named(read, int(saved_layout["world_size"]), first, flats)  # type: ignore[call-overload]
+        else:  # older: every shard a whole replica, the optimizer's own state_dict, whole flat gradients
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            for flat, (_, grad) in zip(flats, state["pending"]):
+                flat.copy_(grad)
+        for flat, entry in zip(flats, state["pending"]):
+            handle = _Handle(flat, int(entry["iteration"] if isinstance(entry, dict) else entry[0]))
             handle.done.set()
             self._pending.append(handle)
         residual = state["residual"]
         self.comm_thread.residual = residual.clone() if same and isinstance(residual, torch.Tensor) else None
+
+    def _load_named(self, read: Callable[[int], dict[str, object]], world: int, first: int,
+                    flats: list[torch.Tensor]) -> None:
+        """Weights, optimizer state and the in-flight gradients into `flats`, from the shards by name (saved
+        rank `first` first): one pass over the shards, the j-th gradient read under ``pending/j/<name>``
+        (no state_dict name holds a "/")."""
+        names = {id(p): k for k, p in self.model.named_parameters()}
+
+        def shard(r: int) -> dict[str, Any]:
+            s: dict[str, Any] = read(r)
+            grads = {f"pending/{j}/{k}": g for j, e in enumerate(s["pending"]) for k, g in e["grads"].items()}
+            return {**s, "model": {**s["model"], **grads}}
+
+        extra = [(g, whole(f"pending/{j}/{names[id(p)]}", p))
+                 for j, flat in enumerate(flats) for p, g in zip(self.params, self._views(flat))]
+        load_replica(self.model, self.optimizer, shard, [first, *(r for r in range(world) if r != first)], extra)
 
     def trained_model(self) -> nn.Module:
         """The model holding w[T] (same on every rank). Collective: completes the allreduces still in

@@ -31,7 +31,7 @@ from torch import nn
 
 from ...comm.base import Communicator, split_sizes
 from .._batching import counted_rows, even_share, ignore_index_of, label_shift, per_sample, samples
-from .._reshard import NAMED, Held, assemble, load_named, optimizer_entries, tensor_entries, whole
+from .._reshard import NAMED, Held, assemble, load_named, optimizer_entries, tensor_entries, whole, written_elsewhere
 from .._zero import check_optimizer
 from ..base import (
     DEFAULT_LOOP,
@@ -258,11 +258,29 @@ class PipelineTrainer(StepTrainer):
                 names[id(q)] = whole(self._names[id(q)], q)
         return tensors, names
 
+    def _written_elsewhere(self, tensors: list[tuple[torch.Tensor, Held]]) -> set[int]:
+        """``id`` of the parameters of this rank's partitions that another replica of them writes. The R
+        replicas of a pipeline rank hold the same partitions (the same names, in the state_dict's order)
+        with equal parameters (each step applies the replica-averaged gradient; with ``zero`` the
+        stepped pieces are gathered), and at zero=0 equal optimizer state: :func:`written_elsewhere`
+        splits them among the R replicas by bytes, so the checkpoint holds each partition's once.
+        Buffers (BatchNorm statistics of each replica's rows) and ZeRO pieces stay with their rank; so do
+        tensors no partition holds (world rank 0 writes them)."""
+        pipe = self.pipe
+        if pipe.runtime is None or pipe.R == 1:
+            return set()
+        own, _ = pipe.tensor_ids()
+        params = {id(q) for q in pipe.model.parameters()}
+        return written_elsewhere((t for t, _ in tensors if id(t) in own and id(t) in params), pipe.R,
+                                 pipe.place.coords.replica)
+
     def state_dict(self) -> dict[str, object]:
-        """This rank's shard by name (:mod:`.._reshard`): the tensors of :meth:`_held` and its optimizer's state."""
+        """This rank's shard by name (:mod:`.._reshard`): the tensors of :meth:`_held` and its optimizer's
+        state, less its partitions' parameters (and at zero=0 their state) that another replica writes."""
         tensors, names = self._held()
-        model, pieces = tensor_entries(tensors)
-        return {"model": model, "model_pieces": pieces, "optim": optimizer_entries(self.optimizer, names)}
+        skip = self._written_elsewhere(tensors)
+        model, pieces = tensor_entries((t, h) for t, h in tensors if id(t) not in skip)
+        return {"model": model, "model_pieces": pieces, "optim": optimizer_entries(self.optimizer, names, skip)}
 
     def load_state_dict(self, read: Callable[[int], dict[str, object]], saved_layout: Mapping[str, object]) -> None:
         """Resume from a checkpoint by name of any layout: this rank's tensors and optimizer state are read,
