@@ -143,6 +143,7 @@ def test_a_forward_taking_kwargs_is_called_with_every_key(comm):
 
 def test_a_peft_lora_model_drops_by_its_base_models_signature(comm):
     """PeftModelForSequenceClassification.forward takes ``**kwargs``; the base BERT's names its columns."""
+    _transformers()  # first: transformers without torchvision's C++ ops, which peft imports
     pytest.importorskip("peft")
     from tests.test_fit_peft import lora, trainable
 
