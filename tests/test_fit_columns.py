@@ -34,7 +34,7 @@ from mpitrain.fit import FitError, fit
 from mpitrain.planner import plan
 from tests.helpers import assert_all_ranks
 from tests.strategies.pipeline.tiny_transformers import _transformers, build, own_loss
-from tests.test_fit_hf_datasets import B, N, SEED, compare, datasets, one_process, options, order, sgd, texts, tokenizer
+from tests.test_fit_hf_datasets import SEED, B, N, compare, datasets, one_process, options, order, sgd, texts, tokenizer
 
 pytestmark = pytest.mark.mpi
 

@@ -708,6 +708,15 @@ def fit(model: nn.Module, data: Any, loss_fn: LossFn,
       on the model's own loss; a ``"label"`` or ``"label_ids"`` key without ``"labels"`` is renamed
       ``"labels"``, as Hugging Face's collators rename it); fit reads item 0 once on every rank to check
       that (with `collate_fn`: the batch it collates from item 0) before any message.
+      `remove_unused_columns` (Hugging Face Trainer's name and default, True): the keys of a mapping item
+      (before `collate_fn`) or iterable batch (before it is split), and of `eval_data`'s, that are not
+      parameters of the model's forward are dropped, the labels ("labels", "label", "label_ids") kept:
+      a tokenized dataset's "text", "idx" columns. The forward is the one the model is called through (a
+      peft model's base model, a ``torch.compile`` module's ``_orig_mod``); one taking ``**kwargs`` keeps
+      every key, except a transformers model's, read by its named parameters as Trainer reads it (its
+      ``**kwargs`` are the library's options). Rank 0 prints the dropped columns once (with `progress`).
+      FitError on every rank before any message when only the labels would be left (an iterable other
+      than a list or tuple: at its first batch, every rank alike). False calls the model with every key.
       `collate_fn` joins items into a batch as a DataLoader's does (variable-length items need a
       padding one, e.g. ``transformers.DataCollatorWithPadding(tokenizer)``); it is called on each
       rank's rows, so each rank pads its rows to their own longest, with torch's and Python's RNGs
