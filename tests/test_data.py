@@ -131,3 +131,94 @@ def test_a_collate_is_seeded_by_the_place_of_its_rows_and_leaves_the_global_rngs
         assert torch.equal(a["labels"], b["labels"]) and torch.equal(a["labels"], c["labels"])
     assert not torch.equal(main[0]["labels"], main[1]["labels"])
     assert not torch.equal(main[0]["labels"], list(_plan(0).loader(lists[:1], 1, keys[:1]))[0]["labels"])  # epoch
+
+
+class _Named(torch.nn.Module):
+    def forward(self, input_ids, attention_mask=None, *, token_type_ids=None):  # noqa: ANN001, ANN201
+        return input_ids
+
+
+class _Kwargs(torch.nn.Module):
+    def forward(self, input_ids, **kwargs):  # noqa: ANN001, ANN003, ANN201
+        return input_ids
+
+
+class _PositionalOnly(torch.nn.Module):
+    def forward(self, x, /, mask=None, *args):  # noqa: ANN001, ANN002, ANN201
+        return x
+
+
+def test_unused_columns_are_those_the_forward_does_not_name_and_labels_are_kept():
+    """Trainer's rule: named parameters (keyword-capable) and the three label names are kept, the rest
+    dropped from a mapping (a new dict, the original untouched); anything else passes as it is."""
+    from mpitrain.strategies import used_columns
+
+    ids, y = torch.ones(2, 3), torch.tensor([0, 1])
+    item = {"text": "a b", "input_ids": ids, "idx": 4, "label": y, "token_type_ids": ids, "labels": y,
+            "label_ids": y, "attention_mask": ids}
+    columns = used_columns(_Named())
+    assert columns.check(item) == ["text", "idx"] and columns.unused(item) == ["text", "idx"]
+    assert list(columns(item)) == ["input_ids", "label", "token_type_ids", "labels", "label_ids", "attention_mask"]
+    assert "text" in item and columns(item)["input_ids"] is ids
+    kept = {"input_ids": ids, "labels": y}
+    assert columns(kept) is kept and columns((ids, y)) == (ids, y)  # nothing dropped: the same object
+    assert "_Named.forward(input_ids, attention_mask, token_type_ids)" == columns.forward
+    only = used_columns(_PositionalOnly())  # a positional-only name cannot be a keyword; *args none either
+    assert only.unused({"x": ids, "mask": ids, "args": 1, "labels": y}) == ["x", "args"]
+
+
+def test_every_column_is_kept_with_false_or_a_forward_taking_kwargs_and_a_bad_flag_is_refused():
+    from mpitrain.strategies import EVERY_COLUMN, used_columns
+
+    item = {"text": "a b", "input_ids": torch.ones(2, 3), "labels": torch.tensor([0, 1])}
+    assert used_columns(_Named(), False) is EVERY_COLUMN and used_columns(_Kwargs()) is EVERY_COLUMN
+    assert EVERY_COLUMN(item) is item and EVERY_COLUMN.check(item) == []
+    with pytest.raises(FitError, match="remove_unused_columns must be True or False, got 'yes'"):
+        used_columns(_Named(), "yes")
+
+
+def test_refused_when_only_the_labels_would_be_left_naming_the_columns_and_the_forward():
+    from mpitrain.strategies import used_columns
+
+    columns = used_columns(_Named())
+    with pytest.raises(FitError, match=r"\['tokens', 'idx'\] are not parameters of "
+                                       r"_Named.forward\(input_ids, attention_mask, token_type_ids\)"):
+        columns.check({"tokens": torch.ones(2, 3), "idx": 1, "label": torch.tensor([0, 1])})
+    assert columns.check({"labels": torch.tensor([0, 1])}) == []  # nothing dropped: not this refusal
+
+
+def test_wrappers_are_read_through_to_the_module_fit_calls_the_forward_of():
+    """torch.compile's OptimizedModule (``(*args, **kwargs)``) by ``_orig_mod``; a Hugging Face model
+    by its named parameters although its forward takes ``**kwargs`` (Trainer's reading); peft's by its
+    base model (tests/test_fit_columns.py, with peft installed)."""
+    from mpitrain.strategies import used_columns
+    from mpitrain.strategies._batching import signature_module
+    from tests.strategies.pipeline.tiny_transformers import build
+
+    inner = _Named()
+    compiled = torch.compile(inner)
+    assert signature_module(compiled) is inner and used_columns(compiled).forward == used_columns(inner).forward
+    bert = build("bert", classify=True)
+    columns = used_columns(bert)
+    assert columns.taken is not None and {"input_ids", "attention_mask", "labels"} <= columns.taken
+    assert columns.unused({"input_ids": 1, "text": "a", "idx": 2, "label": 0}) == ["text", "idx"]
+
+
+def test_the_seeded_collate_drops_the_columns_before_the_collate():
+    """A DataPlan's loader collates items without the dropped keys (a string column would fail torch's
+    collate or a padding collator); eval's loader alike."""
+    from mpitrain._data import eval_loader
+    from mpitrain.strategies import used_columns
+
+    data = [{"text": ["x"] * i, "input_ids": torch.full((3,), float(i)), "labels": i} for i in range(6)]
+
+    def strict(items: list[dict]) -> dict:
+        assert all(set(it) == {"input_ids", "labels"} for it in items), [set(it) for it in items]
+        return {k: torch.as_tensor([it[k] for it in items]) if k == "labels" else torch.stack([it[k] for it in items])
+                for k in items[0]}
+
+    plan = DataPlan(data, 4, True, 7, False, 0, False, strict, used_columns(_Named()))
+    got = list(plan.loader([[0, 1], [2, 3, 4]], 0, [(0, 0), (0, 2)]))
+    assert [b["labels"].tolist() for b in got] == [[0, 1], [2, 3, 4]]
+    assert [b["labels"].tolist() for b in eval_loader(data, 4, strict, 0, used_columns(_Named()))] == [[0, 1, 2, 3],
+                                                                                                      [4, 5]]

@@ -1,7 +1,8 @@
 """Where fit's samples come from: what a map-style Dataset is (:func:`is_map_dataset`), the order rule
 over one, each rank's reads of it (each collate seeded by its rows' place, :func:`collate_seed`), and the
-cross-rank check of iterables of global batches. What a sample or batch is (``split_batch``) lives in
-``strategies``, below fit and the planner, which share it.
+cross-rank check of iterables of global batches. What a sample or batch is (``split_batch``), and which keys
+of a mapping one the model is called with (``used_columns``), live in ``strategies``, below fit and the
+planner, which share them; here the columns are dropped from each item before its collate.
 
 The order rule (the only one, so any run can be replayed in one process): epoch ``e`` visits
 ``torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed + e))`` (``arange``
@@ -22,7 +23,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
 
 from .comm.base import Communicator
-from .strategies import ACCEPTED, samples, split_batch
+from .strategies import ACCEPTED, EVERY_COLUMN, Columns, samples, split_batch
 from .strategies.base import Batch, BatchShare, FitError, Share
 
 __all__ = ["ACCEPTED", "split_batch", "check_first_item", "check_not_iterable_dataset", "split_first_batch",
@@ -108,6 +109,9 @@ class DataPlan:
     #: how a DataLoader joins items into a batch (None: torch's default_collate, which stacks equal
     #: shapes; variable-length items need a padding one, such as Hugging Face's DataCollatorWithPadding)
     collate_fn: Callable[[list[Any]], Any] | None = None
+    #: the keys of mapping items the model is called with (fit's ``remove_unused_columns``): the others are
+    #: dropped from each item before the collate, which may not take them (a string column)
+    columns: Columns = EVERY_COLUMN
 
     def batches(self, epoch: int) -> list[torch.Tensor]:
         return global_batches(epoch_order(len(self.dataset), self.seed, epoch, self.shuffle), self.batch_size,
@@ -125,7 +129,7 @@ class DataPlan:
         batches = [Keyed(rows, collate_seed(self.seed, epoch, b, start)) for rows, (b, start) in zip(index_lists, keys)]
         return DataLoader(KeyedReads(self.dataset), batch_sampler=batches,  # type: ignore[arg-type]
                           num_workers=self.num_workers, pin_memory=self.pin_memory,
-                          collate_fn=SeededCollate(self.collate_fn or default_collate),
+                          collate_fn=SeededCollate(self.collate_fn or default_collate, self.columns),
                           generator=torch.Generator().manual_seed(self.seed + epoch))
 
 
@@ -180,53 +184,62 @@ class KeyedReads:
 
 @dataclass(frozen=True)
 class SeededCollate:
-    """`collate` called with torch's CPU generator and Python's `random` seeded by the items' key
-    (:func:`collate_seed`) and restored after: a random collate (Hugging Face's
+    """`collate` called on the items without the keys `columns` drops (as Hugging Face Trainer's
+    ``RemoveColumnsCollator`` does), with torch's CPU generator and Python's `random` seeded by the items'
+    key (:func:`collate_seed`) and restored after: a random collate (Hugging Face's
     ``DataCollatorForLanguageModeling``, which masks with the global RNG) is reproducible, independent
     between ranks, and leaves the training's RNG streams (dropout) as a collate drawing nothing would."""
 
     collate: Callable[[list[Any]], Any]
+    columns: Columns = EVERY_COLUMN
 
     def __call__(self, items: list[Any]) -> Any:
         seed = getattr(items, "seed", None)
+        kept = [self.columns(item) for item in items]
         if seed is None:
-            return self.collate(list(items))
+            return self.collate(kept)
         with _rngs_restored():
             torch.manual_seed(seed)
             random.seed(seed)
-            return self.collate(list(items))
+            return self.collate(kept)
 
 
 def eval_loader(dataset: Any, batch_size: int, collate_fn: Callable[[list[Any]], Any] | None,
-                seed: int) -> DataLoader[Any]:
+                seed: int, columns: Columns = EVERY_COLUMN) -> DataLoader[Any]:
     """fit's `eval_data` given as a map-style Dataset: read in order in global batches of `batch_size`,
-    each collated whole on every rank with the seed of its batch (:class:`SeededCollate`), so every rank
-    holds the same global batch even with a random collate."""
+    each collated whole (without the keys `columns` drops) on every rank with the seed of its batch
+    (:class:`SeededCollate`), so every rank holds the same global batch even with a random collate."""
     n = len(dataset)
     # "epoch" -1: evaluation's own seeds, apart from every training epoch's
     batches = [Keyed(range(i, min(i + batch_size, n)), collate_seed(seed, -1, i // batch_size, 0))
                for i in range(0, n, batch_size)]
     return DataLoader(KeyedReads(dataset), batch_sampler=batches,  # type: ignore[arg-type]
-                      collate_fn=SeededCollate(collate_fn or default_collate))
+                      collate_fn=SeededCollate(collate_fn or default_collate, columns))
 
 
-def check_first_item(dataset: Any, collate_fn: Callable[[list[Any]], Any] | None = None) -> None:
-    """FitError (local, before any message) unless the Dataset's item 0 -- with a `collate_fn`, the batch
-    it collates from that item alone, since a collator may make the labels (Hugging Face's
-    ``DataCollatorForLanguageModeling``) or rename them (``DataCollatorWithPadding``: "label") -- follows
-    :func:`split_batch`'s rule. Reads item 0 once on this rank, its RNG draws (and the collate's) undone
-    (torch's CPU generator and Python's `random`: random augmentations must not shift the training's
-    streams). A dataset read by region (``spatial.data.RegionDataset``) is not read here: a rank must
-    never read a whole sample of it (its items are checked as the rank reads its blocks)."""
+def check_first_item(dataset: Any, collate_fn: Callable[[list[Any]], Any] | None = None,
+                     columns: Columns = EVERY_COLUMN) -> list[str]:
+    """The keys `columns` drops from the Dataset's item 0 (:meth:`Columns.check`: FitError when that leaves
+    only the labels); FitError (local, before any message) unless that item without them -- with a
+    `collate_fn`, the batch it collates from that item alone, since a collator may make the labels
+    (Hugging Face's ``DataCollatorForLanguageModeling``) or rename them (``DataCollatorWithPadding``:
+    "label") -- follows :func:`split_batch`'s rule. Reads item 0 once on this rank, its RNG draws (and
+    the collate's) undone (torch's CPU generator and Python's `random`: random augmentations must not
+    shift the training's streams). A dataset read by region (``spatial.data.RegionDataset``) is not read
+    here: a rank must never read a whole sample of it (its items are checked as the rank reads its
+    blocks)."""
     from .spatial.data import RegionDataset  # on first use: fit's import loads no strategy
 
     if isinstance(dataset, RegionDataset):
-        return
+        return []
     with _rngs_restored():
         item = dataset[0]
+        dropped = columns.check(item)
+        item = columns(item)
         if collate_fn is not None:
             item = collate_fn([item])
     split_batch(item)
+    return dropped
 
 
 def read_shares(plan: DataPlan, epoch: int, start: int, share: Callable[[int], Share]) -> Iterator[BatchShare]:
@@ -325,9 +338,10 @@ def skip(data: Iterable[Any], count: int) -> Iterator[Any]:
 
 
 def check_plan(dataset: object, batch_size: int | None, seed: object, num_workers: object,
-               extra: Sequence[tuple[str, object]], collate_fn: object = None) -> None:
+               extra: Sequence[tuple[str, object]], collate_fn: object = None,
+               columns: Columns = EVERY_COLUMN) -> list[str]:
     """Local checks of fit's Dataset keywords and of the form of its item 0 (:func:`check_first_item`;
-    FitError, the same verdict on every rank)."""
+    FitError, the same verdict on every rank); returns the keys `columns` drops from item 0."""
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise FitError(f"fit on a Dataset needs batch_size=, a positive int (the GLOBAL batch), got {batch_size!r}")
     if not isinstance(seed, int) or isinstance(seed, bool):
@@ -341,4 +355,4 @@ def check_plan(dataset: object, batch_size: int | None, seed: object, num_worker
         raise FitError(f"collate_fn must be None or callable (items -> batch), got {collate_fn!r}")
     if len(dataset) == 0:  # type: ignore[arg-type]
         raise FitError("the Dataset is empty")
-    check_first_item(dataset, collate_fn)
+    return check_first_item(dataset, collate_fn, columns)

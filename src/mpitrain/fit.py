@@ -33,7 +33,17 @@ from ._utils.deprecation import renamed_options
 from ._utils.stall import StallPolicy
 from .comm.base import Communicator
 from .runtime import world
-from .strategies import DEFAULT_IGNORE_INDEX, NAMED, StepTrainer, optimizer_factory, samples, slice_share
+from .strategies import (
+    DEFAULT_IGNORE_INDEX,
+    EVERY_COLUMN,
+    NAMED,
+    Columns,
+    StepTrainer,
+    optimizer_factory,
+    samples,
+    slice_share,
+    used_columns,
+)
 from .strategies.base import (
     Balance,
     Batch,
@@ -177,11 +187,11 @@ def _progress(total: int | None, desc: str, enabled: bool) -> _Bar | None:
 
 
 def _evaluate(trainer: Trainer, data: Iterable[tuple[Batch, torch.Tensor]], loss_fn: LossFn,
-              metrics: dict[str, Metric]) -> dict[str, float]:
+              metrics: dict[str, Metric], columns: Columns) -> dict[str, float]:
     totals: dict[str, float] = {}
     count = 0
     for batch in data:
-        inputs, targets = split_batch(batch)  # a BatchEncoding: its dict
+        inputs, targets = split_batch(columns(batch))  # a BatchEncoding: its dict
         outputs = trainer.eval_step(inputs, targets)
         n = samples(inputs, targets)
         with torch.no_grad():
@@ -244,6 +254,10 @@ class _Settings:
     loop: LoopSpec
     on_step_end: Callback | None
     on_epoch_end: Callback | None
+    #: the keys of mapping items and batches the model is called with (remove_unused_columns)
+    columns: Columns = EVERY_COLUMN
+    #: the keys dropped from a Dataset's item 0 (shown once on rank 0)
+    dropped: tuple[str, ...] = ()
 
 
 _FEATURE_WORDS = {"checkpoint": "checkpointing (checkpoint_dir=)", "lr_scheduler": "lr_scheduler=",
@@ -306,29 +320,32 @@ def _partitions_of(name: str, partitions: int | None, replicas: int | None, size
     return size // replicas
 
 
-def _check_first_batch(data: object) -> None:
-    """The batch rule (:func:`~mpitrain.strategies.split_batch`) and the sharding rule
+def _check_first_batch(data: object, columns: Columns) -> None:
+    """The columns rule (:meth:`~mpitrain.strategies.Columns.check`), the batch rule
+    (:func:`~mpitrain.strategies.split_batch`) and the sharding rule
     (:func:`~mpitrain.strategies._batching.samples`) on the first global batch of a list or tuple of
     batches, before the trainer is built (no message yet). Other iterables cannot be peeked without
     reading them: their batches are checked as they are cut, on every rank alike."""
     if isinstance(data, (list, tuple)) and data:
-        samples(*split_batch(data[0]))
+        columns.check(data[0])
+        samples(*split_batch(columns(data[0])))
 
 
 def _settings(data: object, epochs: int, steps: int | None, batch_size: int | None, shuffle: bool, seed: int,
               drop_last: bool, num_workers: int, pin_memory: bool, checkpoint_dir: str | os.PathLike[str] | None,
               checkpoint_every: int | None, resume: bool, lr_scheduler: SchedulerFactory | None,
               grad_clip: float | None, accumulate: int, precision: str, on_step_end: Callback | None,
-              on_epoch_end: Callback | None, collate_fn: Callable[[list[Any]], Any] | None = None) -> _Settings:
+              on_epoch_end: Callback | None, collate_fn: Callable[[list[Any]], Any] | None = None,
+              columns: Columns | None = None) -> _Settings:
     """fit's loop keywords checked locally (FitError: the same verdict on every rank)."""
     if not is_int(epochs) or epochs < 1 or (steps is not None and (not is_int(steps) or steps < 1)):
         raise FitError(f"epochs must be >= 1 and steps None or >= 1, got epochs={epochs}, steps={steps}")
-    plan = None
+    plan, columns, dropped = None, columns or EVERY_COLUMN, []
     if is_map_dataset(data):
-        check_plan(data, batch_size, seed, num_workers, [("shuffle", shuffle), ("drop_last", drop_last),
-                                                        ("pin_memory", pin_memory)], collate_fn)
+        dropped = check_plan(data, batch_size, seed, num_workers, [("shuffle", shuffle), ("drop_last", drop_last),
+                                                                  ("pin_memory", pin_memory)], collate_fn, columns)
         assert batch_size is not None
-        plan = DataPlan(data, batch_size, shuffle, seed, drop_last, num_workers, pin_memory, collate_fn)
+        plan = DataPlan(data, batch_size, shuffle, seed, drop_last, num_workers, pin_memory, collate_fn, columns)
         if drop_last and len(plan.dataset) < batch_size:
             raise FitError(f"drop_last=True with a Dataset of {len(plan.dataset)} samples and batch_size={batch_size} "
                            f"leaves no batch")
@@ -358,7 +375,8 @@ def _settings(data: object, epochs: int, steps: int | None, batch_size: int | No
             raise FitError(f"{name} must be callable, got {fn!r}")
     return _Settings(epochs, steps, accumulate, plan, None if checkpoint_dir is None else Path(checkpoint_dir),
                      checkpoint_every, bool(resume), lr_scheduler,
-                     LoopSpec(None if grad_clip is None else float(grad_clip), precision), on_step_end, on_epoch_end)
+                     LoopSpec(None if grad_clip is None else float(grad_clip), precision), on_step_end, on_epoch_end,
+                     columns, tuple(dropped))
 
 
 def _data_signature(s: _Settings) -> dict[str, object]:
@@ -435,6 +453,7 @@ class _Loop:
         self.history: list[dict[str, Any]] = []
         self.saved_step = -1
         self.stop = False
+        self.dropped_shown = False
 
     # -- data ---------------------------------------------------------------------------------------
     def _items(self, epoch: int, start: int) -> Iterator[Any]:
@@ -449,6 +468,9 @@ class _Loop:
                 yield from read_global(plan, epoch, start)
             return
         for i, batch in enumerate(skip(self.data, start)):
+            if i == 0:  # the same verdict on every rank: each holds this global batch
+                self._show_dropped(self.s.columns.check(batch))
+            batch = self.s.columns(batch)
             # a tokenizer's BatchEncoding: its dict; the first batch's FitError names an IterableDataset's fix
             inputs, targets = split_first_batch(self.data, batch) if i == 0 else split_batch(batch)
             if i == 0:
@@ -457,6 +479,15 @@ class _Loop:
                 yield slice_share(inputs, targets, stepper.share(samples(inputs, targets)))
             else:
                 yield inputs, targets
+
+    def _show_dropped(self, names: Iterable[str]) -> None:
+        """Print, once per run on rank 0 with the progress (``progress=True``), the keys not passed to the
+        model (``remove_unused_columns``), as Trainer logs them."""
+        names = list(names)
+        if names and self.show and not self.dropped_shown:
+            print(f"fit: the columns {names} are not parameters of {self.s.columns.forward}: not passed to it "
+                  f"(remove_unused_columns=True; False keeps them)", flush=True)
+            self.dropped_shown = True
 
     def _step(self, group: list[Any]) -> tuple[float | None, int]:
         """One optimizer step: its mean loss (None while :attr:`pending` holds it) and sample count."""
@@ -481,6 +512,7 @@ class _Loop:
     # -- the loop -----------------------------------------------------------------------------------------
     def run(self, eval_data: Any, loss_fn: LossFn, metrics: dict[str, Metric]) -> None:
         s = self.s
+        self._show_dropped(s.dropped)  # a Dataset's, read from item 0 (an iterable's: at its first batch)
         while self.pos.epoch < s.epochs and not self.stop:
             total = self._steps_in_epoch()
             bar = _progress(total, f"epoch {self.pos.epoch + 1}/{s.epochs}", self.show)
@@ -515,7 +547,7 @@ class _Loop:
             if lr is not None:
                 record["lr"] = lr
             if eval_data is not None:
-                record.update(_evaluate(self.trainer, eval_data, loss_fn, metrics))
+                record.update(_evaluate(self.trainer, eval_data, loss_fn, metrics, s.columns))
             self.history.append(record)
             if self.show:
                 print("  ".join(f"{k}={v:.4g}" for k, v in record.items()), flush=True)
@@ -645,7 +677,7 @@ def fit(model: nn.Module, data: Any, loss_fn: LossFn,
         epochs: int = 1, steps: int | None = None, batch_size: int | None = None, shuffle: bool = True,
         seed: int = 0,
         drop_last: bool = False, num_workers: int = 0, pin_memory: bool = False,
-        collate_fn: Callable[[list[Any]], Any] | None = None,
+        collate_fn: Callable[[list[Any]], Any] | None = None, remove_unused_columns: bool = True,
         eval_data: Iterable[tuple[Batch, torch.Tensor]] | None = None,
         metrics: Iterable[str | Metric] | Mapping[str, Metric] | None = None,
         checkpoint_dir: str | os.PathLike[str] | None = None, checkpoint_every: int | None = None,
@@ -682,6 +714,15 @@ def fit(model: nn.Module, data: Any, loss_fn: LossFn,
       on the model's own loss; a ``"label"`` or ``"label_ids"`` key without ``"labels"`` is renamed
       ``"labels"``, as Hugging Face's collators rename it); fit reads item 0 once on every rank to check
       that (with `collate_fn`: the batch it collates from item 0) before any message.
+      `remove_unused_columns` (Hugging Face Trainer's name and default, True): the keys of a mapping item
+      (before `collate_fn`) or iterable batch (before it is split), and of `eval_data`'s, that are not
+      parameters of the model's forward are dropped, the labels ("labels", "label", "label_ids") kept:
+      a tokenized dataset's "text", "idx" columns. The forward is the one the model is called through (a
+      peft model's base model, a ``torch.compile`` module's ``_orig_mod``); one taking ``**kwargs`` keeps
+      every key, except a transformers model's, read by its named parameters as Trainer reads it (its
+      ``**kwargs`` are the library's options). Rank 0 prints the dropped columns once (with `progress`).
+      FitError on every rank before any message when only the labels would be left (an iterable other
+      than a list or tuple: at its first batch, every rank alike). False calls the model with every key.
       `collate_fn` joins items into a batch as a DataLoader's does (variable-length items need a
       padding one, e.g. ``transformers.DataCollatorWithPadding(tokenizer)``); it is called on each
       rank's rows, so each rank pads its rows to their own longest, with torch's and Python's RNGs
@@ -736,9 +777,10 @@ def fit(model: nn.Module, data: Any, loss_fn: LossFn,
     writes at the end: every rank's steps, compute and messages (docs/timeline.md; when a timeline
     already runs, fit's events go to that one instead).
     """
+    columns = used_columns(model, remove_unused_columns)
     s = _settings(data, epochs, steps, batch_size, shuffle, seed, drop_last, num_workers, pin_memory, checkpoint_dir,
                   checkpoint_every, resume, lr_scheduler, grad_clip, accumulate, precision, on_step_end,
-                  on_epoch_end, collate_fn)
+                  on_epoch_end, collate_fn, columns)
     factory = optimizer_factory(optimizer, model)  # once, before any message: what every strategy takes
     comm = comm or world()
     named = _metrics(metrics)
@@ -750,9 +792,9 @@ def fit(model: nn.Module, data: Any, loss_fn: LossFn,
     name, strategy_options = _strategy_of(strategy, rest, partitions, replicas, comm.size)
     partitions = _partitions_of(name, partitions, replicas, comm.size)
     sharded = _require(name, s, data)
-    _check_first_batch(data)
+    _check_first_batch(data, columns)
     if eval_data is not None and is_map_dataset(eval_data):
-        eval_data = eval_loader(eval_data, batch_size or 1, collate_fn, seed)
+        eval_data = eval_loader(eval_data, batch_size or 1, collate_fn, seed, columns)
     resume_from = _find_resume(comm, s)
     spec = FitSpec(strategy=name, partitions=partitions, replicas=replicas, micro_batches=micro_batches,
                    schedule=schedule, balance=balance, options=strategy_options, stall=stall, loop=s.loop)

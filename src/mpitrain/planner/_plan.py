@@ -23,7 +23,7 @@ from ..perf.calibrate import (
     measure_network,
 )
 from ..runtime import world
-from ..strategies import samples, split_batch
+from ..strategies import samples, split_batch, used_columns
 from ..strategies.base import Batch, FitError, LossFn, is_int, is_number
 from ._candidates import STRATEGY_NAMES, Measured, candidates
 from ._measure import measure_plan, trial_forward
@@ -227,12 +227,14 @@ def _restore(data: dict[str, Any]) -> tuple[Any, Network, Network, Calibration, 
 def plan(model: nn.Module, sample_batch: tuple[Batch, torch.Tensor] | Mapping[str, Any], loss_fn: LossFn, *,
          comm: Communicator | None = None, world_size: int | None = None, memory_limit: float | str | None = None,
          strategies: Iterable[str] | None = None, exact: bool = False, explain: bool = False,
-         cache: str | os.PathLike[str] | bool = True) -> Plans:
+         cache: str | os.PathLike[str] | bool = True, remove_unused_columns: bool = True) -> Plans:
     """The ways to train `model` on the ranks of `comm` (default: the world), fastest predicted first.
 
     `sample_batch` is one global mini-batch as ``fit``'s data yields it, read by fit's one rule
     (``strategies.split_batch``): ``(inputs, targets)``, ``(input_1, ..., input_k, targets)``, or a
-    Hugging Face mapping holding ``"labels"`` (inputs: the whole mapping; targets: its labels). Each
+    Hugging Face mapping holding ``"labels"`` (inputs: the whole mapping; targets: its labels), less the
+    keys the model's forward does not take unless `remove_unused_columns` is False (fit's rule and
+    default, ``strategies.used_columns``: "text", "idx" of a tokenized dataset are dropped). Each
     returned :class:`Plan` runs as ``fit(model, data, loss_fn, opt, strategy=p.strategy, **p.options)``.
     Candidates: data; model and hybrid for every P dividing the world (M by HyPar-Flow's halving
     search); spatial grids and sample x spatial; pipe-sgd with K in {1, 2} and each compression; and
@@ -259,7 +261,9 @@ def plan(model: nn.Module, sample_batch: tuple[Batch, torch.Tensor] | Mapping[st
     returns the same plans in the same order."""
     comm = comm or world()
     try:  # fit's one rule (a mapping holding "labels", "k inputs + target", a BatchEncoding as its dict)
-        sample_batch = split_batch(sample_batch)
+        columns = used_columns(model, remove_unused_columns)
+        columns.check(sample_batch)
+        sample_batch = split_batch(columns(sample_batch))
     except FitError as e:
         raise PlanError(f"plan: sample_batch: {e}") from None
     names, limit = _check(model, sample_batch, loss_fn, comm, world_size, memory_limit, strategies, exact)

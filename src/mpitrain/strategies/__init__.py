@@ -8,12 +8,16 @@ here; the private modules that define them serve strategies alone (docs/ARCHITEC
 from ._batching import (
     ACCEPTED,
     DEFAULT_IGNORE_INDEX,
+    EVERY_COLUMN,
+    LABEL_KEYS,
+    Columns,
     plain_inputs,
     rows,
     samples,
     slice_share,
     split_batch,
     target_rows,
+    used_columns,
 )
 from ._broadcast import broadcast_optimizer_state, broadcast_tensors
 from ._buckets import MB, Bucket, plan_buckets
@@ -24,7 +28,7 @@ from .base import FitError, FitSpec, StrategyOptions, Trainer
 from .step import StepTrainer
 
 __all__ = ["FitError", "FitSpec", "StrategyOptions", "Trainer", "StepTrainer", "ACCEPTED", "split_batch",
-           "plain_inputs", "DEFAULT_IGNORE_INDEX",
+           "plain_inputs", "Columns", "EVERY_COLUMN", "LABEL_KEYS", "used_columns", "DEFAULT_IGNORE_INDEX",
            "rows", "samples", "slice_share", "target_rows", "broadcast_optimizer_state", "broadcast_tensors",
            "MB", "Bucket", "plan_buckets", "autocast", "model_device", "to_device", "NAMED", "assemble",
            "replica_entries", "load_replica", "optimizer_factory"]

@@ -2,7 +2,8 @@
 `chunks`) and, for uneven batches, blocks as even as possible by the project's one blocking rule
 (:func:`~mpitrain.comm.base.split_sizes`); and how a batch's inputs call the model (`call_args`,
 `call_model`); and what a sample or batch is (:func:`split_batch`: the one rule of fit's data and the
-planner's sample batch, here, below both).
+planner's sample batch, here, below both), with the keys of a mapping the model is not called with
+(:func:`used_columns`: ``remove_unused_columns``, Hugging Face Trainer's rule, shared the same way).
 
 The sharding rule (:func:`samples`): a batch's size is its inputs' dim 0 (n samples). Targets whose dim 0 is
 n, or a multiple k·n (a language model's ``(B*T,)`` token targets against ``(B, T)`` ids), are cut k rows per
@@ -17,7 +18,9 @@ as they are."""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,7 +31,8 @@ from ..comm.base import Communicator, split_sizes
 from ._device import CPU, to_device
 from .base import Batch, BatchShare, FitError, Share
 
-__all__ = ["ACCEPTED", "LABEL_ALIASES", "split_batch", "plain_inputs",
+__all__ = ["ACCEPTED", "LABEL_ALIASES", "LABEL_KEYS", "split_batch", "plain_inputs", "Columns", "EVERY_COLUMN",
+           "used_columns", "signature_module",
            "call_args", "call_model", "call_rows", "batch_size", "samples", "per_sample",
            "target_rows", "split_pairs", "shard", "chunks", "check_divisible", "rows", "even_share", "slice_share",
            "gather_rows", "gather_outputs", "DEFAULT_IGNORE_INDEX", "ignore_index_of", "integer_targets", "label_shift",
@@ -84,6 +88,97 @@ def split_batch(batch: Any) -> tuple[Batch, Any]:
         return tuple(batch[:-1]), batch[-1]
     size = f" of {len(batch)}" if isinstance(batch, (tuple, list)) else ""
     raise FitError(f"fit: got a {type(batch).__name__}{size} as an item or batch; fit takes {ACCEPTED}")
+
+
+#: The keys ``remove_unused_columns`` keeps whatever the model's forward takes: the labels under each name
+#: :func:`split_batch` reads them by (Hugging Face's Trainer keeps "label" and "label_ids" alike)
+LABEL_KEYS = ("labels", *LABEL_ALIASES)
+
+
+@dataclass(frozen=True)
+class Columns:
+    """Which keys of a mapping item or batch the model is called with (:func:`used_columns`): those in
+    `taken` (the forward's parameters) and :data:`LABEL_KEYS`; every key when `taken` is None. Called on
+    an item or batch, it returns it without the others (a new dict; anything not a mapping, or a mapping
+    losing nothing, as it is). Frozen and plain, so it pickles into a DataLoader's worker processes."""
+
+    taken: frozenset[str] | None = None
+    #: the forward, for messages: ``BertForSequenceClassification.forward(input_ids, ...)``
+    forward: str = "forward"
+
+    def unused(self, batch: Any) -> list[Any]:
+        """The keys of `batch` (a mapping; else none) that are dropped, in the batch's order."""
+        if self.taken is None or not isinstance(batch, Mapping):
+            return []
+        return [k for k in batch if k not in self.taken and k not in LABEL_KEYS]
+
+    def __call__(self, batch: Any) -> Any:
+        unused = self.unused(batch)
+        if not unused:
+            return batch
+        return {k: v for k, v in batch.items() if k not in unused}
+
+    def check(self, batch: Any) -> list[str]:
+        """The names of the keys of `batch` that are dropped; FitError (local: every rank holding the same
+        item or batch refuses alike) when they are every key but the labels: the model would be called
+        with nothing to compute from."""
+        unused = self.unused(batch)
+        if unused and all(k in LABEL_KEYS for k in batch if k not in unused):
+            raise FitError(f"fit: remove_unused_columns=True would drop every column but the labels: "
+                           f"{[str(k) for k in unused]} are not parameters of {self.forward}; rename them after "
+                           f"its parameters, or pass remove_unused_columns=False to call the model with every key")
+        return [str(k) for k in unused]
+
+
+#: every key passed (``remove_unused_columns=False``, a forward taking ``**kwargs``)
+EVERY_COLUMN = Columns()
+
+
+def signature_module(model: object) -> object:
+    """The module whose ``forward`` says what `model` takes, as Hugging Face's Trainer reads it: a peft
+    model through ``get_base_model()`` (``PeftMixedModel``, which has none: ``base_model.model``; their
+    own forward takes ``**kwargs`` and passes them on to the base model), a ``torch.compile``
+    ``OptimizedModule`` through ``_orig_mod`` (its forward is ``(*args, **kwargs)``), repeatedly (a
+    compiled peft model); any other module, a wrapper of yours included, is itself: its forward is what
+    fit calls."""
+    while True:
+        if type(model).__module__.split(".")[0] == "peft" and hasattr(model, "base_model"):
+            base = getattr(model, "get_base_model", None)
+            model = base() if callable(base) else model.base_model.model
+        elif isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):
+            model = model._orig_mod  # type: ignore[attr-defined]
+        else:
+            return model
+
+
+def _hugging_face(model: object) -> bool:
+    """Whether `model` is a transformers ``PreTrainedModel`` (by its classes' names: nothing is imported)."""
+    return any(c.__name__ == "PreTrainedModel" and c.__module__.split(".")[0] == "transformers"
+               for c in type(model).__mro__)
+
+
+def used_columns(model: object, remove_unused_columns: object = True) -> Columns:
+    """fit's and ``plan``'s one rule for the keys of mapping items and batches (Hugging Face Trainer's
+    ``remove_unused_columns``): with True, the keys that are parameters of the forward of
+    :func:`signature_module` (by keyword: positional-or-keyword and keyword-only) and the labels
+    (:data:`LABEL_KEYS`); every key with False, or when the forward takes ``**kwargs`` (it may read any
+    key), or when its signature cannot be read. A transformers model is read by its named parameters
+    alone, as Trainer reads it: since transformers 5 every model's forward takes ``**kwargs`` for the
+    library's own options (attention flags, ``TransformersKwargs``), not for data, and silently ignores
+    a key it does not know. FitError (local) unless `remove_unused_columns` is a bool."""
+    if not isinstance(remove_unused_columns, bool):
+        raise FitError(f"remove_unused_columns must be True or False, got {remove_unused_columns!r}")
+    if not remove_unused_columns:
+        return EVERY_COLUMN
+    target: Any = signature_module(model)
+    try:
+        params = list(inspect.signature(getattr(target, "forward", target)).parameters.values())
+    except (TypeError, ValueError):  # a builtin or C-implemented forward: nothing to read, nothing dropped
+        return EVERY_COLUMN
+    if any(p.kind is p.VAR_KEYWORD for p in params) and not _hugging_face(target):
+        return EVERY_COLUMN
+    named = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    return Columns(frozenset(named), f"{type(target).__name__}.forward({', '.join(named)})")
 
 
 def call_args(inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
