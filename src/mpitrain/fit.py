@@ -688,8 +688,9 @@ def fit(model: nn.Module, data: Any, loss_fn: LossFn | None,
       global batch). The item at an index is ``(inputs, target)``, ``(input_1, ..., input_k, target)``
       or a mapping holding ``"labels"`` (Hugging Face's convention: the model is called with every key,
       labels included, and the target is ``item["labels"]``; ``loss_fn=None`` (:func:`model_loss`) trains
-      on the model's own ``outputs.loss``, as Hugging Face's Trainer does; a ``"label"`` or ``"label_ids"`` key without ``"labels"`` is renamed
-      ``"labels"``, as Hugging Face's collators rename it); fit reads item 0 once on every rank to check
+      on the model's own ``outputs.loss``, as Hugging Face's Trainer does; a ``"label"`` or
+      ``"label_ids"`` key without ``"labels"`` is renamed ``"labels"``, as Hugging Face's collators rename
+      it); fit reads item 0 once on every rank to check
       that (with `collate_fn`: the batch it collates from item 0) before any message.
       `collate_fn` joins items into a batch as a DataLoader's does (variable-length items need a
       padding one, e.g. ``transformers.DataCollatorWithPadding(tokenizer)``); it is called on each
