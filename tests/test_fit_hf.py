@@ -120,15 +120,32 @@ def test_variable_length_items_train_with_a_padding_collate_fn_like_one_process(
     compare(comm, result.model, want, f"padded items, {strategy}", 1e-10)
 
 
-@pytest.mark.parametrize("strategy", ["data", "model"])
-def test_list_of_collated_dict_batches_with_labels_trains_like_one_process(comm, strategy):
+@pytest.mark.parametrize("strategy, loss", [("data", own_loss), ("data", None), ("model", None)],
+                         ids=["data-out.loss", "data-None", "model-None"])
+def test_list_of_collated_dict_batches_with_labels_trains_like_one_process(comm, strategy, loss):
     """A list of global batches ``{"input_ids": (B, T), "labels": (B, T)}`` (the LM head: labels per
-    token, the (B, T) target rule). The model's own LM loss is computed in float32 (transformers'
-    ``logits.float()``), so each share's loss scale rounds there: 1e-7."""
+    token, the (B, T) target rule), on ``out.loss`` written out or ``loss_fn=None`` (the model's own loss,
+    as Trainer trains: the same function for fit). The model's own LM loss is computed in float32
+    (transformers' ``logits.float()``), so each share's loss scale rounds there: 1e-7."""
     batches = [x for x, _ in lm_batches(B, 2, seed=4, mask=False, labels=True)]
     want = one_process(build("gpt2"), batches)
-    result = fit(build("gpt2"), batches, own_loss, sgd, strategy=strategy, progress=False, **options(comm, strategy))
+    result = fit(build("gpt2"), batches, loss, sgd, strategy=strategy, progress=False, **options(comm, strategy))
     compare(comm, result.model, want, f"list of dict batches, {strategy}", 1e-7)
+
+
+@pytest.mark.parametrize("strategy", ["data", "model"])
+def test_loss_fn_none_without_labels_in_the_inputs_names_the_fix_and_a_bad_loss_fn_is_refused(comm, strategy):
+    """The model's own loss needs labels among its inputs: a (inputs, target) tuple gives it none, and
+    every rank ends with FitError naming the fix (data: each rank's forward; model: the last stage's, the
+    others stopped by fit's closing of the pipeline). A loss_fn that is no callable is refused first."""
+    x, _ = lm_batches(B, 1, seed=4, mask=False, labels=True)[0]
+    with pytest.raises(FitError, match="must be a callable"):
+        fit(build("gpt2"), [(x["input_ids"], x["labels"])], "out.loss", sgd, strategy=strategy, progress=False,
+            **options(comm, strategy))
+    if strategy == "model":
+        return
+    with pytest.raises(FitError, match='without one: give the data a "labels" key, or pass loss_fn'):
+        fit(build("gpt2"), [(x["input_ids"], x["labels"])], None, sgd, strategy=strategy, progress=False)
 
 
 @pytest.mark.parametrize("strategy", ["data", "model"])

@@ -59,8 +59,8 @@ from .strategies.base import (
     is_number,
 )
 
-__all__ = ["fit", "make_trainer", "FitResult", "FitSpec", "Trainer", "STRATEGIES", "FitError", "StopTraining",
-           "LoopState"]
+__all__ = ["fit", "make_trainer", "model_loss", "FitResult", "FitSpec", "Trainer", "STRATEGIES", "FitError",
+           "StopTraining", "LoopState"]
 
 #: strategy name -> "module:factory": the concrete strategies of the strategy table (`mpitrain._registry`) and
 #: "auto", the planner's, which sits between fit and that table (docs/ARCHITECTURE.md, Layers).
@@ -123,6 +123,21 @@ _NAMED_METRICS: dict[str, Metric] = {"accuracy": accuracy}
 #: Strategies whose checkpoints (by name) resume only themselves: pipe-sgd's hold gradients in flight, and
 #: resuming spatial from another strategy's (or the reverse) is not tested.
 _OWN_STRATEGY_ONLY = frozenset({"pipe-sgd", "spatial"})
+
+
+def model_loss(outputs: Any, targets: Any) -> torch.Tensor:
+    """The loss the model computed itself: ``outputs.loss`` (a Hugging Face ``ModelOutput`` of a model
+    called with ``labels``) or ``outputs["loss"]``; `targets` are not read (the model had them as
+    ``labels``). What ``fit(..., loss_fn=None)`` trains on, as Hugging Face's Trainer does without a
+    ``compute_loss``. FitError if the output holds no loss (a model not called with labels)."""
+    loss = getattr(outputs, "loss", None)
+    if loss is None and isinstance(outputs, Mapping):
+        loss = outputs.get("loss")
+    if not isinstance(loss, torch.Tensor):
+        raise FitError(f"loss_fn=None trains on the model's own loss (outputs.loss, as a Hugging Face model "
+                       f"computes it when called with labels), but the model returned a "
+                       f"{type(outputs).__name__} without one: give the data a \"labels\" key, or pass loss_fn")
+    return loss
 
 
 def _metrics(metrics: Iterable[str | Metric] | Mapping[str, Metric] | None) -> dict[str, Metric]:
@@ -671,7 +686,7 @@ def _find_resume(comm: Communicator, s: _Settings) -> tuple[Path, dict[str, Any]
     return Path(found[0]), found[1]
 
 
-def fit(model: nn.Module, data: Any, loss_fn: LossFn,
+def fit(model: nn.Module, data: Any, loss_fn: LossFn | None,
         optimizer: OptimizerFactory | torch.optim.Optimizer, *, strategy: str | StrategyOptions = "data",
         partitions: int | None = None, replicas: int | None = None, micro_batches: int = 1, schedule: str = "1f1b",
         epochs: int = 1, steps: int | None = None, batch_size: int | None = None, shuffle: bool = True,
@@ -710,9 +725,10 @@ def fit(model: nn.Module, data: Any, loss_fn: LossFn,
       `pin_memory`) where the strategy supports it (feature "shares"; otherwise every rank reads each
       global batch). The item at an index is ``(inputs, target)``, ``(input_1, ..., input_k, target)``
       or a mapping holding ``"labels"`` (Hugging Face's convention: the model is called with every key,
-      labels included, and the target is ``item["labels"]``; ``loss_fn=lambda out, y: out.loss`` trains
-      on the model's own loss; a ``"label"`` or ``"label_ids"`` key without ``"labels"`` is renamed
-      ``"labels"``, as Hugging Face's collators rename it); fit reads item 0 once on every rank to check
+      labels included, and the target is ``item["labels"]``; ``loss_fn=None`` (:func:`model_loss`) trains
+      on the model's own ``outputs.loss``, as Hugging Face's Trainer does; a ``"label"`` or
+      ``"label_ids"`` key without ``"labels"`` is renamed ``"labels"``, as Hugging Face's collators rename
+      it); fit reads item 0 once on every rank to check
       that (with `collate_fn`: the batch it collates from item 0) before any message.
       `remove_unused_columns` (Hugging Face Trainer's name and default, True): the keys of a mapping item
       (before `collate_fn`) or iterable batch (before it is split), and of `eval_data`'s, that are not
@@ -781,6 +797,11 @@ def fit(model: nn.Module, data: Any, loss_fn: LossFn,
     s = _settings(data, epochs, steps, batch_size, shuffle, seed, drop_last, num_workers, pin_memory, checkpoint_dir,
                   checkpoint_every, resume, lr_scheduler, grad_clip, accumulate, precision, on_step_end,
                   on_epoch_end, collate_fn, columns)
+    if loss_fn is None:
+        loss_fn = model_loss
+    elif not callable(loss_fn):
+        raise FitError(f"loss_fn must be a callable (outputs, targets) -> loss, or None for the model's own "
+                       f"outputs.loss; got {loss_fn!r}")
     factory = optimizer_factory(optimizer, model)  # once, before any message: what every strategy takes
     comm = comm or world()
     named = _metrics(metrics)

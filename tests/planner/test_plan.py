@@ -67,10 +67,13 @@ def test_a_mapping_that_is_no_dict_plans_as_its_dict(comm):
     ({"strategies": ["data", "warp-drive"]}, "warp-drive"),
     ({"world_size": 0}, "world_size"),
     ({"exact": "yes"}, "exact"),
+    ({"warn_after": 0}, "warn_after"),
+    ({"warn_after": 5.0, "abort_after": 1.0}, "abort_after"),
 ])
 def test_bad_input_is_refused_on_every_rank_before_any_message(comm, bad, message):
     args = {"model": tiny_mlp(), "sample_batch": mlp_batches(1)[0], "loss_fn": CE}
-    kwargs = {k: bad.pop(k) for k in ("memory_limit", "strategies", "world_size", "exact") if k in bad}
+    kwargs = {k: bad.pop(k) for k in ("memory_limit", "strategies", "world_size", "exact", "warn_after", "abort_after")
+              if k in bad}
     args.update(bad)
     with pytest.raises(PlanError) as e:
         plan(args["model"], args["sample_batch"], args["loss_fn"], comm=comm, cache=False, **kwargs)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import shutil
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -197,9 +196,10 @@ def test_bf16_runs_the_forward_under_autocast_close_to_one_process(comm):
     assert_all_ranks(comm, moved > 0, "the bf16 reference differs from fp32 (the test can fail)")
 
 
-def shared_dir(comm) -> Path:
-    """A fresh directory every rank sees (rank 0 makes it)."""
-    return Path(comm.broadcast_object(tempfile.mkdtemp(prefix="spatial-ckpt-") if comm.rank == 0 else None))
+@pytest.fixture
+def shared_dir(comm, tmp_path) -> Path:
+    """Rank 0's pytest directory, which every rank sees (one host) and pytest prunes."""
+    return Path(comm.broadcast_object(str(tmp_path) if comm.rank == 0 else None))
 
 
 def train(comm, layout, directory, dropout=0.3, **kw):
@@ -215,9 +215,9 @@ def optimizer_state(path: Path, rank: int) -> dict:
 
 
 @pytest.mark.parametrize("which", [0, 1], ids=["spatial", "hybrid"])
-def test_stopped_run_resumes_bit_identical_and_load_checkpoint_consolidates(comm, which):
+def test_stopped_run_resumes_bit_identical_and_load_checkpoint_consolidates(comm, shared_dir, which):
     layout = hybrid_layouts(comm.size)[which]
-    root = shared_dir(comm)
+    root = shared_dir
     try:
         full = train(comm, layout, root / "full")
         stopped = train(comm, layout, root / "part", on_step_end=lambda s: s.step == 4)  # mid-epoch 2
@@ -238,9 +238,9 @@ def test_stopped_run_resumes_bit_identical_and_load_checkpoint_consolidates(comm
             shutil.rmtree(root, ignore_errors=True)
 
 
-def test_resume_on_another_layout_continues_from_the_replicated_state(comm):
+def test_resume_on_another_layout_continues_from_the_replicated_state(comm, shared_dir):
     layouts = hybrid_layouts(comm.size)
-    root = shared_dir(comm)
+    root = shared_dir
     try:
         full = train(comm, layouts[0], root / "full", dropout=0.0)
         train(comm, layouts[0], root / "part", dropout=0.0, on_step_end=lambda s: s.step == 3)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 
 import pytest
 import torch
@@ -28,9 +27,10 @@ from .trace_checks import problems, row_names, stage_orders, x_events
 STEPS, MICRO = 2, 4
 
 
-def shared_dir(comm: Communicator) -> str:
-    """A directory every rank sees (one host), made by rank 0."""
-    return comm.broadcast_object(tempfile.mkdtemp(prefix="mpitrain-timeline-") if comm.rank == 0 else None)
+@pytest.fixture
+def shared_dir(comm: Communicator, tmp_path) -> str:
+    """Rank 0's pytest directory, which every rank sees (one host) and pytest prunes."""
+    return comm.broadcast_object(str(tmp_path) if comm.rank == 0 else None)
 
 
 def wrapped(cls: type) -> list[str]:
@@ -43,8 +43,8 @@ def sgd(params):
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("schedule", ["1f1b", "zb1p"])
-def test_pipeline_trace_is_valid_nests_follows_the_printed_schedule_and_measures_its_bubble(comm, schedule):
-    path = os.path.join(shared_dir(comm), "trace.json")
+def test_pipeline_trace_is_valid_nests_follows_the_printed_schedule_and_measures_its_bubble(comm, shared_dir, schedule):
+    path = os.path.join(shared_dir, "trace.json")
     torch.manual_seed(0)
     fit(MLP(), batches((12,), 8, STEPS), nn.CrossEntropyLoss(), sgd, strategy="model", partitions=comm.size,
         micro_batches=MICRO, schedule=schedule, progress=False, balance="params", timeline=path)
@@ -90,8 +90,8 @@ def test_measured_clock_offset_recovers_a_skewed_clock_within_half_a_round_trip(
 
 
 @pytest.mark.mpi
-def test_a_message_is_received_after_it_was_sent_on_the_aligned_clock(comm):
-    path = os.path.join(shared_dir(comm), "causal.json")
+def test_a_message_is_received_after_it_was_sent_on_the_aligned_clock(comm, shared_dir):
+    path = os.path.join(shared_dir, "causal.json")
     timeline.start(path, comm)
     buf = torch.zeros(4, dtype=torch.float64)
     for r in range(1, comm.size):  # a chain 0 -> 1 -> ... : each receive ends after the previous send began
@@ -118,8 +118,8 @@ def test_a_message_is_received_after_it_was_sent_on_the_aligned_clock(comm):
 
 
 @pytest.mark.mpi
-def test_off_no_tracer_is_set_no_class_is_patched_no_event_is_kept_and_no_file_is_written(comm):
-    directory = shared_dir(comm)
+def test_off_no_tracer_is_set_no_class_is_patched_no_event_is_kept_and_no_file_is_written(comm, shared_dir):
+    directory = shared_dir
     classes = (type(comm), type(backend_of(comm)), Traced)  # the outer layer, the backend, the tracing layer
     torch.manual_seed(0)
     fit(MLP(), batches((12,), 4 * comm.size, 1), nn.CrossEntropyLoss(), sgd, strategy="data", progress=False)
@@ -135,12 +135,12 @@ def test_off_no_tracer_is_set_no_class_is_patched_no_event_is_kept_and_no_file_i
 
 
 @pytest.mark.mpi
-def test_the_world_is_an_instance_of_its_backend_and_its_splits_are_traced_by_composition(comm):
+def test_the_world_is_an_instance_of_its_backend_and_its_splits_are_traced_by_composition(comm, shared_dir):
     backend = MPICommunicator if comm.backend == "mpi" else TorchCommunicator
     sub = comm.split(comm.rank % 2, comm.rank)
     assert sub is not None
     kinds = [isinstance(comm, backend), isinstance(sub, backend), type(comm) is Traced, type(sub) is Traced]
-    path = os.path.join(shared_dir(comm), "split.json")
+    path = os.path.join(shared_dir, "split.json")
     timeline.start(path, comm)
     t = torch.ones(13, dtype=torch.float64)  # 104 bytes: no other call of the job moves as many
     sub.allreduce(t)
@@ -161,8 +161,8 @@ def test_the_world_is_an_instance_of_its_backend_and_its_splits_are_traced_by_co
 
 
 @pytest.mark.mpi
-def test_pipe_sgd_trace_has_the_communication_thread_row_with_one_allreduce_per_step(comm):
-    path = os.path.join(shared_dir(comm), "pipesgd.json")
+def test_pipe_sgd_trace_has_the_communication_thread_row_with_one_allreduce_per_step(comm, shared_dir):
+    path = os.path.join(shared_dir, "pipesgd.json")
     torch.manual_seed(0)
     fit(MLP(), batches((12,), 4 * comm.size, 3), nn.CrossEntropyLoss(), sgd, strategy="pipe-sgd", progress=False,
         timeline=path)
@@ -181,8 +181,8 @@ def test_pipe_sgd_trace_has_the_communication_thread_row_with_one_allreduce_per_
 
 
 @pytest.mark.mpi
-def test_data_parallel_trace_nests_and_shows_the_kvstore_threads_allreduces(comm):
-    path = os.path.join(shared_dir(comm), "data.json")
+def test_data_parallel_trace_nests_and_shows_the_kvstore_threads_allreduces(comm, shared_dir):
+    path = os.path.join(shared_dir, "data.json")
     torch.manual_seed(0)
     fit(MLP(), batches((12,), 4 * comm.size, 2), nn.CrossEntropyLoss(), sgd, strategy="data", progress=False,
         timeline=path)
@@ -203,10 +203,10 @@ def test_data_parallel_trace_nests_and_shows_the_kvstore_threads_allreduces(comm
 
 
 @pytest.mark.mpi
-def test_spatial_trace_shows_halo_exchanges_with_their_waits_nested(comm):
+def test_spatial_trace_shows_halo_exchanges_with_their_waits_nested(comm, shared_dir):
     from mpitrain.spatial.mesh import mesh_batch, mesh_model
 
-    path = os.path.join(shared_dir(comm), "spatial.json")
+    path = os.path.join(shared_dir, "spatial.json")
     torch.manual_seed(0)
     model = mesh_model(in_channels=3, widths=(4, 6), convs_per_block=1)
     data = [mesh_batch(2, 16, in_channels=3, blocks=2, seed=s) for s in range(2)]

@@ -71,7 +71,8 @@ class AutoTrainer:
         if self.inner is not None:
             return self.inner
         plans = plan(self.model, (inputs, targets), self.loss_fn, comm=self.comm, memory_limit=self.opts.memory_limit,
-                     strategies=self.opts.strategies, exact=self.opts.exact, cache=self.opts.cache)
+                     strategies=self.opts.strategies, exact=self.opts.exact, cache=self.opts.cache,
+                     warn_after=self.spec.stall.warn_after, abort_after=self.spec.stall.abort_after)
         if not plans:
             raise FitError("strategy 'auto': no plan fits this model, batch and memory limit:\n"
                            + plans.explanation())

@@ -30,11 +30,13 @@ def _trainer(model: nn.Module, chosen: Plan, loss_fn: LossFn, comm: Communicator
 
 
 def measure_plan(make_model: Callable[[], nn.Module], chosen: Plan, batch: tuple[Batch, torch.Tensor],
-                 loss_fn: LossFn, comm: Communicator, steps: int = 5, warmup: int = 2) -> float:
+                 loss_fn: LossFn, comm: Communicator, steps: int = 5, warmup: int = 2,
+                 stall: StallPolicy = DEFAULT_POLICY) -> float:
     """Median seconds per optimizer step of `chosen` on `batch` (SGD), after `warmup` steps; every
-    step is timed from a barrier to its end on the slowest rank (an allreduce of the times). Collective:
-    every rank calls with the same arguments and gets the same number."""
-    trainer = _trainer(make_model(), chosen, loss_fn, comm)
+    step is timed from a barrier to its end on the slowest rank (an allreduce of the times); the
+    trainer's waits are bounded by `stall`. Collective: every rank calls with the same arguments and gets
+    the same number."""
+    trainer = _trainer(make_model(), chosen, loss_fn, comm, stall)
     inputs, targets = batch
     for _ in range(warmup):
         trainer.train_step(inputs, targets)

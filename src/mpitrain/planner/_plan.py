@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._utils.stall import DEFAULT_POLICY, StallPolicy
 from ..comm.base import Communicator
 from ..perf.calibrate import (
     Calibration,
@@ -69,8 +70,14 @@ def available_memory() -> float:
 
 
 def _check(model: object, sample_batch: object, loss_fn: object, comm: Communicator, world_size: object,
-           memory_limit: object, strategies: object, exact: object) -> tuple[set[str], float | None]:
+           memory_limit: object, strategies: object, exact: object, warn_after: object,
+           abort_after: object) -> tuple[set[str], float | None, StallPolicy]:
     """Every refusal of bad input; local, so every rank given the same arguments raises alike."""
+    try:
+        abort = None if abort_after is None else float(abort_after)  # type: ignore[arg-type]
+        stall = StallPolicy(float(warn_after), abort)  # type: ignore[arg-type]
+    except (TypeError, ValueError) as e:
+        raise PlanError(f"plan: warn_after / abort_after: {e}") from None
     if not isinstance(model, nn.Module):
         raise PlanError(f"plan: model must be a torch.nn.Module, got {type(model).__name__}")
     if not (isinstance(sample_batch, (tuple, list)) and len(sample_batch) == 2
@@ -110,11 +117,11 @@ def _check(model: object, sample_batch: object, loss_fn: object, comm: Communica
         raise PlanError(f"plan: unknown strategies {unknown or '(none given)'}; choose from {list(STRATEGY_NAMES)}")
     if "model" in names or "hybrid" in names:
         names |= {"model", "hybrid"} & names
-    return names, limit
+    return names, limit, stall
 
 
 def _spatial_check(model: nn.Module, comm: Communicator, sample_batch: tuple[Batch, torch.Tensor], loss_fn: LossFn,
-                   own_ranks: bool = True) -> Any:
+                   own_ranks: bool, stall: StallPolicy) -> Any:
     """``check(grid, samples)``: None if the spatial strategy runs `model` on this batch, else why. First
     the spatial package's own conversion, on a copy (local: constructing a Distribution sends nothing);
     then a trial forward of the converted copy over `comm` on one row per sample group
@@ -123,7 +130,8 @@ def _spatial_check(model: nn.Module, comm: Communicator, sample_batch: tuple[Bat
     input's size (timm's ``PatchEmbed`` asserts it: ViT, Swin) fails only when its forward sees a block.
     The candidates call it in the same order on every rank (their order is the agreed profile's), once
     per layout. Not `own_ranks` (a plan for another rank count): converted and tried over `comm`'s ranks
-    on one grid, (comm.size, 1), as whether a layer converts does not depend on the grid."""
+    on one grid, (comm.size, 1), as whether a layer converts does not depend on the grid. Every wait of
+    the trial is bounded by `stall` (fit's ``warn_after`` / ``abort_after`` under ``strategy="auto"``)."""
     from ..spatial.distribution import Distribution, SpatialError
     from ..spatial.parallelize import convert
 
@@ -144,7 +152,7 @@ def _spatial_check(model: nn.Module, comm: Communicator, sample_batch: tuple[Bat
         x, y = sample_batch
         if not isinstance(x, torch.Tensor):  # the profile drops spatial for such inputs before this check
             return "its input is not one NCHW tensor"
-        failed = trial_forward(model, trial, (x, y), loss_fn, comm, rows=min(samples, len(x)))
+        failed = trial_forward(model, trial, (x, y), loss_fn, comm, rows=min(samples, len(x)), stall=stall)
         if failed:
             return (f"the model's forward fails on the blocks of the batch's {tuple(x.shape[1:])} samples "
                     f"({failed}); a model that reads its input's size cannot run on blocks")
@@ -194,7 +202,7 @@ def measure_levels(comm: Communicator, hosts: tuple[int, ...]) -> tuple[Network,
 
 
 def _measure(model: nn.Module, loss_fn: LossFn, sample_batch: tuple[Batch, torch.Tensor],
-             comm: Communicator, hosts: tuple[int, ...], world: int) -> dict[str, Any]:
+             comm: Communicator, hosts: tuple[int, ...], world: int, stall: StallPolicy) -> dict[str, Any]:
     """Calibrate on every rank at once and agree (max over ranks, then rank 0's numbers broadcast).
     The model is timed on the shares of a `world`-rank plan (B/(4 world) and B/world samples; B counted
     by the sharding rule, :func:`~mpitrain.strategies.samples`: flattened LM targets hold B*T rows)."""
@@ -202,8 +210,9 @@ def _measure(model: nn.Module, loss_fn: LossFn, sample_batch: tuple[Batch, torch
     prof = agree(comm, measure_model(model, loss_fn, sample_batch, [max(1, B // (4 * world)), max(1, B // world)]))
     net, intra = measure_levels(comm, hosts)
     cal = calibrate(comm, repeats=5, max_bytes=CALIBRATION_BYTES)
-    over = measure_overheads(comm, lambda make, p, b: measure_plan(make, p, b, nn.functional.cross_entropy, comm),
-                             net.allreduce.time)
+    over = measure_overheads(
+        comm, lambda make, p, b: measure_plan(make, p, b, nn.functional.cross_entropy, comm, stall=stall),
+        net.allreduce.time)
     data = {"profile": profile_to_dict(prof), "network": asdict(net), "intra": asdict(intra),
             "calibration": asdict(cal), "overheads": asdict(over)}
     out: dict[str, Any] = comm.broadcast_object(data, 0) if W > 1 else data
@@ -227,7 +236,8 @@ def _restore(data: dict[str, Any]) -> tuple[Any, Network, Network, Calibration, 
 def plan(model: nn.Module, sample_batch: tuple[Batch, torch.Tensor] | Mapping[str, Any], loss_fn: LossFn, *,
          comm: Communicator | None = None, world_size: int | None = None, memory_limit: float | str | None = None,
          strategies: Iterable[str] | None = None, exact: bool = False, explain: bool = False,
-         cache: str | os.PathLike[str] | bool = True, remove_unused_columns: bool = True) -> Plans:
+         cache: str | os.PathLike[str] | bool = True, remove_unused_columns: bool = True,
+         warn_after: float = DEFAULT_POLICY.warn_after, abort_after: float | None = DEFAULT_POLICY.abort_after) -> Plans:
     """The ways to train `model` on the ranks of `comm` (default: the world), fastest predicted first.
 
     `sample_batch` is one global mini-batch as ``fit``'s data yields it, read by fit's one rule
@@ -258,7 +268,9 @@ def plan(model: nn.Module, sample_batch: tuple[Batch, torch.Tensor] | Mapping[st
     the network's alpha-beta, Pipe-SGD's constants, each strategy's per-step overhead on a probe
     model) takes seconds; it is cached per (machine, model
     signature) in `cache` (True: ``~/.cache/mpitrain/planner``; False: not cached). Every rank
-    returns the same plans in the same order."""
+    returns the same plans in the same order. Every wait of the calibration's trial steps and of the
+    spatial layouts' trial forwards is bounded as fit's are: a line on stderr after `warn_after` seconds,
+    the job ended after `abort_after` (None: never), naming what the rank waited for."""
     comm = comm or world()
     try:  # fit's one rule (a mapping holding "labels", "k inputs + target", a BatchEncoding as its dict)
         columns = used_columns(model, remove_unused_columns)
@@ -266,7 +278,8 @@ def plan(model: nn.Module, sample_batch: tuple[Batch, torch.Tensor] | Mapping[st
         sample_batch = split_batch(columns(sample_batch))
     except FitError as e:
         raise PlanError(f"plan: sample_batch: {e}") from None
-    names, limit = _check(model, sample_batch, loss_fn, comm, world_size, memory_limit, strategies, exact)
+    names, limit, stall = _check(model, sample_batch, loss_fn, comm, world_size, memory_limit, strategies, exact,
+                                 warn_after, abort_after)
     W = comm.size if world_size is None else int(world_size)
     key = model_signature(model, sample_batch, W)
     mine = (key, sorted(names), limit, exact)
@@ -281,7 +294,7 @@ def plan(model: nn.Module, sample_batch: tuple[Batch, torch.Tensor] | Mapping[st
     if comm.size > 1:
         data = comm.broadcast_object(data, 0)
     if data is None:
-        data = _measure(model, loss_fn, sample_batch, comm, hosts, W)
+        data = _measure(model, loss_fn, sample_batch, comm, hosts, W, stall)
         if comm.rank == 0:
             store(path, data)
     prof, net, intra, cal, over = _restore(data)
@@ -295,7 +308,7 @@ def plan(model: nn.Module, sample_batch: tuple[Batch, torch.Tensor] | Mapping[st
         hosts = tuple(r // max(hosts.count(h) for h in hosts) for r in range(W)) if len(set(hosts)) > 1 else ()
         net, cal = extrapolate_network(net, W), extrapolate_calibration(cal, comm.size, W)
         intra = intra if hosts else net
-    check = _spatial_check(model, comm, sample_batch, loss_fn, W == comm.size)
+    check = _spatial_check(model, comm, sample_batch, loss_fn, W == comm.size, stall)
     measured = Measured(prof, net, cal, W, sum(isinstance(m, nn.BatchNorm2d) for m in model.modules()),
                         check, over, float(spare[0]), intra, hosts)
     plans, dropped = candidates(measured, names, limit, exact)
