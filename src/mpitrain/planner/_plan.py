@@ -237,7 +237,8 @@ def plan(model: nn.Module, sample_batch: tuple[Batch, torch.Tensor] | Mapping[st
          comm: Communicator | None = None, world_size: int | None = None, memory_limit: float | str | None = None,
          strategies: Iterable[str] | None = None, exact: bool = False, explain: bool = False,
          cache: str | os.PathLike[str] | bool = True, remove_unused_columns: bool = True,
-         warn_after: float = DEFAULT_POLICY.warn_after, abort_after: float | None = DEFAULT_POLICY.abort_after) -> Plans:
+         warn_after: float = DEFAULT_POLICY.warn_after,
+         abort_after: float | None = DEFAULT_POLICY.abort_after) -> Plans:
     """The ways to train `model` on the ranks of `comm` (default: the world), fastest predicted first.
 
     `sample_batch` is one global mini-batch as ``fit``'s data yields it, read by fit's one rule
