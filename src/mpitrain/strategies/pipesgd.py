@@ -256,6 +256,9 @@ class PipeSGDTrainer(StepTrainer):
         self._free = collections.deque(torch.zeros(n, dtype=self.params[0].dtype, device=self.params[0].device)
                                        for _ in range(self.K))
         self._pending: collections.deque[_Handle] = collections.deque()
+        #: fp16: the loss scale each pending gradient was made with, by iteration (unscaled by it when applied)
+        self._made_with: dict[int, float] = {}
+        self._applying: float | None = None  # the scale of the gradient update() applies now
         private = comm.split(0)
         assert private is not None  # every rank passes color 0
         self.comm_thread = CommThread(private, opts.codec, opts.chunk_bytes, opts.error_feedback, opts.link, self.K,
@@ -281,8 +284,13 @@ class PipeSGDTrainer(StepTrainer):
         t0 = time.perf_counter()
         flat = self.comm_thread.wait(handle)
         self.stats["wait_s"] += time.perf_counter() - t0
+        self._applying = self._made_with.pop(handle.iteration, None)
         self._bind(flat)
         self._free.append(flat)
+
+    def grads_made_with(self) -> float | None:
+        """fp16: the scale of the gradient of t-K being applied (the scale may have changed since)."""
+        return self._applying
 
     def update(self) -> None:
         t0 = time.perf_counter()
@@ -320,6 +328,8 @@ class PipeSGDTrainer(StepTrainer):
         """Hand the gradient to the communication thread. Synchronous steps (K=1, warm-up) wait for it:
         ready, the step applies it; the others leave it pending for iteration t+K: not ready."""
         handle = self.comm_thread.submit(self._flat, self.t + 1)
+        if self.loss_scaler is not None:
+            self._made_with[self.t + 1] = self.loss_scaler.scale
         self.t += 1
         self.stats["steps"] += 1
         if self._sync:
@@ -347,7 +357,7 @@ class PipeSGDTrainer(StepTrainer):
         the error-feedback residual (per rank)."""
         pending = [(h.iteration, self.comm_thread.wait(h)) for h in self._pending]
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "t": self.t,
-                "pending": pending, "residual": self.comm_thread.residual}
+                "pending": pending, "residual": self.comm_thread.residual, "made_with": dict(self._made_with)}
 
     def load_state_dict(self, read: Callable[[int], dict[str, object]], saved_layout: Mapping[str, object]) -> None:
         """Same world size: this rank's shard. Another world size (no error feedback, same staleness):
@@ -363,6 +373,8 @@ class PipeSGDTrainer(StepTrainer):
         self.model.load_state_dict(state["model"])  # type: ignore[arg-type]
         self.optimizer.load_state_dict(state["optimizer"])  # type: ignore[arg-type]
         self.t = int(state["t"])  # type: ignore[call-overload]
+        made_with = state.get("made_with", {})  # fp16's scale per pending gradient (none in older checkpoints)
+        self._made_with = {int(k): float(v) for k, v in made_with.items()}  # type: ignore[attr-defined]
         for iteration, grad in state["pending"]:  # type: ignore[attr-defined]
             flat = self._free.popleft()
             flat.copy_(grad)
@@ -395,6 +407,10 @@ def make_trainer(model: nn.Module, loss_fn: LossFn, optimizer: OptimizerFactory,
     if spec.micro_batches != 1:
         raise FitError(f"strategy 'pipe-sgd' takes one micro-batch per step, got micro_batches={spec.micro_batches}")
     opts = PipeSGDOptions.from_spec(spec)
+    if spec.loop.precision == "fp16" and opts.error_feedback and opts.compression is not None:
+        # an overflowed gradient's inf would enter the residual and every later gradient: no step again
+        raise FitError("strategy 'pipe-sgd': precision='fp16' does not take error_feedback=True (an overflow's inf "
+                       "would stay in the error-feedback residual); use error_feedback=False or precision='bf16'")
     params = [p for p in model.parameters() if p.requires_grad]
     dtypes = {p.dtype for p in params}
     if not params or len(dtypes) != 1 or not params[0].is_floating_point():
