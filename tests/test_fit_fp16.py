@@ -149,6 +149,46 @@ def test_overflowing_steps_are_skipped_on_every_rank_as_one_process(comm, name):
     assert_all_ranks(comm, lrs == pytest.approx(ref_lrs, rel=1e-12), f"{name}: lrs {lrs} vs {ref_lrs}")
 
 
+class TwoBranch(nn.Module):
+    """Logits from 6 features plus a shift of class 0's from 4 others, the first of which is 150 in every
+    row, and no target is class 0: the gradient of ``l2.weight[0, 0]`` is 150 x the mean probability of
+    class 0 (about 50 at first, on every share: it overflows at scale 2**12 by x3 and no other element
+    does), so under ZeRO only the rank whose piece holds that element finds the inf. The step after,
+    at 2**8, drives class 0's probability to about 0: no further overflow."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.l1, self.l2 = nn.Linear(6, 3), nn.Linear(4, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l1(x[:, :6]) + F.pad(self.l2(x[:, 6:]), (0, 2))
+
+
+def branch_batches(count: int = 6) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(count):
+        x = torch.randn(12, 10, generator=g)
+        x[:, 6] = 150.0
+        out.append((x, torch.randint(1, 3, (12,), generator=g)))
+    return out
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("name", ["data-zero1", "data-zero2", "model"])
+def test_an_overflow_one_rank_alone_finds_skips_the_step_on_every_rank(comm, name):
+    """One element's gradient overflows: the rank holding it finds the inf, and the job's verdict skips the
+    step everywhere (a rank-local verdict would step the others' pieces or partitions)."""
+    data = branch_batches()
+    result = fit(TwoBranch(), data, F.cross_entropy, sgd, precision="fp16", grad_scaler=scaler(), progress=False,
+                 **_options(name, comm.size))
+    ref, scale, skipped, _ = one_process(TwoBranch(), data)
+    assert_all_ranks(comm, skipped == 1, f"the reference skipped {skipped} steps")
+    close(comm, result.model, ref, ATOL, name)
+    same_scaler(comm, result.history[-1], scale, skipped, name)
+
+
 @pytest.mark.mpi
 def test_spatial_fp16_and_overflow_equal_one_process(comm):
     """Halo convolutions and the loss on blocks. Without batch norm: the spatial batch norm's float16
