@@ -258,3 +258,46 @@ def test_precision_spellings_and_grad_scaler_checks():
     with pytest.raises(FitError, match="grad_scaler takes"):
         _loop_spec(None, "fp16", torch.amp.GradScaler("cpu", enabled=False))
     assert math.isclose(_loop_spec(None, "fp16", None).scaler.init_scale, 2.0 ** 16)
+
+
+def stale_one_process(model: nn.Module, data: list[Any], K: int, init: float) -> tuple[nn.Module, float, int]:
+    """Pipe-SGD's Algorithm 1 in one process with fp16 loss scaling, written out: step t applies the
+    gradient of t-K unscaled by the scale it was made with; a non-finite one skips that update and backs
+    the scale off only if it was made with the current scale (GradScaler's numbers, plain Python)."""
+    opt, params = sgd(model.parameters()), list(model.parameters())
+    scale, tracker, skipped, pending = init, 0, 0, []
+    for t, (x, y) in enumerate(data, 1):
+        if pending and pending[0][0] == t - K:
+            _, made, grads = pending.pop(0)
+            finite = all(bool(torch.isfinite(g).all()) for g in grads)
+            if finite:
+                for p, g in zip(params, grads):
+                    p.grad = g / made
+                opt.step()
+                tracker += 1
+                if tracker == GROWTH:
+                    scale, tracker = scale * FACTOR, 0
+            else:
+                skipped += 1
+                if made <= scale:  # not made with a scale since backed off
+                    scale, tracker = scale / FACTOR, 0
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = F.cross_entropy(model(x), y)
+        (loss * scale).backward()
+        pending.append((t, scale, [p.grad.clone() for p in params]))
+    return model, scale, skipped
+
+
+@pytest.mark.mpi
+def test_pipe_sgd_stale_gradients_are_unscaled_by_their_own_scale(comm):
+    """Staleness 2 from scale 2**40: the two gradients in flight were made with scales since backed off;
+    each is unscaled by its own, and an overflowing one made with a larger scale skips without a second
+    back-off: the weights, scale and skipped count of the written-out algorithm."""
+    data = batches(24)
+    result = fit(mlp(), data, F.cross_entropy, sgd, strategy="pipe-sgd", staleness=2, precision="fp16",
+                 grad_scaler=scaler(2.0 ** 40), progress=False)
+    ref, scale, skipped = stale_one_process(mlp(), data, 2, 2.0 ** 40)
+    assert_all_ranks(comm, 3 <= skipped <= len(data) - 8, f"the reference skipped {skipped} steps")
+    close(comm, result.model, ref, ATOL, "pipe-sgd K=2")
+    same_scaler(comm, result.history[-1], scale, skipped, "pipe-sgd K=2")

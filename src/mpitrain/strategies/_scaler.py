@@ -78,7 +78,7 @@ class LossScaler:
             found += here.cpu()  # a CUDA rank waits for its device here, as GradScaler.step does
         comm.allreduce(found, "max")
         finite = bool(found[0] == 0)
-        if finite or made >= self.scale:
+        if finite or made <= self.scale:  # made with a larger scale, since backed off: counted already
             s = self.spec
             torch._amp_update_scale_(self._scale, self._growth, found, s.growth_factor, s.backoff_factor,
                                      s.growth_interval)
