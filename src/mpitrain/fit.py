@@ -38,6 +38,7 @@ from .strategies import (
     EVERY_COLUMN,
     NAMED,
     Columns,
+    LossScaler,
     StepTrainer,
     optimizer_factory,
     samples,
@@ -53,6 +54,7 @@ from .strategies.base import (
     LoopSpec,
     LossFn,
     OptimizerFactory,
+    ScalerSpec,
     StrategyOptions,
     Trainer,
     is_int,
@@ -276,7 +278,7 @@ class _Settings:
 
 
 _FEATURE_WORDS = {"checkpoint": "checkpointing (checkpoint_dir=)", "lr_scheduler": "lr_scheduler=",
-                  "grad_clip": "grad_clip=", "bf16": 'precision="bf16"',
+                  "grad_clip": "grad_clip=", "bf16": 'precision="bf16"', "fp16": 'precision="fp16"',
                   "shares": "accumulate= > 1"}
 
 
@@ -286,6 +288,7 @@ def _require(strategy: str, s: _Settings, data: object) -> bool:
     have = _registry.features(strategy, STRATEGIES)
     need = {"checkpoint": s.checkpoint_dir is not None, "lr_scheduler": s.lr_scheduler is not None,
             "grad_clip": s.loop.grad_clip is not None, "bf16": s.loop.precision == "bf16",
+            "fp16": s.loop.precision == "fp16",
             "shares": s.accumulate > 1}
     for name, wanted in need.items():
         if wanted and name not in have:
@@ -351,7 +354,7 @@ def _settings(data: object, epochs: int, steps: int | None, batch_size: int | No
               checkpoint_every: int | None, resume: bool, lr_scheduler: SchedulerFactory | None,
               grad_clip: float | None, accumulate: int, precision: str, on_step_end: Callback | None,
               on_epoch_end: Callback | None, collate_fn: Callable[[list[Any]], Any] | None = None,
-              columns: Columns | None = None) -> _Settings:
+              columns: Columns | None = None, grad_scaler: torch.amp.GradScaler | None = None) -> _Settings:
     """fit's loop keywords checked locally (FitError: the same verdict on every rank)."""
     if not is_int(epochs) or epochs < 1 or (steps is not None and (not is_int(steps) or steps < 1)):
         raise FitError(f"epochs must be >= 1 and steps None or >= 1, got epochs={epochs}, steps={steps}")
@@ -375,11 +378,7 @@ def _settings(data: object, epochs: int, steps: int | None, batch_size: int | No
         raise FitError(f"checkpoint_every must be None or an int >= 1, got {checkpoint_every!r}")
     if checkpoint_dir is None and (checkpoint_every is not None or resume):
         raise FitError("checkpoint_every= and resume=True need checkpoint_dir=")
-    if grad_clip is not None and (not is_number(grad_clip) or grad_clip <= 0):
-        raise FitError(f"grad_clip must be None or a number > 0, got {grad_clip!r}")
-    if precision not in ("fp32", "bf16"):
-        raise FitError(f"precision must be 'fp32' or 'bf16' (bf16 autocast, Lightning's 'bf16-mixed'), "
-                       f"got {precision!r}")
+    loop = _loop_spec(grad_clip, precision, grad_scaler)
     if isinstance(lr_scheduler, (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)):
         # bound to the optimizer it was built on, which is not the one that trains (fit rebuilds it per rank)
         raise FitError(f"lr_scheduler must be a factory optimizer -> scheduler, e.g. lambda opt: "
@@ -390,8 +389,29 @@ def _settings(data: object, epochs: int, steps: int | None, batch_size: int | No
             raise FitError(f"{name} must be callable, got {fn!r}")
     return _Settings(epochs, steps, accumulate, plan, None if checkpoint_dir is None else Path(checkpoint_dir),
                      checkpoint_every, bool(resume), lr_scheduler,
-                     LoopSpec(None if grad_clip is None else float(grad_clip), precision), on_step_end, on_epoch_end,
-                     columns, tuple(dropped))
+                     loop, on_step_end, on_epoch_end, columns, tuple(dropped))
+
+
+#: fit's precisions by every accepted spelling (Lightning's "32-true", "bf16-mixed", "16-mixed" included)
+PRECISIONS = {"fp32": "fp32", "32-true": "fp32", "bf16": "bf16", "bf16-mixed": "bf16", "fp16": "fp16",
+              "16-mixed": "fp16"}
+
+
+def _loop_spec(grad_clip: float | None, precision: str, grad_scaler: torch.amp.GradScaler | None) -> LoopSpec:
+    """The trainer's loop features from fit's keywords, checked locally (FitError: every rank alike)."""
+    if grad_clip is not None and (not is_number(grad_clip) or grad_clip <= 0):
+        raise FitError(f"grad_clip must be None or a number > 0, got {grad_clip!r}")
+    if not isinstance(precision, str) or precision not in PRECISIONS:
+        raise FitError(f"precision must be 'fp32', 'bf16' (bf16 autocast) or 'fp16' (float16 autocast with dynamic "
+                       f"loss scaling), or Lightning's '32-true', 'bf16-mixed', '16-mixed'; got {precision!r}")
+    precision = PRECISIONS[precision]
+    if grad_scaler is not None and (precision != "fp16" or not isinstance(grad_scaler, torch.amp.GradScaler)
+                                    or not grad_scaler.is_enabled()):
+        raise FitError(f"grad_scaler takes an enabled torch.amp.GradScaler, whose numbers (init_scale, growth_factor, "
+                       f"backoff_factor, growth_interval) configure precision='fp16'; got {grad_scaler!r} with "
+                       f"precision={precision!r}")
+    scaler = ScalerSpec() if grad_scaler is None else ScalerSpec.of(grad_scaler)
+    return LoopSpec(None if grad_clip is None else float(grad_clip), precision, scaler)
 
 
 def _data_signature(s: _Settings) -> dict[str, object]:
@@ -539,9 +559,10 @@ class _Loop:
                 if not group:
                     break
                 lr = self._lr()
+                skipped = self._skipped()
                 with _timeline.span("step", epoch=self.pos.epoch, step=self.pos.step):
                     loss, n = self._step(group)
-                if self.scheduler is not None:
+                if self.scheduler is not None and self._skipped() == skipped:  # fp16: not after a skipped update
                     self.scheduler.step()
                 p = self.pos
                 p.batch, p.epoch_steps, p.step = p.batch + len(group), p.epoch_steps + 1, p.step + 1
@@ -561,6 +582,9 @@ class _Loop:
                                       "samples_per_s": (p.samples - done0) / elapsed if elapsed > 0 else math.nan}
             if lr is not None:
                 record["lr"] = lr
+            scaler = self._scaler()
+            if scaler is not None:  # fp16: the scale after the epoch, the steps skipped since the run began
+                record.update(loss_scale=scaler.scale, skipped_steps=scaler.skipped)
             if eval_data is not None:
                 record.update(_evaluate(self.trainer, eval_data, loss_fn, metrics, s.columns))
             self.history.append(record)
@@ -598,6 +622,15 @@ class _Loop:
             count = -(-count // s.accumulate)
         return min(count, s.steps) if (count is not None and s.steps is not None) else (count or s.steps)
 
+    def _scaler(self) -> LossScaler | None:
+        """fp16's loss scaler (None: another precision, or a trainer without one)."""
+        return None if self.stepper is None else self.stepper.loss_scaler
+
+    def _skipped(self) -> int:
+        """Steps skipped so far by fp16's loss scaler (every rank alike: the job's verdict)."""
+        scaler = self._scaler()
+        return 0 if scaler is None else scaler.skipped
+
     def _lr(self) -> float | None:
         """The first parameter group's learning rate (None for an optimizer without one, e.g. duck-typed)."""
         groups = getattr(self.optimizer, "param_groups", None)
@@ -625,8 +658,10 @@ class _Loop:
         assert self.s.checkpoint_dir is not None
         self._read_losses()  # the position saved holds every step's loss so far
         trainer = self._checkpointer()
+        scaler = self._scaler()
         shard = {"trainer": trainer.state_dict(), "rng": checkpoint.rng_state(),
-                 "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None}
+                 "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+                 "scaler": scaler.state_dict() if scaler is not None else None}
         manifest = {"strategy": self.strategy, "layout": trainer.layout(), "position": asdict(self.pos),
                     "history": self.history, "data": _data_signature(self.s), "model_keys": self.model_keys}
         checkpoint.save(self.comm, self.s.checkpoint_dir, self.pos.step, shard, manifest)
@@ -656,6 +691,9 @@ class _Loop:
         own = read(self.comm.rank if same else 0)
         if self.scheduler is not None and own["scheduler"] is not None:
             self.scheduler.load_state_dict(own["scheduler"])
+        scaler = self._scaler()
+        if scaler is not None and own.get("scaler") is not None:  # equal on every rank: any shard's
+            scaler.load_state_dict(own["scaler"])
         if same:
             checkpoint.set_rng_state(own["rng"])
         self.pos = _Position(**manifest["position"])
@@ -697,8 +735,8 @@ def fit(model: nn.Module, data: Any, loss_fn: LossFn | None,
         metrics: Iterable[str | Metric] | Mapping[str, Metric] | None = None,
         checkpoint_dir: str | os.PathLike[str] | None = None, checkpoint_every: int | None = None,
         resume: bool = False, lr_scheduler: SchedulerFactory | None = None, grad_clip: float | None = None,
-        accumulate: int = 1, precision: str = "fp32", on_step_end: Callback | None = None,
-        on_epoch_end: Callback | None = None,
+        accumulate: int = 1, precision: str = "fp32", grad_scaler: torch.amp.GradScaler | None = None,
+        on_step_end: Callback | None = None, on_epoch_end: Callback | None = None,
         comm: Communicator | None = None, progress: bool = True, balance: Balance = "time",
         warn_after: float = DEFAULT_WARN_AFTER, abort_after: float | None = DEFAULT_ABORT_AFTER,
         timeline: str | os.PathLike[str] | None = None, **options: object) -> FitResult:
@@ -767,6 +805,14 @@ def fit(model: nn.Module, data: Any, loss_fn: LossFn | None,
     (not a scheduler instance) stepped after every optimizer step; `grad_clip` clips the global
     gradient norm as ``clip_grad_norm_`` in one process;
     ``precision="bf16"`` runs forward and loss under bf16 autocast on the model's device (Lightning's "bf16-mixed").
+    ``precision="fp16"`` (Lightning's "16-mixed") runs them under float16 autocast with dynamic loss scaling:
+    the loss is multiplied by the scale S before backward; each rank divides the gradients its optimizer
+    steps (its parameters', or its ZeRO pieces') by S and one allreduce (max) of one float over the job
+    says whether any rank's holds an inf or NaN; if one does, EVERY rank skips that optimizer step (and the
+    `lr_scheduler` step), else they clip and step. S follows ``torch.amp.GradScaler``'s rule (x0.5 on an
+    overflow, x2 after 2000 finite steps; `grad_scaler`, an enabled GradScaler, sets init_scale and those
+    numbers: it is read, not stepped). The scale and skipped count are in checkpoints and in each epoch's
+    record (``loss_scale``, ``skipped_steps`` since the run began); a skipped step's loss is reported.
     `steps` caps the optimizer steps per epoch. Callbacks ``on_step_end(state)`` / ``on_epoch_end(state)`` get a
     :class:`LoopState`; returning True or raising :class:`StopTraining` ends the run after that step. Without
     ``on_step_end`` nothing needs a step's loss at once: the step losses stay on the device and are summed over the
@@ -796,7 +842,7 @@ def fit(model: nn.Module, data: Any, loss_fn: LossFn | None,
     columns = used_columns(model, remove_unused_columns)
     s = _settings(data, epochs, steps, batch_size, shuffle, seed, drop_last, num_workers, pin_memory, checkpoint_dir,
                   checkpoint_every, resume, lr_scheduler, grad_clip, accumulate, precision, on_step_end,
-                  on_epoch_end, collate_fn, columns)
+                  on_epoch_end, collate_fn, columns, grad_scaler)
     if loss_fn is None:
         loss_fn = model_loss
     elif not callable(loss_fn):

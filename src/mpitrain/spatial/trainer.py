@@ -23,6 +23,7 @@ from ..comm.place import Place, PlaceError
 from ..strategies import (
     NAMED,
     StepTrainer,
+    as_float,
     autocast,
     broadcast_tensors,
     load_replica,
@@ -298,7 +299,7 @@ class SpatialTrainer(StepTrainer):
             with torch.no_grad(), autocast(self.loop.precision, self.device), settle_on_error(self.dist.sends.abandon):
                 out = pytree.tree_map(lambda t: gather(t) if layout_of(t) is not None else t, self.forward(x))
             return pytree.tree_map(  # type: ignore[no-any-return]
-                lambda t: (t.float() if t.dtype == torch.bfloat16 else t).cpu() if isinstance(t, torch.Tensor) else t,
+                lambda t: as_float(t).cpu() if isinstance(t, torch.Tensor) else t,
                 out)
         finally:
             self.parallel.train()

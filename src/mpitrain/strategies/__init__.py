@@ -21,14 +21,15 @@ from ._batching import (
 )
 from ._broadcast import broadcast_optimizer_state, broadcast_tensors
 from ._buckets import MB, Bucket, plan_buckets
-from ._device import autocast, model_device, to_device
+from ._device import as_float, autocast, model_device, to_device
 from ._optimizer import optimizer_factory
 from ._reshard import NAMED, assemble, load_replica, replica_entries
+from ._scaler import LossScaler
 from .base import FitError, FitSpec, StrategyOptions, Trainer
 from .step import StepTrainer
 
 __all__ = ["FitError", "FitSpec", "StrategyOptions", "Trainer", "StepTrainer", "ACCEPTED", "split_batch",
            "plain_inputs", "Columns", "EVERY_COLUMN", "LABEL_KEYS", "used_columns", "DEFAULT_IGNORE_INDEX",
            "rows", "samples", "slice_share", "target_rows", "broadcast_optimizer_state", "broadcast_tensors",
-           "MB", "Bucket", "plan_buckets", "autocast", "model_device", "to_device", "NAMED", "assemble",
-           "replica_entries", "load_replica", "optimizer_factory"]
+           "MB", "Bucket", "plan_buckets", "as_float", "autocast", "model_device", "to_device", "NAMED", "assemble",
+           "replica_entries", "load_replica", "optimizer_factory", "LossScaler"]

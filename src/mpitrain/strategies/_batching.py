@@ -28,7 +28,7 @@ import torch.utils._pytree as pytree
 
 from .._utils.flat import spans
 from ..comm.base import Communicator, split_sizes
-from ._device import CPU, to_device
+from ._device import CPU, as_float, to_device
 from .base import Batch, BatchShare, FitError, Share
 
 __all__ = ["ACCEPTED", "LABEL_ALIASES", "LABEL_KEYS", "split_batch", "plain_inputs", "Columns", "EVERY_COLUMN",
@@ -402,7 +402,7 @@ def _row_weighted_means(comm: Communicator, leaves: list[Any], sizes: list[int])
 def gather_outputs(comm: Communicator, out: Any, sizes: list[int], weights: list[int] | None = None) -> Any:
     """Collective: :func:`gather_rows` of every tensor leaf of `out` with a dimension (a tensor, tuple,
     dict or ModelOutput, in leaf order: every rank's `out` has the same structure), in the same
-    structure, on the CPU (fit compares them with its CPU targets); bf16 leaves come back as float32.
+    structure, on the CPU (fit compares them with its CPU targets); bf16/fp16 leaves come back as float32.
     A 0-dim floating leaf is a mean the model took over its rows (a Hugging Face model's ``out.loss``
     computed from ``labels`` among the inputs): it comes back as the mean over all rows, each rank's
     weighted by its `weights` (default: its rows; :func:`counted`), as fit weighs the training loss.
@@ -411,7 +411,7 @@ def gather_outputs(comm: Communicator, out: Any, sizes: list[int], weights: list
         if not _sliced(t):
             return t
         t = t.cpu()  # the same tensor for a CPU one
-        return gather_rows(comm, t.float() if t.dtype == torch.bfloat16 else t, sizes)
+        return gather_rows(comm, as_float(t), sizes)
     leaves, spec = pytree.tree_flatten(out)
     _row_weighted_means(comm, leaves, sizes if weights is None else weights)
     return pytree.tree_unflatten([gather(t) for t in leaves], spec)

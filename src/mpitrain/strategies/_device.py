@@ -1,5 +1,5 @@
 """The model's device, and what follows from it: batches moved there (as DDP does with ``device_ids``)
-and bf16 autocast for that device type. For a CPU model each is one device comparison (callers on a
+and bf16/fp16 autocast for that device type. For a CPU model each is one device comparison (callers on a
 hot path keep ``device != CPU`` as a flag: ``torch.device.type`` costs more than the comparison)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-__all__ = ["CPU", "model_device", "to_device", "autocast"]
+__all__ = ["CPU", "model_device", "to_device", "autocast", "as_float", "LOW"]
 
 CPU = torch.device("cpu")
 
@@ -34,7 +34,21 @@ def to_device(x: Any, device: torch.device) -> Any:
 
 
 def autocast(precision: str | None, device: torch.device) -> contextlib.AbstractContextManager[object]:
-    """bf16 autocast on `device`'s type when `precision` is "bf16", else nothing."""
-    if precision == "bf16":
-        return torch.autocast(device.type, dtype=torch.bfloat16)
+    """Autocast on `device`'s type: to bfloat16 when `precision` is "bf16", to float16 when "fp16"
+    (fit's loss scaling is the step's: :mod:`._scaler`), else nothing."""
+    low = LOW.get(precision or "")
+    if low is not None:
+        return torch.autocast(device.type, dtype=low)
     return contextlib.nullcontext()
+
+
+#: fit's precisions that autocast, and to what
+LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def as_float(t: Any) -> Any:
+    """`t` as float32 when it is an autocast tensor (bfloat16 or float16: an output handed back from an
+    autocast forward), else `t` itself."""
+    if isinstance(t, torch.Tensor) and t.dtype in (torch.bfloat16, torch.float16):
+        return t.float()
+    return t

@@ -35,9 +35,11 @@ from torch import nn
 
 from .._utils.stall import DEFAULT_POLICY, StallPolicy
 from ..comm.base import Communicator
+from ._scaler import ScalerSpec
 
 __all__ = ["FitError", "FitSpec", "LoopSpec", "DEFAULT_LOOP", "Trainer", "ShardedTrainer", "CheckpointTrainer", "Share",
-           "BatchShare", "FEATURE_NAMES", "TrainerFactory", "StrategyOptions", "Batch", "Balance", "LossFn",
+           "BatchShare", "FEATURE_NAMES", "ScalerSpec",
+           "TrainerFactory", "StrategyOptions", "Batch", "Balance", "LossFn",
            "OptimizerFactory", "is_int", "is_number", "require_whole_model"]
 
 
@@ -73,17 +75,22 @@ OptimizerFactory: TypeAlias = Callable[[Iterable[nn.Parameter]], torch.optim.Opt
 #:   right before each optimizer step.
 #: * ``"bf16"``: forward and loss under ``torch.autocast(device, torch.bfloat16)`` when
 #:   ``spec.loop.precision == "bf16"`` (parameters, gradients and optimizer state stay in their dtype).
-FEATURE_NAMES = ("shares", "checkpoint", "lr_scheduler", "grad_clip", "bf16")
+#: * ``"fp16"``: forward and loss under ``torch.autocast(device, torch.float16)`` when
+#:   ``spec.loop.precision == "fp16"``, the loss times the loss scale before backward, and the step
+#:   unscaled, skipped on every rank alike when any rank's gradient is not finite (:mod:`._scaler`).
+FEATURE_NAMES = ("shares", "checkpoint", "lr_scheduler", "grad_clip", "bf16", "fp16")
 
 
 @dataclass(frozen=True)
 class LoopSpec:
     """The loop features `fit` asks of the trainer itself (see :data:`FEATURE_NAMES`): `grad_clip`
-    (max global norm, None: no clipping) and `precision` ("fp32" or "bf16"). A strategy that does not
-    declare a feature is never given a non-default value for it."""
+    (max global norm, None: no clipping), `precision` ("fp32", "bf16" or "fp16") and, for "fp16", the
+    loss scaler's numbers (`scaler`). A strategy that does not declare a feature is never given a
+    non-default value for it."""
 
     grad_clip: float | None = None
     precision: str = "fp32"
+    scaler: ScalerSpec = ScalerSpec()
 
 
 #: LoopSpec(): no clipping, fp32.

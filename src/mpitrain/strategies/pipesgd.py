@@ -257,6 +257,9 @@ class PipeSGDTrainer(StepTrainer):
         self._free = collections.deque(torch.zeros(n, dtype=self.params[0].dtype, device=self.params[0].device)
                                        for _ in range(self.K))
         self._pending: collections.deque[_Handle] = collections.deque()
+        #: fp16: the loss scale each pending gradient was made with, by iteration (unscaled by it when applied)
+        self._made_with: dict[int, float] = {}
+        self._applying: float | None = None  # the scale of the gradient update() applies now
         private = comm.split(0)
         assert private is not None  # every rank passes color 0
         self.comm_thread = CommThread(private, opts.codec, opts.chunk_bytes, opts.error_feedback, opts.link, self.K,
@@ -282,8 +285,13 @@ class PipeSGDTrainer(StepTrainer):
         t0 = time.perf_counter()
         flat = self.comm_thread.wait(handle)
         self.stats["wait_s"] += time.perf_counter() - t0
+        self._applying = self._made_with.pop(handle.iteration, None)
         self._bind(flat)
         self._free.append(flat)
+
+    def grads_made_with(self) -> float | None:
+        """fp16: the scale of the gradient of t-K being applied (the scale may have changed since)."""
+        return self._applying
 
     def update(self) -> None:
         t0 = time.perf_counter()
@@ -321,6 +329,8 @@ class PipeSGDTrainer(StepTrainer):
         """Hand the gradient to the communication thread. Synchronous steps (K=1, warm-up) wait for it:
         ready, the step applies it; the others leave it pending for iteration t+K: not ready."""
         handle = self.comm_thread.submit(self._flat, self.t + 1)
+        if self.loss_scaler is not None:
+            self._made_with[self.t + 1] = self.loss_scaler.scale
         self.t += 1
         self.stats["steps"] += 1
         if self._sync:
@@ -347,7 +357,7 @@ class PipeSGDTrainer(StepTrainer):
         gradients still to be applied (all equal on every rank: each applies bitwise the same averaged
         gradient; together the shards hold each once, split by bytes; the allreduces are completed here,
         not applied: the algorithm applies them at their iteration), the iteration counter, and its own
-        buffers and error-feedback residual."""
+        buffers and error-feedback residual; under fp16 the scale each pending gradient was made with."""
         shard, skip = replica_entries(self.model, self.optimizer, self.comm.size, self.comm.rank)
         names = {id(p): k for k, p in self.model.named_parameters()}
         pending = []
@@ -356,7 +366,8 @@ class PipeSGDTrainer(StepTrainer):
             grads, _ = tensor_entries((g, whole(names[id(p)], p)) for p, g in zip(self.params, self._views(flat))
                                       if id(p) not in skip)
             pending.append({"iteration": h.iteration, "grads": grads})
-        return {**shard, "t": self.t, "pending": pending, "residual": self.comm_thread.residual}
+        return {**shard, "t": self.t, "pending": pending, "residual": self.comm_thread.residual,
+                "made_with": dict(self._made_with)}
 
     def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Each trained parameter's gradient in the flat buffer `flat`."""
@@ -377,6 +388,8 @@ class PipeSGDTrainer(StepTrainer):
         first = self.comm.rank if same else 0
         state: dict[str, Any] = read(first)
         self.t = int(state["t"])
+        made_with = state.get("made_with", {})  # fp16's scale per pending gradient (none in older checkpoints)
+        self._made_with = {int(k): float(v) for k, v in made_with.items()}
         flats = [self._free.popleft() for _ in state["pending"]]
         if saved_layout.get(NAMED):
             self._load_named(read, int(saved_layout["world_size"]), first, flats)  # type: ignore[call-overload]
@@ -431,6 +444,10 @@ def make_trainer(model: nn.Module, loss_fn: LossFn, optimizer: OptimizerFactory,
     if spec.micro_batches != 1:
         raise FitError(f"strategy 'pipe-sgd' takes one micro-batch per step, got micro_batches={spec.micro_batches}")
     opts = PipeSGDOptions.from_spec(spec)
+    if spec.loop.precision == "fp16" and opts.error_feedback and opts.compression is not None:
+        # an overflowed gradient's inf would enter the residual and every later gradient: no step again
+        raise FitError("strategy 'pipe-sgd': precision='fp16' does not take error_feedback=True (an overflow's inf "
+                       "would stay in the error-feedback residual); use error_feedback=False or precision='bf16'")
     params = [p for p in model.parameters() if p.requires_grad]
     dtypes = {p.dtype for p in params}
     if not params or len(dtypes) != 1 or not params[0].is_floating_point():

@@ -18,8 +18,10 @@ order of a step is written once (:meth:`StepTrainer.train_shares`):
    the sum of this rank's weighted losses in float64, rescaled to samples (``* total / step weight``);
 5. :meth:`~StepTrainer.finish_gradients`: what makes the gradient whole (reduce over replicas, drain a
    pipeline, hand it to a communication thread); it says whether this step's gradient is ready now;
-6. if it is, :meth:`~StepTrainer.update`: clip by the global norm (``spec.loop.grad_clip``, the
-   strategy's :meth:`~StepTrainer.clip_grad_norm_`), then ``optimizer.step()``;
+6. if it is, :meth:`~StepTrainer.update`: with ``precision="fp16"`` unscale the gradients this rank's
+   optimizer steps and agree over the job whether any is inf/NaN (one allreduce of one float:
+   :mod:`._scaler`; every rank then skips the step, or none does), then clip by the global norm
+   (``spec.loop.grad_clip``, the strategy's :meth:`~StepTrainer.clip_grad_norm_`) and ``optimizer.step()``;
 7. :meth:`~StepTrainer.step_losses`: one allgather of the ranks' loss sums over :attr:`~StepTrainer.comm`,
    added up correctly rounded and divided by ``total``: the step's mean loss, equal on every rank. Steps
    1-6 alone are :meth:`~StepTrainer.train_shares_local`; fit (without ``on_step_end``) gathers 16 steps'
@@ -57,6 +59,7 @@ from ._batching import (
     zero_loss,
 )
 from ._device import autocast
+from ._scaler import LossScaler
 from .base import DEFAULT_LOOP, Batch, BatchShare, LoopSpec, Share
 
 __all__ = ["StepTrainer", "replica_eval"]
@@ -94,6 +97,8 @@ class StepTrainer(ABC):
     step_weight: float = 1.0
     #: whether the job's targets are counted (integer); None until the first step asked every rank
     _counting: bool | None = None
+    #: fp16's loss scaler (:attr:`loss_scaler` builds it from ``loop.scaler`` on first use)
+    _scaler: LossScaler | None = None
 
     # -- what fit reads ---------------------------------------------------------------------------------
     def share(self, n: int) -> Share:
@@ -170,11 +175,34 @@ class StepTrainer(ABC):
         return True
 
     def update(self) -> None:
-        """Clip by the norm of the whole model's gradient when ``loop.grad_clip`` is set (equal to one
-        process's ``clip_grad_norm_``), then step the optimizer."""
+        """With ``precision="fp16"``: unscale the gradients this rank's optimizer steps and skip the step
+        on every rank when any rank's is not finite (:meth:`~._scaler.LossScaler.unscale_and_agree`:
+        collective on :attr:`comm`). Then clip by the norm of the whole model's gradient when
+        ``loop.grad_clip`` is set (equal to one process's ``clip_grad_norm_``), and step the optimizer."""
+        scaler = self.loss_scaler
+        if scaler is not None and not scaler.unscale_and_agree(self._optimizer_grads(), self.comm,
+                                                               self.grads_made_with()):
+            return
         if self.loop.grad_clip is not None:
             self.clip_grad_norm_(self.loop.grad_clip)
         self.optimizer.step()
+
+    @property
+    def loss_scaler(self) -> LossScaler | None:
+        """The loss scaler of ``precision="fp16"`` (None otherwise); its state is in fit's checkpoints."""
+        if self._scaler is None and self.loop.precision == "fp16":
+            self._scaler = LossScaler(self.loop.scaler)
+        return self._scaler
+
+    def grads_made_with(self) -> float | None:
+        """The loss scale the gradients :meth:`update` applies were made with (None: the current one;
+        pipe-sgd's stale gradients were made K steps ago)."""
+        return None
+
+    def _optimizer_grads(self) -> list[torch.Tensor]:
+        """The gradients this rank's optimizer steps: its parameters' or, under ZeRO, its pieces' (what
+        :meth:`clip_grad_norm_` walks)."""
+        return [p.grad for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
 
     @abstractmethod
     def clip_grad_norm_(self, max_norm: float) -> None:
@@ -231,14 +259,16 @@ class StepTrainer(ABC):
         return weight * self.replicas / self.step_weight
 
     def backward(self, loss: torch.Tensor, weight: int, total: int, out: Any = None) -> torch.Tensor:
-        """Back-propagate the mean `loss` of a share of `weight` (:meth:`weight`) times :meth:`scale`;
+        """Back-propagate the mean `loss` of a share of `weight` (:meth:`weight`) times :meth:`scale` (and
+        fp16's loss scale, :attr:`loss_scaler`);
         returns ``loss * weight`` in float64 (detached), what :meth:`local_pass` adds up. A share of
         weight 0 (every target ignored: its loss is NaN) back-propagates zero through `out`, the model's
         outputs (:func:`~._batching.zero_loss`), so the gradient holds no NaN, and adds 0."""
         if weight == 0:
             zero_loss(out, loss).backward()
             return torch.zeros((), dtype=torch.float64, device=loss.device)
-        (loss * self.scale(weight, total)).backward()
+        scaler = self.loss_scaler  # fp16: the loss times the loss scale (the update divides it out)
+        (loss * (self.scale(weight, total) * (1.0 if scaler is None else scaler.scale))).backward()
         return loss.detach().double() * weight
 
     # -- the rest of the Trainer ------------------------------------------------------------------------

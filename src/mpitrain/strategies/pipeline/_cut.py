@@ -113,12 +113,12 @@ def capture_model(model: nn.Module, inputs: Any, per_micro: int) -> Traced:
 
 
 def profile_sample(traced: Traced, flat: list[Any], micro: int, device: torch.device, on_meta: bool,
-                   bf16: bool) -> Shapes:
+                   precision: str | None) -> Shapes:
     """The shapes of `traced` on the first `micro` rows of `flat`, moved to `device` (a model on a
     device is profiled there; a meta model's on a meta copy of its graph)."""
     sample = to_device(rows(flat, 0, micro), device)
     graph = dataclasses.replace(traced, gm=copy.deepcopy(traced.gm)) if on_meta else traced
-    shapes = Shapes(traced, graph, sample, on_meta, bf16, device)
+    shapes = Shapes(traced, graph, sample, on_meta, precision, device)
     shapes.first()
     return shapes
 
@@ -202,7 +202,7 @@ def measure_mine(layout: Layout, traced: Traced, at: list[int], shapes: Shapes, 
         args = ([shapes.sample[i] for i in part.data_inputs]
                 + [_stand_in(meta[v], device) for v in part.recv_inputs])
         try:
-            with autocast(shapes.bf16, device):
+            with autocast(shapes.precision, device):
                 timed = measure_module(part.module, args, passes, clock)
                 plain = measure_plain(part.module, args, passes, split_backward, clock)
                 extra = _loss_seconds(part, args, loss, traced, passes, clock) if k == len(parts) - 1 else 0.0

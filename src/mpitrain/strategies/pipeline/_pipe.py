@@ -35,7 +35,7 @@ from ...comm.base import Communicator, split_sizes
 from ...comm.place import Place, PlaceError
 from .._batching import check_divisible, per_sample, plain_inputs, target_rows
 from .._buckets import Bucket
-from .._device import model_device
+from .._device import LOW, model_device
 from .._zero import Zero
 from ..base import FitError
 from ._cut import OWN_MAPPING_FROM, CutSpec, LossSample, capture_model, cut, profile_sample
@@ -74,8 +74,8 @@ class Pipeline:
     For fit's per-rank reads (`inputs_on_first`): only pipeline rank 0 has a batch's inputs, and only
     the rank of the last partition (:attr:`last_rank`) its targets (:meth:`setup_shared`,
     :meth:`train_pass`); a model input read by a later partition is sent there by partition 0.
-    `autocast`: forwards and loss under CPU bf16 autocast (shapes and dtypes of the messages are
-    profiled under it too).
+    `autocast`: forwards and loss under autocast on the model's device: True or "bf16" to bfloat16,
+    "fp16" to float16 (shapes and dtypes of the messages are profiled under it too).
 
     `zero` (1 or 2; fit's ``strategy="hybrid", zero=``) shards each partition's optimizer state (1) and
     gradients (2) across its R replicas (:mod:`.._zero`, over the replica group): the replicas
@@ -87,7 +87,7 @@ class Pipeline:
                  checkpoint: str = "never", *, balance: Any = "time", virtual_stages: int = 2,
                  stall: StallPolicy = DEFAULT_POLICY, profile_passes: int = 5, example: Any = None,
                  seed: int = 0, init_fn: InitFn | None = None, inputs_on_first: bool = False,
-                 autocast: bool = False, zero: int = 0) -> None:
+                 autocast: bool | str = False, zero: int = 0) -> None:
         if comm is None:
             from ...runtime import init
 
@@ -102,7 +102,10 @@ class Pipeline:
         #: where every partition runs (pure; known before any model or sample)
         self.layout = Layout(place, schedule, chunks_per_rank(schedule, virtual_stages))
         self.balance, self.profile_passes, self.seed, self.init_fn = balance, profile_passes, seed, init_fn
-        self.run_spec = RunSpec(micro_batches, checkpoint, stall, autocast, inputs_on_first, zero)
+        if autocast not in (False, True, *LOW):
+            raise FitError(f"autocast must be a bool, 'bf16' or 'fp16', got {autocast!r}")
+        precision = "bf16" if autocast is True else autocast if isinstance(autocast, str) else None
+        self.run_spec = RunSpec(micro_batches, checkpoint, stall, precision, inputs_on_first, zero)
         self.on_meta = is_meta(model)
         self.device = _CPU if self.on_meta else model_device(model)  # a meta model is materialised on the CPU
         self.groups = self.layout.split(comm)  # collective: every rank of comm constructs
@@ -174,9 +177,9 @@ class Pipeline:
         return self.run_spec.stall
 
     @property
-    def autocast(self) -> bool:
-        """Forwards and loss under bf16 autocast."""
-        return self.run_spec.bf16
+    def autocast(self) -> str | None:
+        """The autocast precision of forwards and loss ("bf16", "fp16"; None: none)."""
+        return self.run_spec.precision
 
     @property
     def inputs_on_first(self) -> bool:

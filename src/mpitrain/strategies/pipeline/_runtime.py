@@ -47,13 +47,14 @@ LossFn = Callable[[Any, Any], torch.Tensor]
 @dataclass(frozen=True)
 class RunSpec:
     """How a runtime runs: `micro_batches` per replica and step, activation recomputation
-    (`checkpoint`: "never", "except_last", "always"), the `stall` policy of every wait, bf16 autocast,
-    whether only pipeline rank 0 holds a batch's inputs (`inputs_on_first`), and the `zero` stage."""
+    (`checkpoint`: "never", "except_last", "always"), the `stall` policy of every wait, the autocast
+    `precision` ("bf16", "fp16", None), whether only pipeline rank 0 holds a batch's inputs
+    (`inputs_on_first`), and the `zero` stage."""
 
     micro_batches: int = 1
     checkpoint: str = "never"
     stall: StallPolicy = DEFAULT_POLICY
-    bf16: bool = False
+    precision: str | None = None
     inputs_on_first: bool = False
     zero: int = 0
 
@@ -102,7 +103,7 @@ class PipelineRuntime:
         recompute: Callable[[int], bool] = (lambda m: True) if spec.checkpoint == "always" else (
             (lambda m: m != last) if spec.checkpoint == "except_last" else (lambda m: False))
         ranks = self.layout.ranks
-        return [Stage(part, edges, self.pipe, ranks, max(spec.micro_batches, 1), spec.stall, recompute, spec.bf16)
+        return [Stage(part, edges, self.pipe, ranks, max(spec.micro_batches, 1), spec.stall, recompute, spec.precision)
                 for part in held]
 
     def _tied_comms(self) -> list[tuple[Communicator, list[nn.Parameter]]]:

@@ -72,13 +72,14 @@ class Shapes:
     `traced`: the captured graph (its inputs' shapes are checked against it); `graph`: the one to
     profile (a meta model's: a meta copy, with no storage, before and after this rank materialises its
     partitions); `sample`: a micro-batch of the set-up sample, whose values stand in for inputs this rank
-    does not hold. Profiling runs under bf16 autocast when `bf16` (messages are received into bf16
-    buffers). Not thread-safe; every rank of a pipeline asks for the same signatures in the same order."""
+    does not hold. Profiling runs under autocast to `precision` ("bf16", "fp16"; None: none), so
+    messages are received into buffers of the autocast dtype. Not thread-safe; every rank of a
+    pipeline asks for the same signatures in the same order."""
 
-    def __init__(self, traced: Traced, graph: Traced, sample: list[Any], on_meta: bool, bf16: bool,
+    def __init__(self, traced: Traced, graph: Traced, sample: list[Any], on_meta: bool, precision: str | None,
                  device: torch.device) -> None:
         self.traced, self.graph, self.sample = traced, graph, sample
-        self.on_meta, self.bf16, self.device = on_meta, bf16, device
+        self.on_meta, self.precision, self.device = on_meta, precision, device
         self._metas: dict[tuple[Any, ...], dict[str, ValueMeta | None]] = {}
 
     def first(self) -> dict[str, ValueMeta | None]:
@@ -94,7 +95,7 @@ class Shapes:
         a graph with an op that has no fake implementation is run for real."""
         if self.on_meta:
             sample = [a.to("meta") if isinstance(a, torch.Tensor) else a for a in sample]
-        with autocast(self.bf16, self.device):  # bf16 messages are received into bf16 buffers
+        with autocast(self.precision, self.device):  # bf16/fp16 messages are received into such buffers
             if fake and not self.on_meta:
                 try:
                     return profile(self.graph, sample, grad=grad, fake=True)

@@ -90,7 +90,7 @@ class Stage:
 
     def __init__(self, part: Partition, edges: list[Edge], comm: Communicator, ranks: list[int],
                  micro_window: int, policy: StallPolicy, recompute: Callable[[int], bool] = lambda m: False,
-                 autocast: bool = False) -> None:
+                 autocast: str | None = None) -> None:
         self.part, self.comm, self.ranks, self.recompute, self.autocast = part, comm, ranks, recompute, autocast
         self.last = part.index == len(ranks) - 1
         self.device = model_device(part.module)  # receive buffers and data inputs go to the partition's device
@@ -223,10 +223,10 @@ class Stage:
         self._sends.clear()
 
 
-def autocast(enabled: bool, device: torch.device) -> contextlib.AbstractContextManager[object]:
-    """bf16 autocast on `device`'s type when `enabled` (fit's ``precision="bf16"``), else nothing (the
-    strategies' one rule, :func:`~mpitrain.strategies._device.autocast`)."""
-    return device_autocast("bf16" if enabled else None, device)
+def autocast(precision: str | None, device: torch.device) -> contextlib.AbstractContextManager[object]:
+    """Autocast on `device`'s type to `precision` ("bf16", "fp16": fit's ``precision=``), else nothing
+    (the strategies' one rule, :func:`~mpitrain.strategies._device.autocast`)."""
+    return device_autocast(precision, device)
 
 
 def run(stages: list[Stage], actions: list[Action], inputs: list[list[Any]],

@@ -31,6 +31,7 @@ from torch import nn
 
 from ...comm.base import Communicator, split_sizes
 from .._batching import counted_rows, even_share, ignore_index_of, label_shift, per_sample, samples
+from .._device import LOW, as_float
 from .._reshard import NAMED, Held, assemble, load_named, optimizer_entries, tensor_entries, whole, written_elsewhere
 from .._zero import check_optimizer
 from ..base import (
@@ -110,7 +111,7 @@ def make_trainer(model: nn.Module, loss_fn: LossFn, optimizer: OptimizerFactory,
     pipe = Pipeline(model, spec.partitions, spec.replicas, spec.micro_batches, spec.schedule, comm,
                     opts.checkpoint, balance=spec.balance, virtual_stages=opts.virtual_stages, stall=spec.stall,
                     profile_passes=opts.profile_passes, seed=opts.init_seed, init_fn=opts.init_fn,
-                    inputs_on_first=True, autocast=spec.loop.precision == "bf16", zero=opts.zero)
+                    inputs_on_first=True, autocast=spec.loop.precision in LOW and spec.loop.precision, zero=opts.zero)
     return PipelineTrainer(pipe, loss_fn, lambda params: built, spec.strategy, spec.loop)
 
 
@@ -159,7 +160,8 @@ class PipelineTrainer(StepTrainer):
         for b in batches:
             sizes = [s for s in split_sizes(b.share.stop - b.share.start, pipe.M) if s > 0]
             weights = self.share_weights(b.targets, sizes)  # counted on the last stage (its targets)
-            scales = [self.scale(w, total) for w in weights]
+            factor = 1.0 if self.loss_scaler is None else self.loss_scaler.scale  # fp16: the update divides it out
+            scales = [self.scale(w, total) * factor for w in weights]
             local += pipe.train_pass(_own_rows(b.inputs, b), b.targets, sizes, scales, self.loss_fn, weights=weights)
         return local
 
@@ -210,11 +212,10 @@ class PipelineTrainer(StepTrainer):
         return self.pipe.bounds
 
     def eval_step(self, inputs: Any, targets: Any) -> Any:
-        """Forward only, in eval mode; any batch size (every rank holds it); bf16 outputs as float32."""
+        """Forward only, in eval mode; any batch size (every rank holds it); bf16/fp16 outputs as float32."""
         n, ignore = samples(inputs, targets), ignore_index_of(self.loss_fn)
         out = self.pipe.eval(inputs, lambda a, b: counted_rows(targets, n, a, b, ignore, self.label_shift))
-        return pytree.tree_map(lambda t: t.float() if isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16
-                               else t, out)
+        return pytree.tree_map(as_float, out)
 
     def trained_model(self) -> nn.Module:
         if self.pipe.runtime is None and self._read is not None:  # resumed after the last step: no set-up
