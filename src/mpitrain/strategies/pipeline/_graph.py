@@ -158,8 +158,14 @@ def export(model: nn.Module, sample: Any) -> Traced:
     unlifted = ep.module()
     assert isinstance(unlifted, fx.GraphModule)
     graph = unlifted.graph
-    for n in list(graph.nodes):  # the input-shape guard module checks what our slicing guarantees
-        if n.op == "call_module" and n.target == "_guards_fn":
+    for n in list(graph.nodes):
+        # the input-shape guard module checks what our slicing guarantees; and export asserts the dtype
+        # each ``.to()`` / ``.float()`` saw while capturing (float32), where fit runs the graph under bf16 or
+        # fp16 autocast and the eager forward sees the lower dtype: the casts themselves stay in the graph,
+        # so without the asserts it computes what the forward computes under autocast (GPT-2's
+        # ``logits.float()`` before its loss, Llama's RMSNorm in float32)
+        if (n.op == "call_module" and n.target == "_guards_fn") or \
+                (n.op == "call_function" and n.target is torch.ops.aten._assert_tensor_metadata.default):
             graph.erase_node(n)
     graph.eliminate_dead_code()
     # A plain GraphModule over the same graph and tensors: flat inputs and outputs (no pytree codegen),
