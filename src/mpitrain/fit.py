@@ -33,7 +33,17 @@ from ._utils.deprecation import renamed_options
 from ._utils.stall import StallPolicy
 from .comm.base import Communicator
 from .runtime import world
-from .strategies import DEFAULT_IGNORE_INDEX, NAMED, StepTrainer, optimizer_factory, samples, slice_share
+from .strategies import (
+    DEFAULT_IGNORE_INDEX,
+    NAMED,
+    StepTrainer,
+    counted,
+    ignore_index_of,
+    label_shift,
+    optimizer_factory,
+    samples,
+    slice_share,
+)
 from .strategies.base import (
     Balance,
     Batch,
@@ -173,19 +183,34 @@ def _progress(total: int | None, desc: str, enabled: bool) -> _Bar | None:
 
 
 def _evaluate(trainer: Trainer, data: Iterable[tuple[Batch, torch.Tensor]], loss_fn: LossFn,
-              metrics: dict[str, Metric]) -> dict[str, float]:
-    totals: dict[str, float] = {}
-    count = 0
+              metrics: dict[str, Metric], shift: int = 0) -> dict[str, float]:
+    """The eval record over every batch of `data`, as one process computes it on all of them together:
+    ``eval_loss`` weighs each batch's (mean) loss by the target elements it counts (:func:`counted`: integer
+    targets other than the loss's ignore index, `shift` leading label positions left out; float targets:
+    rows), so it is the mean over every counted element of the whole eval (a batch counting none adds
+    nothing, its NaN included); the built-in :func:`accuracy` by its targets other than -100, the same
+    way; other metrics by rows. Local: every rank holds each batch's full outputs (``eval_step``) and
+    targets, so no message is needed beyond the eval steps'; the same floats on every rank."""
+    ignore = ignore_index_of(loss_fn)
+    sums: dict[str, float] = {}
+    weights: dict[str, int] = {}
+
+    def add(name: str, fn: Callable[[Any, Any], Any], outputs: Any, targets: Any, weight: int) -> None:
+        sums.setdefault(name, 0.0)
+        weights[name] = weights.get(name, 0) + weight
+        if weight:  # a batch counting nothing: its mean is 0/0, left out
+            sums[name] += float(fn(outputs, targets)) * weight
+
     for batch in data:
         inputs, targets = split_batch(batch)  # a BatchEncoding: its dict
         outputs = trainer.eval_step(inputs, targets)
         n = samples(inputs, targets)
         with torch.no_grad():
-            totals["eval_loss"] = totals.get("eval_loss", 0.0) + float(loss_fn(outputs, targets)) * n
-        for name, fn in metrics.items():
-            totals[f"eval_{name}"] = totals.get(f"eval_{name}", 0.0) + float(fn(outputs, targets)) * n
-        count += n
-    return {k: v / max(count, 1) for k, v in totals.items()}
+            add("eval_loss", loss_fn, outputs, targets, counted(targets, n, ignore, shift))
+            for name, fn in metrics.items():
+                kept = counted(targets, n, DEFAULT_IGNORE_INDEX) if fn is accuracy else n
+                add(f"eval_{name}", fn, outputs, targets, kept)
+    return {k: v / weights[k] if weights[k] else math.nan for k, v in sums.items()}
 
 
 class StopTraining(Exception):
@@ -475,7 +500,7 @@ class _Loop:
                 self.shown_loss = loss
 
     # -- the loop -----------------------------------------------------------------------------------------
-    def run(self, eval_data: Any, loss_fn: LossFn, metrics: dict[str, Metric]) -> None:
+    def run(self, eval_data: Any, loss_fn: LossFn, metrics: dict[str, Metric], shift: int = 0) -> None:
         s = self.s
         while self.pos.epoch < s.epochs and not self.stop:
             total = self._steps_in_epoch()
@@ -511,7 +536,7 @@ class _Loop:
             if lr is not None:
                 record["lr"] = lr
             if eval_data is not None:
-                record.update(_evaluate(self.trainer, eval_data, loss_fn, metrics))
+                record.update(_evaluate(self.trainer, eval_data, loss_fn, metrics, shift))
             self.history.append(record)
             if self.show:
                 print("  ".join(f"{k}={v:.4g}" for k, v in record.items()), flush=True)
@@ -753,6 +778,7 @@ def fit(model: nn.Module, data: Any, loss_fn: LossFn,
     if timeline is not None and not isinstance(timeline, (str, os.PathLike)):
         raise FitError(f"fit: timeline must be a file path, got {timeline!r}")
     model_keys = list(model.state_dict())
+    shift = label_shift(model, loss_fn)  # eval_loss's label positions the loss does not see (before any split)
     trainer = make_trainer(model, loss_fn, factory, comm, spec)
     if sharded != isinstance(trainer, StepTrainer):  # a strategy's bug: its FEATURES and its trainer disagree
         raise RuntimeError(f"strategy {name!r}: a trainer of every loop feature is a StepTrainer, and only it")
@@ -761,7 +787,7 @@ def fit(model: nn.Module, data: Any, loss_fn: LossFn,
         try:
             if resume_from is not None:
                 loop.restore(*resume_from)
-            loop.run(eval_data, loss_fn, named)
+            loop.run(eval_data, loss_fn, named, shift)
         except FitError:
             # Refused input is refused on every rank, before the step's messages: end the trainer's comm
             # threads collectively, or a caller that catches the error keeps them cycling (and recording).

@@ -8,6 +8,9 @@ here; the private modules that define them serve strategies alone (docs/ARCHITEC
 from ._batching import (
     ACCEPTED,
     DEFAULT_IGNORE_INDEX,
+    counted,
+    ignore_index_of,
+    label_shift,
     plain_inputs,
     rows,
     samples,
@@ -24,7 +27,7 @@ from .base import FitError, FitSpec, StrategyOptions, Trainer
 from .step import StepTrainer
 
 __all__ = ["FitError", "FitSpec", "StrategyOptions", "Trainer", "StepTrainer", "ACCEPTED", "split_batch",
-           "plain_inputs", "DEFAULT_IGNORE_INDEX",
+           "plain_inputs", "DEFAULT_IGNORE_INDEX", "counted", "ignore_index_of", "label_shift",
            "rows", "samples", "slice_share", "target_rows", "broadcast_optimizer_state", "broadcast_tensors",
            "MB", "Bucket", "plan_buckets", "autocast", "model_device", "to_device", "NAMED", "assemble",
            "optimizer_factory"]
