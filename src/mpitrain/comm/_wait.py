@@ -32,9 +32,11 @@ def wait_request(req: Request, what: str | Callable[[], str], policy: StallPolic
 
 
 class _Arrivals:
-    """The slow path of a late collective wait: a note "I am in collective `seq`" to every other rank of
-    `comm` and a receive for each of theirs, so the ranks whose note has not come are named. Costs nothing
-    unless a wait is late; its requests are settled (:func:`~._inflight.abandon`) when the wait ends."""
+    """The slow path of a late collective wait: a note "I am waiting in collective `seq`" to every other rank
+    of `comm` and a receive for each of theirs, so the ranks whose note has not come are named: those that
+    have not started the collective, and those that started it but are held up in another wait before
+    waiting for it (a pipeline stage blocked on a message; only a rank waiting here sends a note). Costs
+    nothing unless a wait is late; its requests are settled (:func:`~._inflight.abandon`) when it ends."""
 
     def __init__(self, comm: Communicator, seq: int) -> None:
         self.comm, self.seq = comm, seq
@@ -65,10 +67,11 @@ def wait_collective(req: Request, comm: Communicator, seq: int, what: str | Call
     """``req.wait()`` of a collective on `comm` (the `seq`-th of its kind, counted alike on every rank) with
     a way out that names the ranks not there: polled with a short spin (the usual case: done at once);
     after ``warn_after / 4`` s this rank sends the others a note and receives theirs (:class:`_Arrivals`), so
-    each later line -- "still waiting after Ns for <what>; ranks [..] have not reached it" every
+    each later line -- "still waiting after Ns for <what>; ranks [..] are not waiting in it (...)" every
     `warn_after`, then "gave up ..." and ``abort(1)`` after `abort_after` (counted from the start) -- names
-    the ranks whose note has not come: those that never started this collective. Only the calling rank
-    waits; a stalled rank sleeps between tests (backing off to 0.2 ms)."""
+    the ranks whose note has not come: those that never started this collective, or are held up in another
+    wait first (a rank that stopped is among them). Only the calling rank waits; a stalled rank sleeps
+    between tests (backing off to 0.2 ms)."""
     policy = dataclasses.replace(policy, spin=max(policy.spin, 5e-5), max_nap=min(policy.max_nap, 2e-4),
                                  first_nap=min(policy.first_nap, 2e-4))
     early = policy.warn_after / 4
@@ -79,7 +82,9 @@ def wait_collective(req: Request, comm: Communicator, seq: int, what: str | Call
     def late() -> str:
         text = what() if callable(what) else what
         gone = arrivals.missing()
-        return f"{text}; ranks {gone} have not reached it" if gone else f"{text}; every rank has reached it"
+        if not gone:
+            return f"{text}; every rank is waiting in it"
+        return f"{text}; ranks {gone} are not waiting in it (not there yet, or held up in another wait first)"
 
     rest = dataclasses.replace(policy, warn_after=policy.warn_after - early,
                                abort_after=None if policy.abort_after is None else policy.abort_after - early)
