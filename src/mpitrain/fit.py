@@ -733,13 +733,17 @@ def fit(model: nn.Module, data: Any, loss_fn: LossFn,
     :class:`LoopState`; returning True or raising :class:`StopTraining` ends the run after that step. Without
     ``on_step_end`` nothing needs a step's loss at once: the step losses stay on the device and are summed over the
     ranks in one message every 16 steps (and at the epoch's end, before a checkpoint), so the loop sends no loss message
-    and waits for no device on the other steps (integer targets: each step allreduces its counted elements first);
+    and waits for no device on the other steps (integer targets: each step allreduces its counted elements, a
+    non-blocking allreduce started before the forward and waited for before the first backward, under the stall policy);
     the history holds the same floats either way, and the progress bar shows the latest step loss read.
 
     `eval_data` (batches as `data`'s, or a Dataset read in batches of `batch_size`) is evaluated after
     every epoch: the record's ``eval_loss`` and ``eval_<name>`` of each of `metrics` (callables
-    ``(outputs, targets) -> float``, or ``"accuracy"``: :func:`accuracy`) are means over the eval
-    batches weighted by their rows, the same on every rank.
+    ``(outputs, targets) -> float``, or ``"accuracy"``: :func:`accuracy`) are means over the whole eval, the
+    same on every rank: ``eval_loss`` over every target element the loss counts (integer targets other than
+    its ``ignore_index``, default -100: each batch weighted by its count, as one process computes the token
+    mean over all the eval batches together; float targets: by rows), ``eval_accuracy`` over targets
+    other than -100, other metrics over the batches weighted by their rows.
 
     ``checkpoint_dir=DIR, checkpoint_every=N`` saves an atomic sharded checkpoint (docs/training-runs.md)
     after every N optimizer steps (counted across epochs) and at the end; ``resume=True`` continues

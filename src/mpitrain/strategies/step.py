@@ -9,7 +9,12 @@ order of a step is written once (:meth:`StepTrainer.train_shares`):
 3. :meth:`~StepTrainer.weigh`: the step's weight, the sum over every share of the target elements its
    mean loss counts (:func:`~._batching.counted`: integer targets other than the loss's ignore index,
    else rows) -- one allreduce of one number per step once the first step found integer targets, none
-   otherwise (then the weight is the step's samples);
+   otherwise (then the weight is the step's samples). Non-blocking: started here, before any forward,
+   and waited for (under :attr:`~StepTrainer.stall`) where :attr:`~StepTrainer.step_weight` is first
+   read: the first share's scale, after its forward. Why not scale the gradients after backward, which
+   would hide the wait behind backward too: that costs a pass over every gradient per step and cannot
+   reach gradients that leave the rank during backward (data's buckets, ZeRO's reduce-scatter, a
+   pipeline's partial errors, pipe-sgd's thread); the wait it saves is microseconds;
 4. :meth:`~StepTrainer.local_pass`: this rank's forward and backward on its rows, each share's (batch's,
    micro-batch's) mean loss weighted by :meth:`~StepTrainer.scale` = ``weight * replicas / step weight``
    (the gradient finish averages over `replicas`: undo it, divide by the step's weight), so the gradient
