@@ -250,6 +250,11 @@ class StepTrainer(ABC):
         self._settle_weight()
         return self._step_weight
 
+    @step_weight.setter
+    def step_weight(self, value: float) -> None:  # a step weighed otherwise (spatial's own losses, tests)
+        self._settle_weight()
+        self._step_weight = value
+
     def _abandon_weight(self) -> list[Request]:
         pending, self._weighing = self._weighing, None
         return [pending[0]] if pending is not None else []
