@@ -245,8 +245,8 @@ class StepTrainer(ABC):
     def step_weight(self) -> float:
         """The current step's weight (:meth:`weigh`): what :meth:`scale` divides by. The first read of a
         step waits for the weight's allreduce (:func:`~mpitrain.comm.wait_collective`: a rank still
-        waiting after ``stall.warn_after`` seconds says so, naming the ranks that have not reached it,
-        and ends the job after ``stall.abort_after``)."""
+        waiting after ``stall.warn_after`` seconds says so, naming the ranks not waiting in it -- a rank that
+        stopped before the step among them -- and ends the job after ``stall.abort_after``)."""
         self._settle_weight()
         return self._step_weight
 
@@ -256,6 +256,7 @@ class StepTrainer(ABC):
         self._step_weight = value
 
     def _abandon_weight(self) -> list[Request]:
+        """The weight's request of a step that failed (settle_on_error keeps it alive), now forgotten."""
         pending, self._weighing = self._weighing, None
         return [pending[0]] if pending is not None else []
 
