@@ -188,9 +188,9 @@ def _evaluate(trainer: Trainer, data: Iterable[tuple[Batch, torch.Tensor]], loss
     ``eval_loss`` weighs each batch's (mean) loss by the target elements it counts (:func:`counted`: integer
     targets other than the loss's ignore index, `shift` leading label positions left out; float targets:
     rows), so it is the mean over every counted element of the whole eval (a batch counting none adds
-    nothing, its NaN included); the built-in :func:`accuracy` by its targets other than -100, the same
-    way; other metrics by rows. Local: every rank holds each batch's full outputs (``eval_step``) and
-    targets, so no message is needed beyond the eval steps'; the same floats on every rank."""
+    nothing, its NaN included); metrics (:func:`accuracy` included) by rows. Local: every rank holds each
+    batch's full outputs (``eval_step``) and targets, so no message is needed beyond the eval steps'; the
+    same floats on every rank."""
     ignore = ignore_index_of(loss_fn)
     sums: dict[str, float] = {}
     weights: dict[str, int] = {}
@@ -208,8 +208,7 @@ def _evaluate(trainer: Trainer, data: Iterable[tuple[Batch, torch.Tensor]], loss
         with torch.no_grad():
             add("eval_loss", loss_fn, outputs, targets, counted(targets, n, ignore, shift))
             for name, fn in metrics.items():
-                kept = counted(targets, n, DEFAULT_IGNORE_INDEX) if fn is accuracy else n
-                add(f"eval_{name}", fn, outputs, targets, kept)
+                add(f"eval_{name}", fn, outputs, targets, n)
     return {k: v / weights[k] if weights[k] else math.nan for k, v in sums.items()}
 
 
@@ -742,8 +741,8 @@ def fit(model: nn.Module, data: Any, loss_fn: LossFn,
     ``(outputs, targets) -> float``, or ``"accuracy"``: :func:`accuracy`) are means over the whole eval, the
     same on every rank: ``eval_loss`` over every target element the loss counts (integer targets other than
     its ``ignore_index``, default -100: each batch weighted by its count, as one process computes the token
-    mean over all the eval batches together; float targets: by rows), ``eval_accuracy`` over targets
-    other than -100, other metrics over the batches weighted by their rows.
+    mean over all the eval batches together; float targets: by rows), each metric the mean over the
+    batches weighted by their rows.
 
     ``checkpoint_dir=DIR, checkpoint_every=N`` saves an atomic sharded checkpoint (docs/training-runs.md)
     after every N optimizer steps (counted across epochs) and at the end; ``resume=True`` continues
