@@ -144,3 +144,42 @@ def test_eval_loss_of_the_models_own_token_mean_is_the_global_token_mean(comm, s
         want = model(**batches[0]).loss.item()
     got = result.history[-1]["eval_loss"]
     assert_all_ranks(comm, abs(got - want) < 2e-6, f"{strategy}: eval loss {got} vs one process {want}")
+
+
+def eval_batches(own: bool) -> list[dict[str, torch.Tensor]]:
+    """Three eval batches of 6, 5 and 3 rows counting very different numbers of tokens (the first keeps
+    none in its last 4 rows), so weighting them by rows, not by counted tokens, gives another mean."""
+    out = []
+    for i, rows in enumerate((6, 5, 3)):
+        (inputs, targets), = lm_batches(rows, 1, seed=11 + i, mask=True, labels=True)
+        targets = targets.clone()
+        if i == 0:
+            targets[2:] = -100
+        batch = {k: v for k, v in inputs.items() if k != "labels"}
+        batch["labels" if own else "targets"] = targets
+        out.append(batch)
+    return out
+
+
+@pytest.mark.parametrize("loss", ["out.loss", "CrossEntropyLoss"])
+def test_eval_loss_over_several_batches_is_the_global_token_mean(comm, loss):
+    """eval_data of three batches with different counted tokens: ``eval_loss`` is ONE process's mean over
+    every counted token of all three together (``out.loss`` shifts the labels by one, the cross-entropy
+    takes them as given), under data, model (2 micro-batches) and hybrid (2x2 at 4 ranks); not the mean of
+    the batches' means weighted by rows."""
+    own = loss == "out.loss"
+    evals = eval_batches(own)
+    loss_fn = own_loss if own else LogitsCE()
+    whole = {k: torch.cat([b[k] for b in evals]) for k in evals[0]}
+    for opts in layouts(comm):
+        if opts.get("accumulate"):
+            continue
+        result = fit(build("gpt2"), as_fit_data(token_batches(own, False, steps=1), own), loss_fn, sgd,
+                     eval_data=as_fit_data(evals, own), progress=False, **opts)
+        with torch.no_grad():
+            model = result.model.eval()
+            out = model(**{k: v for k, v in whole.items() if k != "targets"})
+            target = whole["labels" if own else "targets"]
+            want = (out.loss if own else LogitsCE()(out, target)).item()
+        got = result.history[-1]["eval_loss"]
+        assert_all_ranks(comm, abs(got - want) < 2e-6, f"{opts}, {loss}: eval loss {got} vs one process {want}")

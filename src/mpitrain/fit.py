@@ -40,6 +40,9 @@ from .strategies import (
     Columns,
     LossScaler,
     StepTrainer,
+    counted,
+    ignore_index_of,
+    label_shift,
     optimizer_factory,
     samples,
     slice_share,
@@ -204,19 +207,33 @@ def _progress(total: int | None, desc: str, enabled: bool) -> _Bar | None:
 
 
 def _evaluate(trainer: Trainer, data: Iterable[tuple[Batch, torch.Tensor]], loss_fn: LossFn,
-              metrics: dict[str, Metric], columns: Columns) -> dict[str, float]:
-    totals: dict[str, float] = {}
-    count = 0
+              metrics: dict[str, Metric], columns: Columns, shift: int = 0) -> dict[str, float]:
+    """The eval record over every batch of `data`, as one process computes it on all of them together:
+    ``eval_loss`` weighs each batch's (mean) loss by the target elements it counts (:func:`counted`: integer
+    targets other than the loss's ignore index, `shift` leading label positions left out; float targets:
+    rows), so it is the mean over every counted element of the whole eval (a batch counting none adds
+    nothing, its NaN included); metrics (:func:`accuracy` included) by rows. Local: every rank holds each
+    batch's full outputs (``eval_step``) and targets, so no message is needed beyond the eval steps'; the
+    same floats on every rank."""
+    ignore = ignore_index_of(loss_fn)
+    sums: dict[str, float] = {}
+    weights: dict[str, int] = {}
+
+    def add(name: str, fn: Callable[[Any, Any], Any], outputs: Any, targets: Any, weight: int) -> None:
+        sums.setdefault(name, 0.0)
+        weights[name] = weights.get(name, 0) + weight
+        if weight:  # a batch counting nothing: its mean is 0/0, left out
+            sums[name] += float(fn(outputs, targets)) * weight
+
     for batch in data:
         inputs, targets = split_batch(columns(batch))  # a BatchEncoding: its dict
         outputs = trainer.eval_step(inputs, targets)
         n = samples(inputs, targets)
         with torch.no_grad():
-            totals["eval_loss"] = totals.get("eval_loss", 0.0) + float(loss_fn(outputs, targets)) * n
-        for name, fn in metrics.items():
-            totals[f"eval_{name}"] = totals.get(f"eval_{name}", 0.0) + float(fn(outputs, targets)) * n
-        count += n
-    return {k: v / max(count, 1) for k, v in totals.items()}
+            add("eval_loss", loss_fn, outputs, targets, counted(targets, n, ignore, shift))
+            for name, fn in metrics.items():
+                add(f"eval_{name}", fn, outputs, targets, n)
+    return {k: v / weights[k] if weights[k] else math.nan for k, v in sums.items()}
 
 
 class StopTraining(Exception):
@@ -545,7 +562,7 @@ class _Loop:
                 self.shown_loss = loss
 
     # -- the loop -----------------------------------------------------------------------------------------
-    def run(self, eval_data: Any, loss_fn: LossFn, metrics: dict[str, Metric]) -> None:
+    def run(self, eval_data: Any, loss_fn: LossFn, metrics: dict[str, Metric], shift: int = 0) -> None:
         s = self.s
         self._show_dropped(s.dropped)  # a Dataset's, read from item 0 (an iterable's: at its first batch)
         while self.pos.epoch < s.epochs and not self.stop:
@@ -586,7 +603,7 @@ class _Loop:
             if scaler is not None:  # fp16: the scale after the epoch, the steps skipped since the run began
                 record.update(loss_scale=scaler.scale, skipped_steps=scaler.skipped)
             if eval_data is not None:
-                record.update(_evaluate(self.trainer, eval_data, loss_fn, metrics, s.columns))
+                record.update(_evaluate(self.trainer, eval_data, loss_fn, metrics, s.columns, shift))
             self.history.append(record)
             if self.show:
                 print("  ".join(f"{k}={v:.4g}" for k, v in record.items()), flush=True)
@@ -817,13 +834,17 @@ def fit(model: nn.Module, data: Any, loss_fn: LossFn | None,
     :class:`LoopState`; returning True or raising :class:`StopTraining` ends the run after that step. Without
     ``on_step_end`` nothing needs a step's loss at once: the step losses stay on the device and are summed over the
     ranks in one message every 16 steps (and at the epoch's end, before a checkpoint), so the loop sends no loss message
-    and waits for no device on the other steps (integer targets: each step allreduces its counted elements first);
+    and waits for no device on the other steps (integer targets: each step allreduces its counted elements, a
+    non-blocking allreduce started before the forward and waited for before the first backward, under the stall policy);
     the history holds the same floats either way, and the progress bar shows the latest step loss read.
 
     `eval_data` (batches as `data`'s, or a Dataset read in batches of `batch_size`) is evaluated after
     every epoch: the record's ``eval_loss`` and ``eval_<name>`` of each of `metrics` (callables
-    ``(outputs, targets) -> float``, or ``"accuracy"``: :func:`accuracy`) are means over the eval
-    batches weighted by their rows, the same on every rank.
+    ``(outputs, targets) -> float``, or ``"accuracy"``: :func:`accuracy`) are means over the whole eval, the
+    same on every rank: ``eval_loss`` over every target element the loss counts (integer targets other than
+    its ``ignore_index``, default -100: each batch weighted by its count, as one process computes the token
+    mean over all the eval batches together; float targets: by rows), each metric the mean over the
+    batches weighted by their rows.
 
     ``checkpoint_dir=DIR, checkpoint_every=N`` saves an atomic sharded checkpoint (docs/training-runs.md)
     after every N optimizer steps (counted across epochs) and at the end; ``resume=True`` continues
@@ -868,6 +889,7 @@ def fit(model: nn.Module, data: Any, loss_fn: LossFn | None,
     if timeline is not None and not isinstance(timeline, (str, os.PathLike)):
         raise FitError(f"fit: timeline must be a file path, got {timeline!r}")
     model_keys = list(model.state_dict())
+    shift = label_shift(model, loss_fn)  # eval_loss's label positions the loss does not see (before any split)
     trainer = make_trainer(model, loss_fn, factory, comm, spec)
     if sharded != isinstance(trainer, StepTrainer):  # a strategy's bug: its FEATURES and its trainer disagree
         raise RuntimeError(f"strategy {name!r}: a trainer of every loop feature is a StepTrainer, and only it")
@@ -876,7 +898,7 @@ def fit(model: nn.Module, data: Any, loss_fn: LossFn | None,
         try:
             if resume_from is not None:
                 loop.restore(*resume_from)
-            loop.run(eval_data, loss_fn, named)
+            loop.run(eval_data, loss_fn, named, shift)
         except FitError:
             # Refused input is refused on every rank, before the step's messages: end the trainer's comm
             # threads collectively, or a caller that catches the error keeps them cycling (and recording).

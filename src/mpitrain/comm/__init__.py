@@ -12,7 +12,7 @@ from ._cuda import after, mpi_cuda_aware, ready_event
 from ._inflight import settle_on_error
 from ._rendezvous import host_leaders
 from ._staging import Staging
-from ._wait import wait_request
+from ._wait import wait_collective, wait_request
 from .base import DTYPES, OPS, CommError, Communicator, Request, reduce_ops, split_sizes
 
 if TYPE_CHECKING:
@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Communicator", "Request", "CommError", "OPS", "DTYPES", "reduce_ops", "split_sizes",
            "after", "ready_event", "mpi_cuda_aware", "settle_on_error", "host_leaders", "Staging", "wait_request",
+           "wait_collective",
            "MPICommunicator", "TorchCommunicator", "init_torch_world", "torchrun_env"]
 
 #: The backends, imported on first use: importing mpi4py's MPI module initialises MPI, and torch.distributed

@@ -11,6 +11,9 @@ from ._batching import (
     EVERY_COLUMN,
     LABEL_KEYS,
     Columns,
+    counted,
+    ignore_index_of,
+    label_shift,
     plain_inputs,
     rows,
     samples,
@@ -29,7 +32,8 @@ from .base import FitError, FitSpec, StrategyOptions, Trainer
 from .step import StepTrainer
 
 __all__ = ["FitError", "FitSpec", "StrategyOptions", "Trainer", "StepTrainer", "ACCEPTED", "split_batch",
-           "plain_inputs", "Columns", "EVERY_COLUMN", "LABEL_KEYS", "used_columns", "DEFAULT_IGNORE_INDEX",
+           "plain_inputs", "Columns", "EVERY_COLUMN", "LABEL_KEYS", "used_columns", "DEFAULT_IGNORE_INDEX", "counted",
+           "ignore_index_of", "label_shift",
            "rows", "samples", "slice_share", "target_rows", "broadcast_optimizer_state", "broadcast_tensors",
            "MB", "Bucket", "plan_buckets", "as_float", "autocast", "model_device", "to_device", "NAMED", "assemble",
            "replica_entries", "load_replica", "optimizer_factory", "LossScaler"]

@@ -687,4 +687,6 @@ def make_trainer(model: nn.Module, loss_fn: LossFn, optimizer: OptimizerFactory,
         _check_args(model, opts.kvstore, opts.bucket_mb, opts.first_bucket_mb, comm)
     except (TypeError, ValueError) as e:
         raise FitError(f"strategy 'data': {e}") from None
-    return DataTrainer(model, loss_fn, optimizer, comm, spec.micro_batches, opts, spec.loop)
+    trainer = DataTrainer(model, loss_fn, optimizer, comm, spec.micro_batches, opts, spec.loop)
+    trainer.stall = spec.stall  # bounds the wait for each step's weight
+    return trainer

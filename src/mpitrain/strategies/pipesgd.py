@@ -458,4 +458,6 @@ def make_trainer(model: nn.Module, loss_fn: LossFn, optimizer: OptimizerFactory,
         raise FitError(f"strategy 'pipe-sgd': {e}") from None
     signature = (opts.signature(), [(tuple(p.shape), str(p.dtype)) for p in params])
     check_same_everywhere(comm, "pipe-sgd options and parameter shapes", signature, error=FitError)
-    return PipeSGDTrainer(model, loss_fn, optimizer, comm, opts, spec.stall, spec.loop)
+    trainer = PipeSGDTrainer(model, loss_fn, optimizer, comm, opts, spec.stall, spec.loop)
+    trainer.stall = spec.stall  # bounds the wait for each step's weight
+    return trainer

@@ -9,7 +9,12 @@ order of a step is written once (:meth:`StepTrainer.train_shares`):
 3. :meth:`~StepTrainer.weigh`: the step's weight, the sum over every share of the target elements its
    mean loss counts (:func:`~._batching.counted`: integer targets other than the loss's ignore index,
    else rows) -- one allreduce of one number per step once the first step found integer targets, none
-   otherwise (then the weight is the step's samples);
+   otherwise (then the weight is the step's samples). Non-blocking: started here, before any forward,
+   and waited for (under :attr:`~StepTrainer.stall`) where :attr:`~StepTrainer.step_weight` is first
+   read: the first share's scale, after its forward. Why not scale the gradients after backward, which
+   would hide the wait behind backward too: that costs a pass over every gradient per step and cannot
+   reach gradients that leave the rank during backward (data's buckets, ZeRO's reduce-scatter, a
+   pipeline's partial errors, pipe-sgd's thread); the wait it saves is microseconds;
 4. :meth:`~StepTrainer.local_pass`: this rank's forward and backward on its rows, each share's (batch's,
    micro-batch's) mean loss weighted by :meth:`~StepTrainer.scale` = ``weight * replicas / step weight``
    (the gradient finish averages over `replicas`: undo it, divide by the step's weight), so the gradient
@@ -44,7 +49,9 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from ..comm.base import Communicator
+from .._utils.stall import DEFAULT_POLICY, StallPolicy
+from ..comm import settle_on_error, wait_collective
+from ..comm.base import Communicator, Request
 from ..comm.place import Place
 from ._batching import (
     call_rows,
@@ -93,8 +100,14 @@ class StepTrainer(ABC):
     token_weights: bool = True
     #: label positions per row the loss does not see (:func:`~._batching.label_shift`; set from the model)
     label_shift: int = 0
-    #: the current step's weight (:meth:`weigh`): what :meth:`scale` divides by
-    step_weight: float = 1.0
+    #: the current step's weight, once :attr:`step_weight` has waited for it
+    _step_weight: float = 1.0
+    #: the weight's allreduce in flight (request, its buffer, the step's samples); None once read
+    _weighing: tuple[Request, torch.Tensor, int] | None = None
+    #: how many weight allreduces this trainer started (the same on every rank: names a late one)
+    _weighings: int = 0
+    #: bounds the wait for the step's weight (fit's warn_after/abort_after; make_trainer sets it)
+    stall: StallPolicy = DEFAULT_POLICY
     #: whether the job's targets are counted (integer); None until the first step asked every rank
     _counting: bool | None = None
     #: fp16's loss scaler (:attr:`loss_scaler` builds it from ``loop.scaler`` on first use)
@@ -142,10 +155,11 @@ class StepTrainer(ABC):
         if self.closed:
             raise RuntimeError(f"this {self.label} trainer is finished (trained_model() closed it)")
         self.begin_step(batches)
-        self.weigh(batches, total)
-        local = self.local_pass(batches, total)
-        if self.finish_gradients():
-            self.update()
+        with settle_on_error(self._abandon_weight):  # a failed step leaves its weight message alive, forgotten
+            self.weigh(batches, total)
+            local = self.local_pass(batches, total)
+            if self.finish_gradients():
+                self.update()
         if self.step_weight == total:
             return local.reshape(1)
         # the weighted sum in samples, so that fit's division by `total` gives the mean over counted elements
@@ -181,7 +195,7 @@ class StepTrainer(ABC):
         ``loop.grad_clip`` is set (equal to one process's ``clip_grad_norm_``), and step the optimizer."""
         scaler = self.loss_scaler
         if scaler is not None and not scaler.unscale_and_agree(self._optimizer_grads(), self.comm,
-                                                               self.grads_made_with()):
+                                                               self.grads_made_with(), self.stall):
             return
         if self.loop.grad_clip is not None:
             self.clip_grad_norm_(self.loop.grad_clip)
@@ -219,27 +233,32 @@ class StepTrainer(ABC):
         """The weight of a share of `rows` samples with `targets` (fit's one rule,
         :func:`~._batching.counted`): the target elements its mean loss counts when the job's targets are
         integers (those other than ``loss_fn.ignore_index``, default -100), else `rows`."""
-        if not self._counting:
+        if not self.token_weights:
             return rows
+        # no need to wait for the first step's verdict: counted() gives float targets their rows, and a rank
+        # holding integer targets makes the verdict "integer"
         return counted(targets, rows, self.ignore_index, self.label_shift)
 
     def share_weights(self, targets: Any, sizes: list[int]) -> list[int]:
         """:meth:`weight` of each block of `sizes` samples of `targets` (``sum(sizes)`` samples, k target
         rows each): a pipeline's micro-batches; `sizes` itself without targets (a rank computing no loss)."""
-        if targets is None or not self._counting:
+        if targets is None or not self.token_weights:
             return list(sizes)
         starts = [sum(sizes[:i]) for i in range(len(sizes))]
         return [counted_rows(targets, sum(sizes), a, a + s, self.ignore_index, self.label_shift)
                 for a, s in zip(starts, sizes)]
 
     def weigh(self, batches: Sequence[BatchShare], total: int) -> None:
-        """Set :attr:`step_weight`, the step's weight over every rank: the sum of :meth:`weight` over the
-        ranks' shares holding targets. Collective on :attr:`comm` (every rank, before any forward): the
-        first step allreduces whether any rank holds integer targets with their count (the ranks without
-        targets, a pipeline's first stages, learn it there); later steps allreduce the count only when
-        they do, and send nothing otherwise (the weight is then `total`, the samples)."""
+        """Start the step's weight over every rank: the sum of :meth:`weight` over the ranks' shares holding
+        targets, read as :attr:`step_weight`. Collective on :attr:`comm` (every rank, before any forward),
+        and non-blocking: it starts one allreduce of one or two numbers (``comm.iallreduce``) that
+        :attr:`step_weight` waits for where it is first needed (the first share's scaled backward, after
+        its forward), under the stall policy :attr:`stall`. The first step also agrees whether any rank
+        holds integer targets (the ranks without targets, a pipeline's first stages, learn it there);
+        later steps send the count only when they do, and nothing otherwise (the weight is then `total`,
+        the samples)."""
         if not self.token_weights or self._counting is False:
-            self.step_weight = total
+            self._step_weight = total
             return
         held = [b for b in batches if b.targets is not None and b.share.rows]
         asking = self._counting is None
@@ -247,28 +266,64 @@ class StepTrainer(ABC):
         mine = float(sum(counted(b.targets, b.share.rows, self.ignore_index, self.label_shift) for b in held))
         integer = any(integer_targets(b.targets) for b in held)
         sums = torch.tensor([mine, float(integer)] if asking else [mine], dtype=torch.float64)
-        self.comm.allreduce(sums)
-        if asking:
+        self._weighing = (self.comm.iallreduce(sums), sums, total)
+        self._weighings += 1
+
+    @property
+    def step_weight(self) -> float:
+        """The current step's weight (:meth:`weigh`): what :meth:`scale` divides by. The first read of a
+        step waits for the weight's allreduce (:func:`~mpitrain.comm.wait_collective`: a rank still
+        waiting after ``stall.warn_after`` seconds says so, naming the ranks not waiting in it -- a rank that
+        stopped before the step among them -- and ends the job after ``stall.abort_after``)."""
+        self._settle_weight()
+        return self._step_weight
+
+    @step_weight.setter
+    def step_weight(self, value: float) -> None:  # a step weighed otherwise (spatial's own losses, tests)
+        self._settle_weight()
+        self._step_weight = value
+
+    def _abandon_weight(self) -> list[Request]:
+        """The weight's request of a step that failed (settle_on_error keeps it alive), now forgotten."""
+        pending, self._weighing = self._weighing, None
+        return [pending[0]] if pending is not None else []
+
+    def _settle_weight(self) -> None:
+        if self._weighing is None:
+            return
+        req, sums, total = self._weighing
+        rank, step = self.comm.rank, self._weighings
+        wait_collective(req, self.comm, step, lambda: f"the step's weight allreduce (no. {step} of the "
+                        f"{self.label} trainer, over ranks 0-{self.comm.size - 1})", self.stall, who=f"rank {rank}",
+                        abort=self.comm.abort)
+        self._weighing = None
+        if sums.numel() == 2:
             self._counting = bool(sums[1] > 0)
-        self.step_weight = float(sums[0]) if self._counting else total
+        self._step_weight = float(sums[0]) if self._counting else total
 
     def scale(self, weight: int, total: int) -> float:
         """The factor on a mean loss of a share of `weight` (:meth:`weight`) in a step of `total` samples:
         ``weight * replicas / step_weight``, so that after the finish's average the gradient is that of the
-        step's mean over its counted elements (with rows: its mean loss)."""
-        return weight * self.replicas / self.step_weight
+        step's mean over its counted elements (with rows: its mean loss); times fp16's loss scale
+        (:attr:`loss_scaler`; :meth:`update` divides it out)."""
+        scaler = self.loss_scaler
+        return weight * self.replicas / self.step_weight * (1.0 if scaler is None else scaler.scale)
+
+    def scales(self, weights: Sequence[int], total: int) -> Sequence[float]:
+        """:meth:`scale` of each of `weights`, each computed when it is read: a pipeline reads a micro-batch's
+        where its loss is back-propagated (the last stage), so the step's weight is waited for there, after
+        that stage's first forward, and the other stages never wait for it inside the pass."""
+        return _Scales(self, list(weights), total)
 
     def backward(self, loss: torch.Tensor, weight: int, total: int, out: Any = None) -> torch.Tensor:
-        """Back-propagate the mean `loss` of a share of `weight` (:meth:`weight`) times :meth:`scale` (and
-        fp16's loss scale, :attr:`loss_scaler`);
-        returns ``loss * weight`` in float64 (detached), what :meth:`local_pass` adds up. A share of
-        weight 0 (every target ignored: its loss is NaN) back-propagates zero through `out`, the model's
+        """Back-propagate the mean `loss` of a share of `weight` (:meth:`weight`) times :meth:`scale` (fp16's
+        loss scale included); returns ``loss * weight`` in float64 (detached), what :meth:`local_pass` adds
+        up. A share of weight 0 (every target ignored: its loss is NaN) back-propagates zero through `out`, the model's
         outputs (:func:`~._batching.zero_loss`), so the gradient holds no NaN, and adds 0."""
         if weight == 0:
             zero_loss(out, loss).backward()
             return torch.zeros((), dtype=torch.float64, device=loss.device)
-        scaler = self.loss_scaler  # fp16: the loss times the loss scale (the update divides it out)
-        (loss * (self.scale(weight, total) * (1.0 if scaler is None else scaler.scale))).backward()
+        (loss * self.scale(weight, total)).backward()
         return loss.detach().double() * weight
 
     # -- the rest of the Trainer ------------------------------------------------------------------------
@@ -292,6 +347,21 @@ class StepTrainer(ABC):
     def load_state_dict(self, read: Callable[[int], dict[str, object]], saved_layout: Mapping[str, object]) -> None:
         """Restore from a checkpoint of `saved_layout` (:class:`~.base.CheckpointTrainer`); every rank,
         before the first step."""
+
+
+class _Scales(Sequence[float]):
+    """:meth:`StepTrainer.scales`: a read-only sequence of scale factors computed on access."""
+
+    def __init__(self, trainer: StepTrainer, weights: list[int], total: int) -> None:
+        self._trainer, self._weights, self._total = trainer, weights, total
+
+    def __len__(self) -> int:
+        return len(self._weights)
+
+    def __getitem__(self, i: Any) -> Any:  # Sequence's overloads: an index, or a slice (a list)
+        if isinstance(i, slice):
+            return [self._trainer.scale(w, self._total) for w in self._weights[i]]
+        return self._trainer.scale(self._weights[i], self._total)
 
 
 @torch.no_grad()

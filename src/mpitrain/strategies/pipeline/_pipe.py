@@ -24,7 +24,7 @@ first batch (:meth:`Pipeline.build`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -325,7 +325,7 @@ class Pipeline:
                                         cut(self.comm, self.layout, self.model, shapes, spec), self.run_spec)
         return self._runtime
 
-    def train_pass(self, inputs: Any | None, targets: Any | None, sizes: list[int], scales: list[float],
+    def train_pass(self, inputs: Any | None, targets: Any | None, sizes: list[int], scales: Sequence[float],
                    loss_fn: LossFn, flat: bool = False, weights: list[int] | None = None) -> float:
         """Forward and backward of this replica's rows of one batch, cut into micro-batches of `sizes`
         rows (any sizes >= 1; none: this replica has no rows), micro-batch m back-propagating

@@ -12,7 +12,7 @@ over a tie's copies), clips them, and evaluates. The shapes of every message com
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -120,7 +120,7 @@ class PipelineRuntime:
         return out
 
     # -- passes -----------------------------------------------------------------------------------
-    def train_pass(self, flat: list[Any] | None, targets: Any | None, sizes: list[int], scales: list[float],
+    def train_pass(self, flat: list[Any] | None, targets: Any | None, sizes: list[int], scales: Sequence[float],
                    loss_fn: LossFn, weights: list[int]) -> float:
         """Forward and backward of this replica's rows of one batch (every rank of the replica, the
         same `sizes`): see :meth:`~._pipe.Pipeline.train_pass`; `flat`: the inputs' flat leaves

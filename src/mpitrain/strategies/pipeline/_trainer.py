@@ -112,7 +112,9 @@ def make_trainer(model: nn.Module, loss_fn: LossFn, optimizer: OptimizerFactory,
                     opts.checkpoint, balance=spec.balance, virtual_stages=opts.virtual_stages, stall=spec.stall,
                     profile_passes=opts.profile_passes, seed=opts.init_seed, init_fn=opts.init_fn,
                     inputs_on_first=True, autocast=spec.loop.precision in LOW and spec.loop.precision, zero=opts.zero)
-    return PipelineTrainer(pipe, loss_fn, lambda params: built, spec.strategy, spec.loop)
+    trainer = PipelineTrainer(pipe, loss_fn, lambda params: built, spec.strategy, spec.loop)
+    trainer.stall = spec.stall  # bounds the wait for each step's weight
+    return trainer
 
 
 class PipelineTrainer(StepTrainer):
@@ -160,8 +162,7 @@ class PipelineTrainer(StepTrainer):
         for b in batches:
             sizes = [s for s in split_sizes(b.share.stop - b.share.start, pipe.M) if s > 0]
             weights = self.share_weights(b.targets, sizes)  # counted on the last stage (its targets)
-            factor = 1.0 if self.loss_scaler is None else self.loss_scaler.scale  # fp16: the update divides it out
-            scales = [self.scale(w, total) * factor for w in weights]
+            scales = self.scales(weights, total)  # read where a loss is back-propagated: the weight's wait
             local += pipe.train_pass(_own_rows(b.inputs, b), b.targets, sizes, scales, self.loss_fn, weights=weights)
         return local
 
