@@ -364,4 +364,6 @@ def make_trainer(model: nn.Module, loss_fn: LossFn, optimizer: OptimizerFactory,
     if problem:
         raise FitError(problem)
     dist = Distribution(comm, grid, samples, nonspatial=opts.nonspatial, stall=spec.stall)
-    return SpatialTrainer(model, loss_fn, optimizer, dist, opts.bn_stats, opts.overlap, spec.loop, opts.switch_at)
+    trainer = SpatialTrainer(model, loss_fn, optimizer, dist, opts.bn_stats, opts.overlap, spec.loop, opts.switch_at)
+    trainer.stall = spec.stall  # bounds the step's waits of StepTrainer (fp16's overflow verdict)
+    return trainer

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .._utils.stall import DEFAULT_POLICY, StallPolicy
+from ..comm import wait_request
 from ..comm.base import Communicator
 
 __all__ = ["ScalerSpec", "LossScaler"]
@@ -58,11 +60,12 @@ class LossScaler:
         #: whether the latest :meth:`unscale_and_agree` found the step finite
         self.stepped = True
 
-    def unscale_and_agree(self, grads: Iterable[torch.Tensor], comm: Communicator,
-                          made_with: float | None = None) -> bool:
+    def unscale_and_agree(self, grads: Iterable[torch.Tensor], comm: Communicator, made_with: float | None = None,
+                          stall: StallPolicy = DEFAULT_POLICY) -> bool:
         """Divide `grads` (this rank's, those its optimizer steps) by the scale they were made with
         (`made_with`, default the current one), find whether any element of any rank's is inf or NaN
-        (one allreduce max of one float on `comm`: collective, the job's verdict) and update the scale
+        (one allreduce max of one float on `comm`: collective, the job's verdict; a rank still waiting for
+        it after ``stall.warn_after`` s says so, the job ends after ``stall.abort_after``) and update the scale
         by GradScaler's rule. Returns True when the step may go on (every rank alike). A gradient made
         with a scale above the current one (pipe-sgd's stale gradients, backed off since) that
         overflows skips its step without backing off again: its scale's overflow was counted already."""
@@ -76,7 +79,8 @@ class LossScaler:
             here = torch.zeros(1, dtype=torch.float32, device=device)
             torch._amp_foreach_non_finite_check_and_unscale_(group, here, inv.to(device))
             found += here.cpu()  # a CUDA rank waits for its device here, as GradScaler.step does
-        comm.allreduce(found, "max")
+        wait_request(comm.iallreduce(found, "max"), "the fp16 overflow verdict's allreduce", stall,
+                     who=f"rank {comm.rank}", abort=comm.abort)
         finite = bool(found[0] == 0)
         if finite or made <= self.scale:  # made with a larger scale, since backed off: counted already
             s = self.spec
