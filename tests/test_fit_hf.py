@@ -167,3 +167,40 @@ def test_items_without_labels_are_refused_on_every_rank_before_any_message(comm,
     t = torch.ones(2)  # nothing was sent: the next collective still matches on every rank
     comm.allreduce(t)
     assert_all_ranks(comm, torch.equal(t, torch.full((2,), float(comm.size))), "desynchronised")
+
+
+def one_process_autocast(model: nn.Module, batches: list[dict[str, torch.Tensor]], precision: str) -> nn.Module:
+    """:func:`one_process` under ``torch.autocast("cpu", bf16 / fp16)``, fp16 with a GradScaler (init 2**8)."""
+    model = copy.deepcopy(model)
+    opt = sgd(model.parameters())
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8) if precision == "fp16" else None
+    for batch in batches:
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16 if scaler else torch.bfloat16):
+            loss = model(**batch).loss
+        if scaler is None:
+            loss.backward()
+            opt.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    return model
+
+
+@pytest.mark.parametrize("precision, atol", [("bf16", 2e-3), ("fp16", 5e-4)])  # measured 4.3e-4, 6.2e-5
+def test_a_language_model_trains_in_low_precision_across_partitions_like_one_process_autocast(comm, precision, atol):
+    """GPT-2 casts its logits to float32 before its own loss (``logits.float()``): torch.export recorded the
+    float32 it saw as an assert, and every partition graph failed under fit's autocast ("Tensor dtype
+    mismatch"). The casts stay in the graph, so the partitions compute what the forward computes under
+    autocast: equal to one process's autocast loop (float32 weights) to the precision's rounding, further
+    than which the two steps move the weights."""
+    batches = [x for x, _ in lm_batches(B, 2, seed=4, mask=False, labels=True)]
+    start = build("gpt2").float()
+    want = one_process_autocast(start, batches, precision)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8) if precision == "fp16" else None
+    result = fit(copy.deepcopy(start), batches, None, sgd, strategy="model", precision=precision, grad_scaler=scaler,
+                 progress=False, **options(comm, "model"))
+    compare(comm, result.model, want, f"{precision} under model", atol)
+    moved = max((a - b).abs().max().item() for a, b in zip(want.parameters(), start.parameters()))
+    assert_all_ranks(comm, moved > 10 * atol, f"the steps moved the weights by {moved} only (the test can fail)")
