@@ -6,12 +6,13 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
-__all__ = ["assert_all_ranks", "assert_close_all_ranks", "bitwise_equal", "run_job", "ROOT"]
+__all__ = ["assert_all_ranks", "assert_close_all_ranks", "bitwise_equal", "run_job", "calls_recorded", "ROOT"]
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -69,3 +70,31 @@ def run_job(script: str | Path, n: int = 2, timeout: float = 120,
                     job.kill()
                 raise
         return subprocess.CompletedProcess(argv, job.returncode, out, err)
+
+
+class _CallNames:
+    """A tracer (comm/tracing.py): the names of the calls made on traced communicators (not their waits)."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+
+    def add(self, kind: str, name: str, t0: int, t1: int, args: dict | None = None) -> None:
+        self.names.append(name)
+
+    def add_wait(self, name: str, t0: int, t1: int, args: dict | None = None, clip: bool = True) -> None:
+        pass
+
+
+@contextmanager
+def calls_recorded() -> Iterator[list[str]]:
+    """The names of the calls this process makes on every communicator while the block runs, in order
+    (the tracer of comm/tracing.py, the previous one restored after): what a test checks was sent, or
+    that nothing was before a refusal."""
+    from mpitrain.comm import tracing
+
+    tracer = _CallNames()
+    previous = tracing.set_tracer(tracer)
+    try:
+        yield tracer.names
+    finally:
+        tracing.set_tracer(previous)

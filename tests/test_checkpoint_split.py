@@ -8,7 +8,9 @@ tests/strategies/test_zero.py (test_checkpoints_resume_at_another_world_size_...
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -68,6 +70,30 @@ def last_step(directory: Path) -> str:
     return found.name
 
 
+def resumes_like_the_full_run(comm, resume: Callable[[str], Any], root: Path, full: Any, params: Any,
+                              label: str) -> dict[str, torch.Tensor]:
+    """``resume(directory)`` from ``root/part`` (the split checkpoint) and from ``root/old`` (the older layout)
+    ends bit-identical to the uninterrupted run `full` (weights, buffers, losses, the final shard: optimizer
+    state, in-flight gradients, RNG), and ``load_checkpoint(root/full)`` equals its model (rank 0's buffers;
+    `params` on every rank). Returns the consolidated state dict."""
+    last = last_step(root / "full")
+    for directory in ("part", "old"):
+        resumed = resume(str(root / directory))
+        what = f"{label}, resumed from the {'older layout' if directory == 'old' else 'split checkpoint'}"
+        assert_all_ranks(comm, bitwise_equal(resumed.model.state_dict(), full.model.state_dict()),
+                         f"{what}: this rank's weights or buffers differ from the uninterrupted run")
+        assert_all_ranks(comm, [h["loss"] for h in resumed.history] == [h["loss"] for h in full.history],
+                         f"{what}: losses differ")
+        assert_all_ranks(comm, bitwise_equal(checkpoint.read_shard(root / directory / last, comm.rank),
+                                             checkpoint.read_shard(root / "full" / last, comm.rank)),
+                         f"{what}: the final checkpoint's shard (optimizer state, in-flight gradients, RNG) differs")
+    consolidated, want = checkpoint.load_checkpoint(root / "full"), full.model.state_dict()
+    ok = list(consolidated) == list(want) and all(torch.equal(consolidated[k], v) for k, v in want.items()
+                                                  if comm.rank == 0 or k in params)
+    assert_all_ranks(comm, ok, f"{label}: load_checkpoint differs from the trained model (rank 0's buffers)")
+    return consolidated
+
+
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
 def test_data_checkpoint_holds_the_weights_once_and_resumes_bit_identical(comm, tmp_path, zero):
     root = Path(comm.broadcast_object(str(tmp_path)))
@@ -90,21 +116,7 @@ def test_data_checkpoint_holds_the_weights_once_and_resumes_bit_identical(comm, 
     assert_all_ranks(comm, zero == 3 or sorted(held) == sorted(params),
                      f"parameters written {sorted(held)}: each must be in exactly one shard")
 
-    for directory in ("part", "old"):
-        resumed = train(comm, str(root / directory), zero, resume=True)
-        what = f"zero={zero}, resumed from the {'older layout' if directory == 'old' else 'split checkpoint'}"
-        assert_all_ranks(comm, bitwise_equal(resumed.model.state_dict(), full.model.state_dict()),
-                         f"{what}: this rank's weights or buffers differ from the uninterrupted run")
-        assert_all_ranks(comm, [h["loss"] for h in resumed.history] == [h["loss"] for h in full.history],
-                         f"{what}: losses differ")
-        last = last_step(root / "full")
-        assert_all_ranks(comm, bitwise_equal(checkpoint.read_shard(root / directory / last, comm.rank),
-                                             checkpoint.read_shard(root / "full" / last, comm.rank)),
-                         f"{what}: the final checkpoint's shard (optimizer state, RNG) differs")
-    consolidated, want = checkpoint.load_checkpoint(root / "full"), full.model.state_dict()
-    ok = list(consolidated) == list(want) and all(torch.equal(consolidated[k], v) for k, v in want.items()
-                                                  if comm.rank == 0 or k in params)
-    assert_all_ranks(comm, ok, "load_checkpoint differs from the trained model (rank 0's buffers)")
+    resumes_like_the_full_run(comm, lambda d: train(comm, d, zero, resume=True), root, full, params, f"zero={zero}")
 
 
 # -- pipe-sgd, spatial, hybrid: the replicated weights once too -------------------------------------------------
@@ -212,19 +224,6 @@ def test_replicated_strategies_write_the_weights_once_and_resume_bit_identical(c
     state = [n for s in shards for n in s["optim"]["state"]]
     assert_all_ranks(comm, sorted(state) == sorted(params), f"{name}: optimizer state of {sorted(state)}")
 
-    for directory in ("part", "old"):
-        resumed = run(comm, name, str(root / directory), resume=True)
-        what = f"{name}, resumed from the {'older layout' if directory == 'old' else 'split checkpoint'}"
-        assert_all_ranks(comm, bitwise_equal(resumed.model.state_dict(), full.model.state_dict()),
-                         f"{what}: this rank's weights or buffers differ from the uninterrupted run")
-        assert_all_ranks(comm, [h["loss"] for h in resumed.history] == [h["loss"] for h in full.history],
-                         f"{what}: losses differ")
-        last = last_step(root / "full")
-        assert_all_ranks(comm, bitwise_equal(checkpoint.read_shard(root / directory / last, comm.rank),
-                                             checkpoint.read_shard(root / "full" / last, comm.rank)),
-                         f"{what}: the final checkpoint's shard (optimizer state, in-flight gradients, RNG) differs")
-    consolidated, want_state = checkpoint.load_checkpoint(root / "full"), full.model.state_dict()
-    ok = list(consolidated) == list(want_state) and all(torch.equal(consolidated[k], v) for k, v in want_state.items()
-                                                        if comm.rank == 0 or k in params)
-    assert_all_ranks(comm, ok, f"{name}: load_checkpoint differs from the trained model (rank 0's buffers)")
+    consolidated = resumes_like_the_full_run(comm, lambda d: run(comm, name, d, resume=True), root, full, params,
+                                             name)
     factory().load_state_dict(consolidated)  # the user's class takes it as is

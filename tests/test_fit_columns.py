@@ -29,10 +29,9 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from mpitrain.comm import tracing
 from mpitrain.fit import FitError, fit
 from mpitrain.planner import plan
-from tests.helpers import assert_all_ranks
+from tests.helpers import assert_all_ranks, calls_recorded
 from tests.strategies.pipeline.tiny_transformers import _transformers, build, own_loss
 from tests.test_fit_hf_datasets import SEED, B, N, compare, datasets, one_process, options, order, sgd, texts, tokenizer
 
@@ -75,33 +74,17 @@ class Kwargs(Named):
         return super().forward(input_ids, attention_mask, token_type_ids, labels)
 
 
-class Messages:
-    """A tracer (comm/tracing.py) recording the name of every communicator call."""
-
-    def __init__(self) -> None:
-        self.calls: list[str] = []
-
-    def add(self, kind: str, name: str, t0: int, t1: int, args: dict[str, Any] | None = None) -> None:
-        self.calls.append(name)
-
-    def add_wait(self, name: str, t0: int, t1: int, args: dict[str, Any] | None = None, clip: bool = True) -> None:
-        self.calls.append(name)
-
-
 def refused(comm, *args: Any, **kwargs: Any) -> tuple[str, list[str]]:
     """fit's FitError message (or what it raised instead) and the communicator calls made before it."""
-    tracer = Messages()
-    previous = tracing.set_tracer(tracer)
-    try:
-        fit(*args, progress=False, comm=comm, **kwargs)
-        msg = "no error"
-    except FitError as e:
-        msg = str(e)
-    except Exception as e:  # noqa: BLE001 - the verdict must reach every rank
-        msg = f"not a FitError: {type(e).__name__}: {e}"
-    finally:
-        tracing.set_tracer(previous)
-    return msg, tracer.calls
+    with calls_recorded() as calls:
+        try:
+            fit(*args, progress=False, comm=comm, **kwargs)
+            msg = "no error"
+        except FitError as e:
+            msg = str(e)
+        except Exception as e:  # noqa: BLE001 - the verdict must reach every rank
+            msg = f"not a FitError: {type(e).__name__}: {e}"
+    return msg, calls
 
 
 @pytest.mark.parametrize("strategy", ["data", "model", pytest.param("hybrid", marks=pytest.mark.mpi(sizes=[4]))])

@@ -6,9 +6,8 @@ import pytest
 import torch
 
 from mpitrain import kvstore
-from mpitrain.comm import tracing
 from mpitrain.kvstore import KVStoreError
-from tests.helpers import assert_all_ranks, assert_close_all_ranks
+from tests.helpers import assert_all_ranks, assert_close_all_ranks, calls_recorded
 
 
 def _store(comm, servers: int, **kw):
@@ -118,37 +117,22 @@ def test_dist_sync_pushpull_only_keys_keep_no_worker_copy_and_refuse_pull(comm, 
         kv.init(["small", "big"], [torch.zeros(5), torch.zeros(37)], pushpull_only=True)
         bare = kv.held_bytes()
         kv.init("plain", torch.zeros(4))
-        refused, calls = [], _Calls()
-        previous = tracing.set_tracer(calls)  # the calls on every communicator of this (worker) process
-        try:
+        refused: list[str] = []
+        with calls_recorded() as calls:  # the calls on every communicator of this (worker) process
             for op in (lambda: kv.pull("big", torch.empty(37)), lambda: kv.push("small", torch.zeros(5))):
                 try:
                     op()
                     refused.append("")
                 except KVStoreError as e:
                     refused.append(str(e))
-        finally:
-            tracing.set_tracer(previous)
         for step in range(2):
             t, u = _grad(w, step, 37), _grad(w, step, 5)
             kv.pushpull(["big", "small"], [t, u])
             kv.wait()
             ok &= torch.equal(t, sum(_grad(v, step, 37) for v in range(nw)))
             ok &= torch.equal(u, sum(_grad(v, step, 5) for v in range(nw)))
-        ok &= bare == 0 and kv.held_bytes() == 16 and all("pushpull_only" in r for r in refused) and not calls.names
-        msg = f"held {bare} B then {kv.held_bytes()} B, refusals {refused}, calls made by them {calls.names}"
+        ok &= bare == 0 and kv.held_bytes() == 16 and all("pushpull_only" in r for r in refused) and not calls
+        msg = f"held {bare} B then {kv.held_bytes()} B, refusals {refused}, calls made by them {calls}"
         kv.close()
     assert_all_ranks(comm, ok, msg or "wrong sum")
 
-
-class _Calls:
-    """A tracer (comm/tracing.py): the names of the calls made on traced communicators."""
-
-    def __init__(self) -> None:
-        self.names: list[str] = []
-
-    def add(self, kind: str, name: str, t0: int, t1: int, args: dict | None = None) -> None:
-        self.names.append(name)
-
-    def add_wait(self, name: str, t0: int, t1: int, args: dict | None = None, clip: bool = True) -> None:
-        pass

@@ -14,7 +14,7 @@ from torch import nn
 import mpitrain
 from mpitrain.fit import fit
 from mpitrain.strategies.data_parallel import COLLECTIVE_TYPES, DataParallel
-from tests.helpers import assert_all_ranks, assert_close_all_ranks
+from tests.helpers import assert_all_ranks, assert_close_all_ranks, calls_recorded
 
 pytestmark = pytest.mark.mpi
 
@@ -446,37 +446,18 @@ def _train_side_by_side(comm: Any, dp: DataParallel, ref: nn.Module, o: torch.op
         ro.step()
 
 
-class _Calls:
-    """A tracer (comm/tracing.py): the names of the calls made on traced communicators."""
-
-    def __init__(self) -> None:
-        self.names: list[str] = []
-
-    def add(self, kind: str, name: str, t0: int, t1: int, args: dict[str, Any] | None = None) -> None:
-        self.names.append(name)
-
-    def add_wait(self, name: str, t0: int, t1: int, args: dict[str, Any] | None = None, clip: bool = True) -> None:
-        pass
-
-
 def test_one_rank_dataparallel_registers_no_bucket_in_its_store_and_trains_as_plain_torch(comm):
     """On a one-rank communicator (each rank its own) the store DataParallel makes receives nothing: no
     registration of the buckets (a host copy of the whole gradient, per fit call on a GPU); one check of
     the settings is the only message. The step still equals plain torch's."""
-    from mpitrain.comm import tracing
-
     solo = comm.split(comm.rank)
     ref = make_model(SmallCNN, comm)
-    calls = _Calls()
-    previous = tracing.set_tracer(calls)
-    try:
+    with calls_recorded() as calls:
         dp = DataParallel(copy.deepcopy(ref), comm=solo, **SMALL)
-    finally:
-        tracing.set_tracer(previous)
     x, y = batches(1, 1)[0]
     F.cross_entropy(dp(x), y).backward()
     F.cross_entropy(ref(x), y).backward()
     dp.close()
-    assert_all_ranks(comm, calls.names == ["allgather_object"], f"calls at construction: {calls.names}")
+    assert_all_ranks(comm, calls == ["allgather_object"], f"calls at construction: {calls}")
     for (name, p), q in zip(dp.module.named_parameters(), ref.parameters()):
         assert_close_all_ranks(comm, p.grad, q.grad, atol=0.0, what=f"grad {name}")
