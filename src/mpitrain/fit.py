@@ -64,8 +64,8 @@ from .strategies.base import (
     is_number,
 )
 
-__all__ = ["fit", "make_trainer", "model_loss", "FitResult", "FitSpec", "Trainer", "STRATEGIES", "FitError",
-           "StopTraining", "LoopState"]
+__all__ = ["fit", "make_trainer", "model_loss", "accuracy", "accuracy_counted", "FitResult", "FitSpec", "Trainer",
+           "STRATEGIES", "FitError", "StopTraining", "LoopState"]
 
 #: strategy name -> "module:factory": the concrete strategies of the strategy table (`mpitrain._registry`) and
 #: "auto", the planner's, which sits between fit and that table (docs/ARCHITECTURE.md, Layers).
@@ -106,7 +106,21 @@ def accuracy(outputs: Any, targets: torch.Tensor) -> float:
     segmentation's ``["out"]``, else a tuple's first element); the class dim is 1 (``(N, C)``,
     ``(N, C, H, W)``) or, for ``(B, T, V)`` logits of ``(B, T)`` targets, the last; targets of -100 (the
     loss's ``ignore_index``) are not counted, and float targets shaped as the logits (soft labels, e.g.
-    Mixup) count their largest class."""
+    Mixup) count their largest class. A Hugging Face causal LM called with its labels (a
+    ``...CausalLMOutput...`` holding a loss) predicts the next token: logits ``[:, :-1]`` against labels
+    ``[:, 1:]``, as its own loss and Hugging Face's ``run_clm`` accuracy compare them. Across eval
+    batches fit weighs it by the targets it counts (:func:`accuracy_counted`)."""
+    hits, counted = _accuracy_parts(outputs, targets)
+    return hits / max(counted, 1)
+
+
+def accuracy_counted(outputs: Any, targets: torch.Tensor) -> int:
+    """How many targets :func:`accuracy` counts (its denominator): fit's weight of a batch's accuracy."""
+    return _accuracy_parts(outputs, targets)[1]
+
+
+def _accuracy_parts(outputs: Any, targets: torch.Tensor) -> tuple[int, int]:
+    """(hits, counted targets) of :func:`accuracy`."""
     logits = getattr(outputs, "logits", None)
     if logits is None and isinstance(outputs, Mapping):
         logits = outputs["out"]
@@ -116,11 +130,13 @@ def accuracy(outputs: Any, targets: torch.Tensor) -> float:
     if logits.dim() == targets.dim() + 1 and logits.shape[:-1] == targets.shape and \
             logits.shape[:1] + logits.shape[2:] != targets.shape:
         dim = -1
+        if "CausalLMOutput" in type(outputs).__name__ and getattr(outputs, "loss", None) is not None:
+            logits, targets = logits[:, :-1], targets[:, 1:]  # the labels the model's own loss shifts
     if targets.is_floating_point() and targets.shape == logits.shape:
         targets = targets.argmax(dim=dim)
     counted = targets != DEFAULT_IGNORE_INDEX
     hits = (logits.argmax(dim=dim) == targets) & counted
-    return float(hits.sum()) / max(int(counted.sum()), 1)
+    return int(hits.sum()), int(counted.sum())
 
 
 _NAMED_METRICS: dict[str, Metric] = {"accuracy": accuracy}
@@ -212,7 +228,8 @@ def _evaluate(trainer: Trainer, data: Iterable[tuple[Batch, torch.Tensor]], loss
     ``eval_loss`` weighs each batch's (mean) loss by the target elements it counts (:func:`counted`: integer
     targets other than the loss's ignore index, `shift` leading label positions left out; float targets:
     rows), so it is the mean over every counted element of the whole eval (a batch counting none adds
-    nothing, its NaN included); metrics (:func:`accuracy` included) by rows. Local: every rank holds each
+    nothing, its NaN included); :func:`accuracy` likewise by the targets it counts, other metrics by
+    rows. Local: every rank holds each
     batch's full outputs (``eval_step``) and targets, so no message is needed beyond the eval steps'; the
     same floats on every rank."""
     ignore = ignore_index_of(loss_fn)
@@ -232,7 +249,8 @@ def _evaluate(trainer: Trainer, data: Iterable[tuple[Batch, torch.Tensor]], loss
         with torch.no_grad():
             add("eval_loss", loss_fn, outputs, targets, counted(targets, n, ignore, shift))
             for name, fn in metrics.items():
-                add(f"eval_{name}", fn, outputs, targets, n)
+                weight = accuracy_counted(outputs, targets) if fn is accuracy else n
+                add(f"eval_{name}", fn, outputs, targets, weight)
     return {k: v / weights[k] if weights[k] else math.nan for k, v in sums.items()}
 
 
@@ -843,8 +861,9 @@ def fit(model: nn.Module, data: Any, loss_fn: LossFn | None,
     ``(outputs, targets) -> float``, or ``"accuracy"``: :func:`accuracy`) are means over the whole eval, the
     same on every rank: ``eval_loss`` over every target element the loss counts (integer targets other than
     its ``ignore_index``, default -100: each batch weighted by its count, as one process computes the token
-    mean over all the eval batches together; float targets: by rows), each metric the mean over the
-    batches weighted by their rows.
+    mean over all the eval batches together; float targets: by rows), ``"accuracy"`` over every target it
+    counts (each batch weighted by its count), any other metric the mean over the batches weighted by
+    their rows.
 
     ``checkpoint_dir=DIR, checkpoint_every=N`` saves an atomic sharded checkpoint (docs/training-runs.md)
     after every N optimizer steps (counted across epochs) and at the end; ``resume=True`` continues
