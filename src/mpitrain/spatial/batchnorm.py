@@ -60,7 +60,8 @@ class _BatchNorm(torch.autograd.Function):
         # statistics of a bf16/fp16 block (autocast) are kept in float32, as torch's mixed-dtype kernel wants
         low = x.dtype in (torch.bfloat16, torch.float16)
         if x.numel():
-            mean, var = torch.batch_norm_update_stats(x, None, None, 0.0)
+            dummy = x.new_zeros(x.shape[1], dtype=torch.float32) if low else None
+            mean, var = torch.batch_norm_update_stats(x, dummy, dummy, 0.0)
         else:  # a sample group without samples in an uneven batch: it weighs 0 in the combination
             mean = var = x.new_zeros(x.shape[1])
         if low:
