@@ -285,3 +285,36 @@ def test_bf16_halo_layers_follow_autocast_like_one_process(comm):
         assert_all_ranks(comm, p.grad is not None and p.grad.dtype == torch.float32, f"{name}.grad dtype")
         scale = q.grad.abs().max().item()
         assert_close_all_ranks(comm, p.grad / scale, q.grad / scale, 3e-2, 0, f"{name}.grad (relative to its max)")
+
+
+@pytest.mark.parametrize("low", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_batchnorm_under_autocast_computes_what_torchs_mixed_dtype_kernel_does(comm, low):
+    """A float16/bfloat16 block (a conv's output under autocast) through global-statistics SpatialBatchNorm:
+    torch's layer in one process takes its mixed-dtype path (statistics, running buffers and the backward's
+    sums in float32, the output in the block's dtype). The spatial form must too: statistics rounded to the
+    block's dtype (a float16 mean near 6 off by up to 2e-3) shift every output and the weight gradients.
+    Channel means (the conv's bias, 6) large against the spread, as un-normalised inputs give."""
+    from mpitrain.spatial import Distribution, gather, parallelize
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(2, 3, 3, 1, 1), nn.BatchNorm2d(3), nn.Tanh(), nn.Conv2d(3, 2, 1))
+    with torch.no_grad():
+        model[0].bias.fill_(6.0)
+    ref = copy.deepcopy(model)
+    dist = Distribution(comm, (comm.size, 1), 1)
+    x = torch.randn(2, 2, 8, 8, generator=torch.Generator().manual_seed(1))
+    with torch.autocast("cpu", dtype=low):
+        y = gather(parallelize(model, dist)(dist.scatter(x)))
+        expected = ref(x)
+    y.float().square().sum().backward()
+    expected.float().square().sum().backward()
+    assert_all_ranks(comm, y.dtype == expected.dtype == low, f"dtypes {y.dtype}, {expected.dtype}")
+    ulp = torch.finfo(low).eps
+    assert_close_all_ranks(comm, y.float(), expected.float(), 2 * ulp, 2 * ulp, "output")
+    for (name, p), q in zip(model.state_dict().items(), ref.state_dict().values()):
+        assert_close_all_ranks(comm, p.double(), q.double(), 1e-6, 1e-6, name)  # running buffers, float32
+    # relative to the largest gradient: the conv's bias before the batch norm has 0 as exact gradient (a shift
+    # the normalisation removes), both sides hold rounding noise there
+    scale = max(q.grad.abs().max().item() for q in ref.parameters())
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert_close_all_ranks(comm, p.grad / scale, q.grad / scale, 4 * ulp, 0, f"{name}.grad (relative)")

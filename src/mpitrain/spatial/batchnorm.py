@@ -57,10 +57,16 @@ class _BatchNorm(torch.autograd.Function):
         x = dense(x)
         # one pass for the local statistics (torch's BN kernel: 10x faster than var_mean on CPU), one
         # to normalise with the combined ones: the passes of the single-process layer
-        # statistics of a bf16/fp16 block (autocast) are kept in float32, as torch's mixed-dtype kernel wants
+        # A bf16/fp16 block (autocast) takes the single-process layer's mixed-dtype path: statistics
+        # accumulated and returned in float32. The kernel takes that path only when given float32 running
+        # buffers (scratch ones here, left as they are by momentum 0); without them it returns the
+        # statistics rounded to the block's dtype (a float16 mean near 6 off by up to 2e-3: every output
+        # and the weight gradients shift, and runs drift from one process)
         low = x.dtype in (torch.bfloat16, torch.float16)
         if x.numel():
-            mean, var = torch.batch_norm_update_stats(x, None, None, 0.0)
+            scratch = x.new_zeros(2, x.shape[1], dtype=torch.float32) if low else None
+            running = (scratch[0], scratch[1]) if scratch is not None else (None, None)
+            mean, var = torch.batch_norm_update_stats(x, running[0], running[1], 0.0)
         else:  # a sample group without samples in an uneven batch: it weighs 0 in the combination
             mean = var = x.new_zeros(x.shape[1])
         if low:
