@@ -246,3 +246,27 @@ def test_a_cnn_keeps_every_spatial_plan_its_trial_forward_runs(comm):
             for a in range(1, per + 1) if per % a == 0}
     assert_all_ranks(comm, layouts == want and not [d for d in plans.dropped if d.strategy == "spatial"],
                      f"{layouts} vs {want}; {plans.explanation()}")
+
+
+class BranchesOnRank(nn.Module):
+    """A forward that runs other code on rank 0 (a shape check no input fails): torch.export captures a
+    different graph there, so the ranks measure different numbers of times."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.rank, self.inner = rank, tiny_cnn()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rank == 0 and x.shape[-1] * x.shape[-2] < 4:
+            raise ValueError("never: the images are larger")
+        return self.inner(x)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_ranks_that_capture_different_graphs_are_refused_together_not_inside_mpi(comm):
+    """Before: the profile's allreduce of different lengths failed inside MPI (MPI_ERR_TRUNCATE) on one
+    rank while the others waited."""
+    x, y = cnn_batch(n=2 * comm.size)
+    with pytest.raises(PlanError) as e:
+        plan(BranchesOnRank(comm.rank), (x, y), CE, comm=comm, cache=False, strategies={"data"})
+    assert_all_ranks(comm, "different graphs" in str(e.value), str(e.value))

@@ -25,6 +25,7 @@ from ..perf.calibrate import best_time
 from ..perf.spatial import ConvShape, conv_shapes
 from ..strategies import rows, samples, target_rows
 from ..strategies.base import Batch, LossFn
+from ._types import PlanError
 
 __all__ = ["ModelProfile", "measure_model", "model_signature", "agree", "cache_path", "load_cached", "store",
            "profile_to_dict", "profile_from_dict"]
@@ -241,9 +242,14 @@ def _activation_bytes(model: nn.Module, inputs: Batch) -> tuple[float, float]:
 
 def agree(comm: Communicator, prof: ModelProfile) -> ModelProfile:
     """The profile every rank holds after this collective: each measured time replaced by its maximum
-    over the ranks of `comm` (every rank must call, with profiles of the same model)."""
+    over the ranks of `comm` (every rank must call, with profiles of the same model; PlanError on every rank
+    when their graphs differ: one small allgather first)."""
     if comm.size == 1:
         return prof
+    counts = comm.allgather_object(len(prof.times()))
+    if len(set(counts)) > 1:  # an allreduce of different lengths would fail inside MPI (MPI_ERR_TRUNCATE)
+        raise PlanError(f"plan: the ranks captured different graphs of the model ({counts} measured times per "
+                        f"rank): its forward must run the same code on every rank, not branch on the rank")
     times = torch.tensor(prof.times(), dtype=torch.float64)
     comm.allreduce(times, op="max")
     return prof.with_times(times.tolist())
