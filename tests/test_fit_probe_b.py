@@ -80,3 +80,24 @@ def test_eval_leaves_batchnorm_running_statistics_alone(comm, name):
     assert_all_ranks(comm, tracked == STEPS and bitwise_equal(evaluated, plain),
                      f"{name} on {comm.size} ranks: after eval num_batches_tracked {tracked} (steps {STEPS}); "
                      f"state equal to a run without eval_data: {bitwise_equal(evaluated, plain)}")
+
+
+@pytest.mark.parametrize("name", ["data", "data-zero1"])
+def test_data_batchnorm_model_is_the_same_on_every_rank_and_is_what_eval_scores(comm, name):
+    """Under data each rank's forwards move its BatchNorm statistics by its own rows (DDP's state after a
+    step); the next step would take rank 0's. The returned model and the evaluated one take rank 0's now:
+    the same state on every rank, and ``eval_loss`` is one process's eval of it (before: each rank's
+    share was scored with that rank's own statistics, and ``result.model`` differed between ranks).
+    (pipe-sgd keeps each rank's buffers its own by design: docs/pipe-sgd.md.)"""
+    train, ex, ey = data(comm.size)
+    result = run(train, ex, ey, False, STRATEGIES[name])
+    state = result.model.state_dict()
+    rank0 = comm.broadcast_object(state if comm.rank == 0 else None)
+    model = result.model.eval()
+    with torch.no_grad():
+        out = model(ex)
+    loss = float(nn.functional.cross_entropy(out, ey))
+    got = result.history[-1]["eval_loss"]
+    assert_all_ranks(comm, bitwise_equal(state, rank0) and got == pytest.approx(loss, rel=1e-12),
+                     f"{name} on {comm.size} ranks: state equal to rank 0's {bitwise_equal(state, rank0)}; "
+                     f"eval_loss {got}, one process {loss}")
