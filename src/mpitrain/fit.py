@@ -863,7 +863,8 @@ def fit(model: nn.Module, data: Any, loss_fn: LossFn | None,
     its ``ignore_index``, default -100: each batch weighted by its count, as one process computes the token
     mean over all the eval batches together; float targets: by rows), ``"accuracy"`` over every target it
     counts (each batch weighted by its count), any other metric the mean over the batches weighted by
-    their rows.
+    their rows. The eval forward runs in eval mode without grad (as ``model.eval()``), every module's mode
+    restored after it.
 
     ``checkpoint_dir=DIR, checkpoint_every=N`` saves an atomic sharded checkpoint (docs/training-runs.md)
     after every N optimizer steps (counted across epochs) and at the end; ``resume=True`` continues

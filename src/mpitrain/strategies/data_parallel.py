@@ -533,6 +533,7 @@ class DataTrainer(StepTrainer):
         # buffers go once per step (train_shares), so ranks may run different numbers of forwards
         self.dp.broadcast_buffers = False
         self._buffers = [b for _, b in model.named_buffers()] if opts.broadcast_buffers else []
+        self._buffers_moved = False  # a step's forwards moved each rank's buffers its own way since the broadcast
         self.loss_fn, self.comm, self.micro_batches, self.loop = loss_fn, comm, micro_batches, loop
         self.label_shift = label_shift(model, loss_fn)
         #: every rank a replica of the whole model (ZeRO's shard group, when sharding, is the world)
@@ -551,6 +552,7 @@ class DataTrainer(StepTrainer):
         self.optimizer.zero_grad()
         if self._buffers and self.dp.training:
             broadcast_tensors(self._buffers, self.comm, 0)
+            self._buffers_moved = True
         if self.dp.stage == 3:
             self._check_passes(batches)
 
@@ -597,7 +599,9 @@ class DataTrainer(StepTrainer):
 
     def eval_step(self, inputs: Batch, targets: torch.Tensor) -> Any:
         """The model's outputs for the whole batch on every rank, in the model's own structure (a
-        tensor, tuple, ModelOutput: every tensor leaf gathered along dim 0)."""
+        tensor, tuple, ModelOutput: every tensor leaf gathered along dim 0). Every rank evaluates with rank
+        0's buffers (:meth:`_agree_buffers`), so the outputs are those of the model fit returns."""
+        self._agree_buffers()
         return replica_eval(self.dp.module, self.comm, self.place, inputs, targets, self.device, self.loop.precision,
                             self.loss_fn, self.label_shift)
 
@@ -670,10 +674,19 @@ class DataTrainer(StepTrainer):
         """The wrapped module (same weights on every rank). Collective: fit calls it last, on every rank,
         so it also closes the KVStore (its comm thread); the trainer takes no more steps after it (with
         ``zero`` its optimizer state is freed first: zero=3 gathers the whole parameters here)."""
+        self._agree_buffers()
         if self.dp.zero is not None:
             self.dp.zero.drop_state(self.optimizer)
         self.dp.close()
         return self.dp.module
+
+    def _agree_buffers(self) -> None:
+        """Rank 0's buffers on every rank, once after a step: the step's forwards left each rank's BatchNorm
+        statistics moved by its own rows (DDP's state after a step too); the next step would broadcast rank
+        0's, so the evaluated and the returned model take those now, the same on every rank. Collective."""
+        if self._buffers_moved:
+            broadcast_tensors(self._buffers, self.comm, 0)
+            self._buffers_moved = False
 
 
 def make_trainer(model: nn.Module, loss_fn: LossFn, optimizer: OptimizerFactory, comm: Communicator,

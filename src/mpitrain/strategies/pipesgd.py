@@ -344,7 +344,8 @@ class PipeSGDTrainer(StepTrainer):
         torch.nn.utils.clip_grad_norm_(self.params, max_norm)
 
     def eval_step(self, inputs: Batch, targets: torch.Tensor) -> Any:
-        return replica_eval(self.model, self.comm, self.place, inputs, targets, self.device, loss_fn=self.loss_fn,
+        return replica_eval(self.model, self.comm, self.place, inputs, targets, self.device, self.loop.precision,
+                            loss_fn=self.loss_fn,
                             shift=self.label_shift)
 
     # -- checkpoints (CheckpointTrainer) ---------------------------------------------------------------

@@ -370,11 +370,21 @@ def replica_eval(module: nn.Module, comm: Communicator, place: Place, inputs: Ba
     """The eval step of a strategy that keeps a whole replica per rank: each replica runs its block of the
     batch (:func:`~._batching.even_share`), the outputs are gathered along dim 0 on every rank, in the
     model's own structure; a 0-dim mean (``out.loss``) is averaged with each block weighted by
-    :func:`~._batching.counted` (`loss_fn`'s ignore index, `shift`), as training weighs shares. Collective on `comm`."""
+    :func:`~._batching.counted` (`loss_fn`'s ignore index, `shift`), as training weighs shares. Collective on `comm`.
+
+    The forward runs in eval mode without grad, as one process evaluates (``model.eval()``): BatchNorm
+    normalizes by its running statistics and does not update them, Dropout is off. Each module's own mode
+    is put back afterwards (a layer the user froze in eval mode stays so)."""
     n = samples(inputs, targets)
     s = even_share(n, place.replicas, place.replica)
-    with autocast(precision, device):
-        out = call_rows(module, inputs, s.start, s.stop, device)
+    modes = {m: m.training for m in module.modules()}
+    module.eval()
+    try:
+        with torch.no_grad(), autocast(precision, device):
+            out = call_rows(module, inputs, s.start, s.stop, device)
+    finally:
+        for m, training in modes.items():
+            m.train(training)
     blocks = [even_share(n, place.replicas, r) for r in range(place.replicas)]
     ignore = ignore_index_of(loss_fn)
     weights = [counted_rows(targets, n, b.start, b.stop, ignore, shift) for b in blocks]
