@@ -755,12 +755,17 @@ def _build(traced: Traced, own: list[fx.Node], inputs: list[str], outputs: list[
 #: ATen ops of an exported graph whose behaviour depends on the mode, and the index of their `train` flag
 _MODE_ARGS = {"aten::dropout": 2, "aten::feature_dropout": 2, "aten::alpha_dropout": 2,
               "aten::feature_alpha_dropout": 2, "aten::batch_norm": 5}
+#: ATen ops given a dropout probability that the model's Python chose by its mode while it was captured
+#: (transformers' attention: ``dropout_p=self.attention_dropout if self.training else 0.0``): the index and
+#: name of that argument; 0 in eval mode, the captured value in training mode
+_DROPOUT_P_ARGS = {"aten::scaled_dot_product_attention": (4, "dropout_p")}
 
 
 def set_training(gm: fx.GraphModule, train: bool) -> None:
     """Switch the mode flag of the dropout and batch-norm ops of an exported (ATen) graph, which
-    ``module.train()``/``eval()`` cannot reach (export bakes the mode into the op's arguments).
-    Python branches on ``self.training`` stay as they were when the model was captured."""
+    ``module.train()``/``eval()`` cannot reach (export bakes the mode into the op's arguments), and the
+    attention's dropout probability (:data:`_DROPOUT_P_ARGS`, kept in the node's meta to be put back).
+    Other Python branches on ``self.training`` stay as they were when the model was captured."""
     changed = False
     for n in gm.graph.nodes:
         if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
@@ -768,8 +773,28 @@ def set_training(gm: fx.GraphModule, train: bool) -> None:
             if i is not None and len(n.args) > i and n.args[i] is not train:
                 n.update_arg(i, train)
                 changed = True
+            changed |= _set_dropout_p(n, train)
     if changed:
         gm.recompile()
+
+
+def _set_dropout_p(n: fx.Node, train: bool) -> bool:
+    """Set `n`'s dropout probability (:data:`_DROPOUT_P_ARGS`) for the mode; whether it changed."""
+    where = _DROPOUT_P_ARGS.get(n.target._schema.name)  # type: ignore[union-attr]
+    if where is None:
+        return False
+    i, name = where
+    by_position = len(n.args) > i
+    now = n.args[i] if by_position else n.kwargs.get(name, 0.0)
+    captured = n.meta.setdefault("mpitrain_train_dropout_p", now)
+    want = captured if train else 0.0
+    if now == want:
+        return False
+    if by_position:
+        n.update_arg(i, want)
+    else:
+        n.update_kwarg(name, want)
+    return True
 
 
 def tied_groups(parts: list[Partition]) -> list[tuple[tuple[int, ...], list[nn.Parameter]]]:
