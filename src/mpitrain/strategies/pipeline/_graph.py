@@ -188,7 +188,11 @@ def _refuse_no_grad_regions(model: nn.Module, graph: fx.Graph) -> None:
     (``torch.utils.checkpoint(..., use_reentrant=True)``, transformers'
     ``gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})``) runs its
     function under ``no_grad`` inside an autograd.Function that torch.export does not keep: the graph would
-    train nothing inside those regions (the last partition's loss then has no grad_fn)."""
+    train nothing inside those regions (the last partition's loss then has no grad_fn). Only where the model
+    turned checkpointing on (a module's ``gradient_checkpointing``, as transformers marks it): a ``no_grad``
+    block the forward means (a frozen teacher's pass) is captured alike and must stay allowed."""
+    if not any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
+        return
     for n in graph.nodes:
         if n.op == "call_function" and getattr(n.target, "__name__", None) == "wrap_with_set_grad_enabled" \
                 and n.args and n.args[0] is False:
