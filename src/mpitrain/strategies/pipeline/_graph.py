@@ -158,6 +158,8 @@ def export(model: nn.Module, sample: Any) -> Traced:
     unlifted = ep.module()
     assert isinstance(unlifted, fx.GraphModule)
     graph = unlifted.graph
+    if model.training:
+        _refuse_no_grad_regions(model, graph)
     for n in list(graph.nodes):
         # the input-shape guard module checks what our slicing guarantees; and export asserts the dtype
         # each ``.to()`` / ``.float()`` saw while capturing (float32), where fit runs the graph under bf16 or
@@ -178,6 +180,28 @@ def export(model: nn.Module, sample: Any) -> Traced:
     traced = _traced(model, gm, list(output.args[0]), ep.call_spec.out_spec, ep.call_spec.in_spec, "export")
     traced.fixed_kwargs = fixed
     return traced
+
+
+def _refuse_no_grad_regions(model: nn.Module, graph: fx.Graph) -> None:
+    """TraceFailure if the training forward turned gradients off inside the captured graph
+    (``wrap_with_set_grad_enabled(False, ...)``). Reentrant activation checkpointing
+    (``torch.utils.checkpoint(..., use_reentrant=True)``, transformers'
+    ``gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})``) runs its
+    function under ``no_grad`` inside an autograd.Function that torch.export does not keep: the graph would
+    train nothing inside those regions (the last partition's loss then has no grad_fn). Only where the model
+    turned checkpointing on (a module's ``gradient_checkpointing``, as transformers marks it): a ``no_grad``
+    block the forward means (a frozen teacher's pass) is captured alike and must stay allowed."""
+    if not any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
+        return
+    for n in graph.nodes:
+        if n.op == "call_function" and getattr(n.target, "__name__", None) == "wrap_with_set_grad_enabled" \
+                and n.args and n.args[0] is False:
+            raise TraceFailure(
+                f"cannot split {type(model).__name__} into partitions: its training forward turns gradients "
+                f"off inside the graph (reentrant activation checkpointing, use_reentrant=True, does this), so "
+                f"the captured graph would not train those layers; use use_reentrant=False (transformers' "
+                f"default: gradient_checkpointing_enable() without kwargs) or the pipeline's own recomputation "
+                f"(fit's checkpoint='always')")
 
 
 def _export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], every_dim: bool) -> Any:
