@@ -225,7 +225,8 @@ class PipelineRuntime:
     def _output_leaves(self, flat: list[Any], B: int) -> tuple[list[Any], dict[int, torch.dtype]]:
         """Buffers for the batch's output leaves (constants stay constants), and the 0-dim floating
         outputs by index with their dtype: a mean the model takes over its rows (a Hugging Face model's
-        loss from ``labels`` among the inputs), buffered as one float64 row-weighted sum per replica."""
+        loss from ``labels`` among the inputs), buffered as one float64 sum per replica, each micro-batch's
+        mean weighted by what it counts (:meth:`~._pipe.Pipeline.eval`'s `weigh`: its rows by default)."""
         meta = self.shapes.meta(flat, 1)
         out: list[Any] = []
         means: dict[int, torch.dtype] = {}
