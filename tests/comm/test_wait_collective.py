@@ -32,6 +32,9 @@ def _late_round(comm, late: int, seq: int, capfd) -> tuple[bool, str]:
 
 
 def test_a_late_collective_names_the_ranks_not_waiting_in_it_and_completes(comm, capfd):
+    if comm.backend != "mpi":  # same verdict on every rank
+        pytest.skip("the arrival notes' receives are cancelled only by MPI: torch.distributed's stay pending "
+                    "(a later late wait's note is taken by one of them, and gloo aborts at exit on them)")
     t = torch.ones(1, dtype=torch.float64)
     out = wait_collective(comm.iallreduce(t), comm, 0, "quick", POLICY)
     assert_all_ranks(comm, out is not None and float(out[0]) == comm.size, "the quick allreduce")

@@ -71,7 +71,9 @@ def wait_collective(req: Request, comm: Communicator, seq: int, what: str | Call
     `warn_after`, then "gave up ..." and ``abort(1)`` after `abort_after` (counted from the start) -- names
     the ranks whose note has not come: those that never started this collective, or are held up in another
     wait first (a rank that stopped is among them). Only the calling rank waits; a stalled rank sleeps
-    between tests (backing off to 0.2 ms)."""
+    between tests (backing off to 0.2 ms). The naming needs receives that can be cancelled (MPI's): under
+    torch.distributed a note receive left from an earlier late wait stays pending, so a later line may name
+    a rank that is there (the wait itself is unaffected)."""
     policy = dataclasses.replace(policy, spin=max(policy.spin, 5e-5), max_nap=min(policy.max_nap, 2e-4),
                                  first_nap=min(policy.first_nap, 2e-4))
     early = policy.warn_after / 4
