@@ -1,10 +1,12 @@
-"""Activation checkpointing of a Hugging Face model (``gradient_checkpointing_enable``) under the pipeline.
+"""Activation checkpointing (a Hugging Face model's ``gradient_checkpointing_enable``, or
+``torch.utils.checkpoint`` in a plain module's forward) under the pipeline.
 
 transformers' default (``use_reentrant=False``) trains under "model" exactly as one process does (float64,
 parameters after 2 steps). ``use_reentrant=True`` runs each layer under ``no_grad`` inside an
 autograd.Function that torch.export does not keep: the captured graph would train nothing inside those
 layers (the last partition's loss had no grad_fn: one rank raised, the others waited in the tied-weight
-allreduce until the job's stall limit). It is refused with FitError on every rank before any message."""
+allreduce until the job's stall limit). It is refused with FitError on every rank before any message; a
+``no_grad`` block the forward means (a frozen part) is not refused and trains as one process does."""
 
 from __future__ import annotations
 
@@ -63,3 +65,65 @@ def test_reentrant_gradient_checkpointing_is_refused_under_model_on_every_rank(c
     with pytest.raises(FitError, match="use_reentrant=False"):
         fit(model, batches, lm_loss, sgd, strategy="model", partitions=comm.size, micro_batches=2, progress=False,
             abort_after=60)
+
+
+class Checkpointed(nn.Module):
+    """A plain module whose forward checkpoints its middle layer itself, or runs it under no_grad (a frozen
+    block: nothing before it trains either) or in bfloat16 autocast (float32 weights)."""
+
+    def __init__(self, reentrant: bool | str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 3)
+        self.reentrant = reentrant  # "no_grad" / "autocast": that block instead of checkpointing
+        self.to(torch.float32 if reentrant == "autocast" else torch.float64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x.to(self.a.weight.dtype)))
+        if self.reentrant == "no_grad":
+            with torch.no_grad():
+                h = h + torch.tanh(self.b(h))
+        elif self.reentrant == "autocast":
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                h = torch.tanh(self.b(h)).float()
+        else:
+            h = torch.utils.checkpoint.checkpoint(lambda t: torch.tanh(self.b(t)), h, use_reentrant=self.reentrant)
+        return self.c(h)
+
+
+def plain_batches():
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randn(B, 6, generator=g, dtype=torch.float64), torch.randint(0, 3, (B,), generator=g))
+            for _ in range(2)]
+
+
+def one_process_plain(model: nn.Module, batches) -> nn.Module:
+    model = copy.deepcopy(model)
+    opt = sgd(model.parameters())
+    for x, y in batches:
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    return model
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("reentrant", [False, "no_grad", "autocast"])
+def test_checkpoint_no_grad_and_autocast_blocks_of_a_plain_module_train_as_one_process_under_model(comm, reentrant):
+    """fx runs a no_grad / autocast block while tracing without recording it: such a forward is captured by
+    torch.export, which keeps both (fx's graph trained the frozen layers, and the block in float64)."""
+    batches = plain_batches()
+    want = one_process_plain(Checkpointed(reentrant), batches)
+    result = fit(Checkpointed(reentrant), batches, nn.functional.cross_entropy, sgd, strategy="model",
+                 partitions=comm.size, micro_batches=1 if reentrant == "autocast" else 2, progress=False,
+                 abort_after=60)  # autocast: one micro-batch, so bfloat16 rounds the very sums one process does
+    got = dict(result.model.named_parameters())
+    for name, p in want.named_parameters():
+        assert_close_all_ranks(comm, got[name].detach(), p.detach(), atol=1e-12, what=name)
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_reentrant_torch_checkpoint_of_a_plain_module_is_refused_under_model_on_every_rank(comm):
+    with pytest.raises(FitError, match="use_reentrant=False"):
+        fit(Checkpointed(True), plain_batches(), nn.functional.cross_entropy, sgd, strategy="model",
+            partitions=comm.size, micro_batches=2, progress=False, abort_after=60)

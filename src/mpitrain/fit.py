@@ -236,21 +236,27 @@ def _evaluate(trainer: Trainer, data: Iterable[tuple[Batch, torch.Tensor]], loss
     sums: dict[str, float] = {}
     weights: dict[str, int] = {}
 
-    def add(name: str, fn: Callable[[Any, Any], Any], outputs: Any, targets: Any, weight: int) -> None:
-        sums.setdefault(name, 0.0)
+    def add(name: str, total: float, weight: int) -> None:
+        sums[name] = sums.get(name, 0.0) + total
         weights[name] = weights.get(name, 0) + weight
-        if weight:  # a batch counting nothing: its mean is 0/0, left out
-            sums[name] += float(fn(outputs, targets)) * weight
+
+    def weighted(fn: Callable[[Any, Any], Any], outputs: Any, targets: Any, weight: int) -> float:
+        # a batch counting nothing: its mean is 0/0 (NaN), left out
+        return float(fn(outputs, targets)) * weight if weight else 0.0
 
     for batch in data:
         inputs, targets = split_batch(columns(batch))  # a BatchEncoding: its dict
         outputs = trainer.eval_step(inputs, targets)
         n = samples(inputs, targets)
         with torch.no_grad():
-            add("eval_loss", loss_fn, outputs, targets, counted(targets, n, ignore, shift))
+            weight = counted(targets, n, ignore, shift)
+            add("eval_loss", weighted(loss_fn, outputs, targets, weight), weight)
             for name, fn in metrics.items():
-                weight = accuracy_counted(outputs, targets) if fn is accuracy else n
-                add(f"eval_{name}", fn, outputs, targets, weight)
+                if fn is accuracy:  # its hits and count in one pass: the whole eval's fraction
+                    hits, weight = _accuracy_parts(outputs, targets)
+                    add(f"eval_{name}", float(hits), weight)
+                else:
+                    add(f"eval_{name}", weighted(fn, outputs, targets, n), n)
     return {k: v / weights[k] if weights[k] else math.nan for k, v in sums.items()}
 
 

@@ -1,7 +1,9 @@
 """Model generator (HyPar-Flow §5.1): capture an unmodified model as a graph, measure it, cut it.
 
-Capture: ``torch.fx.symbolic_trace`` where it traces (module-level graph, readable node names);
-otherwise ``torch.export.export(..., strict=False)`` with a dynamic batch dimension, whose
+Capture: ``torch.fx.symbolic_trace`` where it traces and records everything the forward does
+(module-level graph, readable node names); otherwise (fx fails, or the forward switches gradients or
+autocast inside, which fx does not record: :class:`_ModeTracer`) ``torch.export.export(..., strict=False)``
+with a dynamic batch dimension, whose
 ``ExportedProgram.module()`` is an ATen-level graph (Hugging Face transformers, models with control
 flow on shapes). Both give one ``fx.GraphModule`` whose placeholders are the *flat* model inputs
 (the leaves of ``(args, kwargs)``) and whose output is the flat list of output leaves; `out_spec`
@@ -112,10 +114,37 @@ def capture(model: nn.Module, sample: Any) -> Traced:
             raise TraceFailure(f"{e}\n(torch.fx failed first: {fx_error.__cause__!r})") from e
 
 
+def _grad_and_autocast() -> tuple[bool, ...]:
+    return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
+            *(torch.is_autocast_enabled(d) for d in ("cpu", "cuda")))
+
+
+class _ModeTracer(fx.Tracer):
+    """fx's tracer, noting a node created under another grad or autocast mode than the trace began in:
+    fx runs a ``with torch.no_grad()`` / ``torch.autocast`` block of the forward while tracing but records
+    no trace of it, so its graph would differentiate a frozen block or compute an autocast region in the
+    outer precision (export keeps both as ``wrap_with_set_grad_enabled`` / ``wrap_with_autocast``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mode = _grad_and_autocast()
+        self.switched = False
+
+    def create_node(self, *args: Any, **kwargs: Any) -> fx.Node:
+        self.switched |= _grad_and_autocast() != self.mode
+        return super().create_node(*args, **kwargs)
+
+
 def trace(model: nn.Module) -> Traced:
-    """Symbolically trace `model` (unmodified). Raises :class:`TraceFailure` naming what stopped fx."""
+    """Symbolically trace `model` (unmodified). Raises :class:`TraceFailure` naming what stopped fx, or
+    that the forward switches gradients or autocast inside (:class:`_ModeTracer`)."""
+    tracer = _ModeTracer()
     try:
-        gm = fx.symbolic_trace(model)
+        graph = tracer.trace(model)
+        gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
+        if tracer.switched:
+            raise RuntimeError("the forward switches gradients or autocast inside (torch.no_grad, "
+                               "torch.autocast, reentrant checkpointing), which fx does not record")
     except Exception as e:  # TraceError, TypeError, NotImplementedError...: depends on the construct
         raise TraceFailure(
             f"cannot split {type(model).__name__} into partitions: torch.fx could not trace it "
@@ -188,20 +217,28 @@ def _refuse_no_grad_regions(model: nn.Module, graph: fx.Graph) -> None:
     (``torch.utils.checkpoint(..., use_reentrant=True)``, transformers'
     ``gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})``) runs its
     function under ``no_grad`` inside an autograd.Function that torch.export does not keep: the graph would
-    train nothing inside those regions (the last partition's loss then has no grad_fn). Only where the model
-    turned checkpointing on (a module's ``gradient_checkpointing``, as transformers marks it): a ``no_grad``
+    train nothing inside those regions (the last partition's loss then has no grad_fn). Only such regions:
+    where the model turned checkpointing on (a module's ``gradient_checkpointing``, as transformers marks
+    it) or whose nodes were traced through ``torch.utils.checkpoint`` (their stack trace); a ``no_grad``
     block the forward means (a frozen teacher's pass) is captured alike and must stay allowed."""
-    if not any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
-        return
+    marked = any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
     for n in graph.nodes:
         if n.op == "call_function" and getattr(n.target, "__name__", None) == "wrap_with_set_grad_enabled" \
-                and n.args and n.args[0] is False:
+                and n.args and n.args[0] is False and (marked or _through_checkpoint(n)):
             raise TraceFailure(
                 f"cannot split {type(model).__name__} into partitions: its training forward turns gradients "
                 f"off inside the graph (reentrant activation checkpointing, use_reentrant=True, does this), so "
                 f"the captured graph would not train those layers; use use_reentrant=False (transformers' "
                 f"default: gradient_checkpointing_enable() without kwargs) or the pipeline's own recomputation "
                 f"(fit's checkpoint='always')")
+
+
+def _through_checkpoint(region: fx.Node) -> bool:
+    """Whether a graph region's outputs were computed inside ``torch.utils.checkpoint`` (the file in the
+    stack trace export records on each node)."""
+    import torch.utils.checkpoint as ckpt
+
+    return any(ckpt.__file__ in str(u.meta.get("stack_trace") or "") for u in region.users)
 
 
 def _export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], every_dim: bool) -> Any:
