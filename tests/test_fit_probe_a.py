@@ -127,3 +127,43 @@ def test_reentrant_torch_checkpoint_of_a_plain_module_is_refused_under_model_on_
     with pytest.raises(FitError, match="use_reentrant=False"):
         fit(Checkpointed(True), plain_batches(), nn.functional.cross_entropy, sgd, strategy="model",
             partitions=comm.size, micro_batches=2, progress=False, abort_after=60)
+
+
+class _Reverse(torch.autograd.Function):
+    """A gradient reversal layer (domain adaptation): identity forward, negated backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return -g
+
+
+class Reversed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 3)
+        self.double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(_Reverse.apply(torch.tanh(self.a(x))))
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("strategy", ["model", "data"])
+def test_a_custom_autograd_function_is_refused_under_model_and_trains_as_one_process_under_data(comm, strategy):
+    """A captured graph records a custom Function's forward ops, not its backward: the partitions trained
+    ``a`` with the reversed gradient's opposite. Refused on every rank; data runs the forward as it is."""
+    if strategy == "model":
+        with pytest.raises(FitError, match="custom autograd.Function .*_Reverse"):
+            fit(Reversed(), plain_batches(), nn.functional.cross_entropy, sgd, strategy="model", partitions=comm.size,
+                progress=False, abort_after=60)
+        return
+    want = one_process_plain(Reversed(), plain_batches())
+    got = fit(Reversed(), plain_batches(), nn.functional.cross_entropy, sgd, strategy="data", progress=False,
+              abort_after=60).model
+    for (name, p), q in zip(want.named_parameters(), got.parameters()):
+        assert_close_all_ranks(comm, q.detach(), p.detach(), atol=1e-12, what=name)

@@ -10,7 +10,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from mpitrain.strategies.pipeline._graph import TraceFailure, cut_points, measure, profile, split, trace
+from mpitrain.strategies.pipeline._graph import TraceFailure, capture, cut_points, measure, profile, split, trace
 from mpitrain.strategies.pipeline._partition import balanced_bounds, explicit_bounds
 from mpitrain.strategies.pipeline._stage import make_edges
 
@@ -148,6 +148,48 @@ class DataDependent(nn.Module):
 def test_untraceable_model_error_names_the_construct():
     with pytest.raises(TraceFailure, match="control flow|TraceError"):
         trace(DataDependent())
+
+
+class NoGradBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            x = self.a(x)
+        return x + 1
+
+
+class _Twice(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 1
+
+    @staticmethod
+    def backward(ctx, g):
+        return 2 * g
+
+
+class AppliesAFunction(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Twice.apply(x)
+
+
+def test_fx_refuses_a_forward_that_switches_gradients_and_export_keeps_the_block():
+    with pytest.raises(TraceFailure, match="switches gradients or autocast"):
+        trace(NoGradBlock())
+    traced = capture(NoGradBlock(), torch.randn(2, 4))
+    assert traced.how == "export"
+    assert not traced.gm(torch.randn(2, 4))[0].requires_grad  # the block's output is as the forward's
+
+
+def test_capture_refuses_a_custom_autograd_function_and_restores_apply():
+    apply = torch.autograd.Function.__dict__["apply"]
+    with pytest.raises(TraceFailure, match="custom autograd.Function .*_Twice"):
+        capture(AppliesAFunction(), torch.randn(2, 4))
+    assert torch.autograd.Function.__dict__["apply"] is apply
+    assert _Twice.apply(torch.ones(1, requires_grad=True)).grad_fn is not None
 
 
 def test_measure_counts_backward_time_on_the_node_that_spends_it():

@@ -100,18 +100,49 @@ class Partition:
 def capture(model: nn.Module, sample: Any) -> Traced:
     """fx if it traces `model`, else torch.export on `sample` (a batch's inputs, as :func:`call_args`
     reads them) moved first to where `model`'s parameters are (CUDA, meta). Raises
-    :class:`TraceFailure` naming both failures."""
-    try:
-        return trace(model)
-    except TraceFailure as fx_error:
+    :class:`TraceFailure` naming both failures, or the custom ``torch.autograd.Function`` the forward
+    applies (:func:`_applied_functions`)."""
+    with _applied_functions() as applied:
         try:
-            # torch.export runs the forward on fake tensors that keep each input's device, and refuses an
-            # op mixing two (a CUDA model's embedding of a loader's CPU token ids): trace where the
-            # weights are, as training will run; tensors the forward creates from an input's device
-            # are then baked on that device too (meta ones are retargeted by split)
-            return export(model, to_device(sample, model_device(model)))
-        except TraceFailure as e:
-            raise TraceFailure(f"{e}\n(torch.fx failed first: {fx_error.__cause__!r})") from e
+            traced = trace(model)
+        except TraceFailure as fx_error:
+            try:
+                # torch.export runs the forward on fake tensors that keep each input's device, and refuses
+                # an op mixing two (a CUDA model's embedding of a loader's CPU token ids): trace where the
+                # weights are, as training will run; tensors the forward creates from an input's device
+                # are then baked on that device too (meta ones are retargeted by split)
+                traced = export(model, to_device(sample, model_device(model)))
+            except TraceFailure as e:
+                raise TraceFailure(f"{e}\n(torch.fx failed first: {fx_error.__cause__!r})") from e
+    if applied:
+        names = ", ".join(sorted({f"{f.__module__}.{f.__qualname__}" for f in applied}))
+        raise TraceFailure(f"cannot split {type(model).__name__} into partitions: its forward applies the custom "
+                           f"autograd.Function {names}, whose backward a captured graph cannot keep (torch.fx and "
+                           f"torch.export record the ops of its forward, and autograd would differentiate those, "
+                           f"not run its backward); use strategy='data' (or 'pipe-sgd', 'spatial'), which run the "
+                           f"forward as it is")
+    return traced
+
+
+@contextmanager
+def _applied_functions() -> Iterator[list[type]]:
+    """The custom ``torch.autograd.Function`` subclasses applied inside the block (a gradient reversal, a
+    straight-through estimator): their own backward is lost in any captured graph, so training one
+    silently computed other gradients. torch's own (reentrant checkpointing, refused with its own
+    message by :func:`_refuse_no_grad_regions`) are left out."""
+    applied: list[type] = []
+    apply = torch.autograd.Function.__dict__["apply"]
+
+    def recording(cls: type, *args: Any, **kwargs: Any) -> Any:
+        if not cls.__module__.startswith("torch."):
+            applied.append(cls)
+        return apply.__func__(cls, *args, **kwargs)
+
+    torch.autograd.Function.apply = classmethod(recording)  # type: ignore[method-assign,assignment]
+    try:
+        yield applied
+    finally:
+        torch.autograd.Function.apply = apply  # type: ignore[method-assign]
 
 
 def _grad_and_autocast() -> tuple[bool, ...]:
