@@ -29,14 +29,14 @@ def sgd(params):
     return torch.optim.SGD(params, lr=0.5)
 
 
-def one_process(model: nn.Module, batches) -> nn.Module:
-    """The same training in one process: lm_loss of the whole batch, one SGD step per batch."""
+def one_process(model: nn.Module, batches, loss_fn=lm_loss) -> nn.Module:
+    """The same training in one process: the loss of the whole batch, one SGD step per batch."""
     model = copy.deepcopy(model)
     model.train()
     opt = sgd(model.parameters())
     for x, y in batches:
         opt.zero_grad()
-        lm_loss(model(**x), y).backward()
+        loss_fn(model(**x) if isinstance(x, dict) else model(x), y).backward()
         opt.step()
     return model
 
@@ -97,23 +97,13 @@ def plain_batches():
             for _ in range(2)]
 
 
-def one_process_plain(model: nn.Module, batches) -> nn.Module:
-    model = copy.deepcopy(model)
-    opt = sgd(model.parameters())
-    for x, y in batches:
-        opt.zero_grad()
-        nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
-    return model
-
-
 @pytest.mark.filterwarnings("ignore")
 @pytest.mark.parametrize("reentrant", [False, "no_grad", "autocast"])
 def test_checkpoint_no_grad_and_autocast_blocks_of_a_plain_module_train_as_one_process_under_model(comm, reentrant):
     """fx runs a no_grad / autocast block while tracing without recording it: such a forward is captured by
     torch.export, which keeps both (fx's graph trained the frozen layers, and the block in float64)."""
     batches = plain_batches()
-    want = one_process_plain(Checkpointed(reentrant), batches)
+    want = one_process(Checkpointed(reentrant), batches, nn.functional.cross_entropy)
     result = fit(Checkpointed(reentrant), batches, nn.functional.cross_entropy, sgd, strategy="model",
                  partitions=comm.size, micro_batches=1 if reentrant == "autocast" else 2, progress=False,
                  abort_after=60)  # autocast: one micro-batch, so bfloat16 rounds the very sums one process does
@@ -162,7 +152,7 @@ def test_a_custom_autograd_function_is_refused_under_model_and_trains_as_one_pro
             fit(Reversed(), plain_batches(), nn.functional.cross_entropy, sgd, strategy="model", partitions=comm.size,
                 progress=False, abort_after=60)
         return
-    want = one_process_plain(Reversed(), plain_batches())
+    want = one_process(Reversed(), plain_batches(), nn.functional.cross_entropy)
     got = fit(Reversed(), plain_batches(), nn.functional.cross_entropy, sgd, strategy="data", progress=False,
               abort_after=60).model
     for (name, p), q in zip(want.named_parameters(), got.parameters()):
