@@ -17,6 +17,7 @@ from . import _registry, checkpoint
 from . import timeline as _timeline
 from ._data import (
     DataPlan,
+    check_global_loader,
     check_not_iterable_dataset,
     check_plan,
     check_same_first_batch,
@@ -544,7 +545,7 @@ class _Loop:
             # a tokenizer's BatchEncoding: its dict; the first batch's FitError names an IterableDataset's fix
             inputs, targets = split_first_batch(self.data, batch) if i == 0 else split_batch(batch)
             if i == 0:
-                check_same_first_batch(self.comm, (inputs, targets), epoch)
+                check_same_first_batch(self.comm, (inputs, targets), epoch, self.data)
             if stepper is not None:
                 yield slice_share(inputs, targets, stepper.share(samples(inputs, targets)))
             else:
@@ -819,7 +820,10 @@ def fit(model: nn.Module, data: Any, loss_fn: LossFn | None,
       (``DataCollatorForLanguageModeling(mlm=True)``) masks alike on every run of the same seed and
       world size, differently on each rank's rows, and leaves the training's RNG streams alone.
     * Iterable: the first batch of each epoch is checksummed across ranks (FitError naming the ranks
-      that differ from rank 0).
+      that differ from rank 0, and for a DataLoader shuffling without ``generator=``, that fix). A
+      DataLoader over a ``DistributedSampler`` (a DDP script's, one shard per rank) as `data` or
+      `eval_data` is refused (FitError on every rank before any message, naming the Dataset with the
+      global ``batch_size=``).
 
     Each step's loss is the mean over its global batch (``accumulate=k``: over its k batches, one
     optimizer step); a batch that does not split evenly is split as evenly as possible. Each share's
@@ -900,6 +904,8 @@ def fit(model: nn.Module, data: Any, loss_fn: LossFn | None,
     name, strategy_options = _strategy_of(strategy, rest, partitions, replicas, comm.size)
     partitions = _partitions_of(name, partitions, replicas, comm.size)
     sharded = _require(name, s, data)
+    check_global_loader(data, "data")
+    check_global_loader(eval_data, "eval_data")
     _check_first_batch(data, columns)
     if eval_data is not None and is_map_dataset(eval_data):
         eval_data = eval_loader(eval_data, batch_size or 1, collate_fn, seed, columns)
