@@ -7,10 +7,11 @@
 * A DataLoader shuffling without ``generator=`` whose first batches differ between ranks: the FitError says
   to pass ``generator=`` (before: "seed a shuffling DataLoader alike on every rank").
 * Such a DataLoader with torch's global RNG seeded alike on every rank trains as one process under "model",
-  "hybrid" and "auto" for several epochs. Before, the pipeline's set-up drew its timing stand-ins for received activations
-  from torch's global RNG on the ranks that receive activations only, so epoch 2's order differed between ranks
-  (FitError at its first batch). Under "auto" the planner's measurements (not run when its cache holds them)
-  drew from torch's global RNG and seeded it (its probe model), so epoch 2's order was not one process's."""
+  "hybrid" and "auto" for several epochs. Before, the pipeline's set-up drew its timing stand-ins for
+  received activations from torch's global RNG on the ranks that receive activations only, so epoch 2's
+  order differed between ranks (FitError at its first batch). Under "auto" the planner's measurements (not
+  run when its cache holds them) drew from torch's global RNG and seeded it (its probe model), so epoch
+  2's order was not one process's."""
 
 from __future__ import annotations
 
