@@ -4,6 +4,8 @@
   every rank before any message, naming the replacements with the global batch size. Before, ``data=`` failed
   at the first batch's cross-rank check with a message that never mentioned the sampler, and ``eval_data=``
   was evaluated on each rank's shard as if it were the whole eval set.
+* DataLoader keywords fit has none of (``persistent_workers=``, ``prefetch_factor=``, ``sampler=``, ...) given to
+  fit: the FitError names fit's Dataset keywords and the DataLoader route, not the strategy's options.
 * A DataLoader shuffling without ``generator=`` whose first batches differ between ranks: the FitError says
   to pass ``generator=`` (before: "seed a shuffling DataLoader alike on every rank").
 * Such a DataLoader with torch's global RNG seeded alike on every rank trains as one process under "model",
@@ -86,6 +88,16 @@ def test_loader_shuffling_with_ranks_apart_global_rng_names_generator(comm):
     torch.manual_seed(100 + comm.rank)  # as an unseeded script: each rank's global RNG its own
     message = refusal(comm, loader, model)
     wanted = ["differs between ranks", "without generator=", "generator=torch.Generator().manual_seed(0)"]
+    assert_all_ranks(comm, all(w in message for w in wanted), f"message {message!r} lacks one of {wanted}")
+
+
+@pytest.mark.parametrize("keyword", [{"persistent_workers": True}, {"prefetch_factor": 4, "worker_init_fn": None}])
+def test_dataloader_keywords_given_to_fit_name_what_fit_takes(comm, keyword):
+    """DataLoader keywords copied into fit (before: "strategy 'data' does not take option(s)
+    ['persistent_workers']; it takes ['kvstore', ...]") are refused naming fit's own and the DataLoader route."""
+    message = refusal(comm, dataset(), batch_size=BATCH, num_workers=2, **keyword)
+    wanted = [f"{sorted(keyword)} are DataLoader keywords", "batch_size= (the GLOBAL batch)", "num_workers=",
+              "pass your own DataLoader("]
     assert_all_ranks(comm, all(w in message for w in wanted), f"message {message!r} lacks one of {wanted}")
 
 

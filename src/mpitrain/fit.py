@@ -358,6 +358,24 @@ def _strategy_of(strategy: str | StrategyOptions, options: dict[str, object], pa
     return strategy, options
 
 
+#: torch DataLoader keywords fit has no keyword of its own for (its Dataset ones: batch_size, shuffle,
+#: drop_last, num_workers, pin_memory, collate_fn): a user copying a DataLoader's arguments into fit
+#: is told what to do instead of that a strategy does not take them
+LOADER_KEYWORDS = frozenset({"sampler", "batch_sampler", "persistent_workers", "prefetch_factor", "worker_init_fn",
+                             "timeout", "multiprocessing_context", "generator", "pin_memory_device", "in_order"})
+
+
+def _check_loader_keywords(options: Mapping[str, object]) -> None:
+    """FitError (local, every rank alike) for :data:`LOADER_KEYWORDS` among fit's leftover keywords."""
+    found = sorted(LOADER_KEYWORDS.intersection(options))
+    if found:
+        raise FitError(f"fit: {found} are DataLoader keywords, which fit does not take: from a Dataset fit builds "
+                       f"each rank's loader itself from batch_size= (the GLOBAL batch), shuffle=, seed=, drop_last=, "
+                       f"num_workers=, pin_memory= and collate_fn=. For other DataLoader options pass your own "
+                       f"DataLoader(dataset, batch_size=GLOBAL, shuffle=True, generator=torch.Generator()"
+                       f".manual_seed(0), ...) as data, without batch_size= (every rank then reads every row)")
+
+
 def _partitions_of(name: str, partitions: int | None, replicas: int | None, size: int) -> int:
     """`partitions` as given, else what strategy `name` takes on `size` ranks: "model" every rank,
     "hybrid" ``size // replicas``, the others 1 (the whole model). FitError, local, for "hybrid" without
@@ -900,6 +918,7 @@ def fit(model: nn.Module, data: Any, loss_fn: LossFn | None,
         rest = renamed_options(options, STALL_ALIASES, "fit")
     except TypeError as e:
         raise FitError(str(e)) from None
+    _check_loader_keywords(rest)
     stall = stall_policy(warn_after, abort_after, rest)
     name, strategy_options = _strategy_of(strategy, rest, partitions, replicas, comm.size)
     partitions = _partitions_of(name, partitions, replicas, comm.size)
