@@ -4,6 +4,7 @@
   every rank before any message, naming the replacements with the global batch size. Before, ``data=`` failed
   at the first batch's cross-rank check with a message that never mentioned the sampler, and ``eval_data=``
   was evaluated on each rank's shard as if it were the whole eval set.
+* The same for ``eval_data=``: its first batch is now checked across ranks as ``data``'s is.
 * DataLoader keywords fit has none of (``persistent_workers=``, ``prefetch_factor=``, ``sampler=``, ...) given to
   fit: the FitError names fit's Dataset keywords and the DataLoader route, not the strategy's options.
 * A DataLoader shuffling without ``generator=`` whose first batches differ between ranks: the FitError says
@@ -88,6 +89,23 @@ def test_loader_shuffling_with_ranks_apart_global_rng_names_generator(comm):
     torch.manual_seed(100 + comm.rank)  # as an unseeded script: each rank's global RNG its own
     message = refusal(comm, loader, model)
     wanted = ["differs between ranks", "without generator=", "generator=torch.Generator().manual_seed(0)"]
+    assert_all_ranks(comm, all(w in message for w in wanted), f"message {message!r} lacks one of {wanted}")
+
+
+@pytest.mark.parametrize("strategy", ["data", "model"])
+def test_eval_loader_shuffling_with_ranks_apart_global_rng_is_refused(comm, strategy):
+    """Before, each rank evaluated its share of its own shuffled batches: ``eval_loss`` was no one process's
+    and differed between ranks (2 ranks, data: 0.9732 and 0.9710 for one process's 1.0030), silently."""
+    model, loader = net(), DataLoader(dataset(), batch_size=BATCH, shuffle=True)
+    torch.manual_seed(100 + comm.rank)
+    try:
+        fit(model, [dataset()[:BATCH]], nn.CrossEntropyLoss(), sgd, strategy=strategy, eval_data=loader, progress=False)
+    except FitError as e:
+        message = str(e)
+    else:
+        message = ""
+    wanted = ["the first global batch of eval_data (after epoch 1) differs between ranks",
+              "generator=torch.Generator().manual_seed(0)"]
     assert_all_ranks(comm, all(w in message for w in wanted), f"message {message!r} lacks one of {wanted}")
 
 

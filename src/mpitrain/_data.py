@@ -346,9 +346,11 @@ def batch_checksum(batch: object) -> tuple[int, tuple[tuple[object, ...], ...]]:
     return crc, tuple(shapes)
 
 
-def check_same_first_batch(comm: Communicator, batch: object, epoch: int, data: object = None) -> None:
+def check_same_first_batch(comm: Communicator, batch: object, epoch: int, data: object = None,
+                           name: str = "data") -> None:
     """Collective: FitError on every rank unless every rank's `batch` (the first global batch of epoch
-    `epoch`, 0-based, of the iterable `data`) has the fingerprint of rank 0's (:func:`batch_checksum`);
+    `epoch`, 0-based, of the iterable `data`, fit's argument `name`) has the fingerprint of rank 0's
+    (:func:`batch_checksum`);
     the message says what to change in `data` (:func:`_first_batch_hint`). One small pickled allgather per
     epoch; nothing at all in a world of one rank."""
     if comm.size == 1:
@@ -356,7 +358,8 @@ def check_same_first_batch(comm: Communicator, batch: object, epoch: int, data: 
     sums = comm.allgather_object(batch_checksum(batch))
     bad = [r for r, s in enumerate(sums) if s != sums[0]]
     if bad:
-        raise FitError(f"the first global batch of epoch {epoch + 1} differs between ranks: ranks {bad} disagree "
+        where = f"epoch {epoch + 1}" if name == "data" else f"{name} (after epoch {epoch + 1})"
+        raise FitError(f"the first global batch of {where} differs between ranks: ranks {bad} disagree "
                        f"with rank 0. {_first_batch_hint(data)}")
 
 

@@ -224,7 +224,8 @@ def _progress(total: int | None, desc: str, enabled: bool) -> _Bar | None:
 
 
 def _evaluate(trainer: Trainer, data: Iterable[tuple[Batch, torch.Tensor]], loss_fn: LossFn,
-              metrics: dict[str, Metric], columns: Columns, shift: int = 0) -> dict[str, float]:
+              metrics: dict[str, Metric], columns: Columns, shift: int = 0,
+              check: tuple[Communicator, int] | None = None) -> dict[str, float]:
     """The eval record over every batch of `data`, as one process computes it on all of them together:
     ``eval_loss`` weighs each batch's (mean) loss by the target elements it counts (:func:`counted`: integer
     targets other than the loss's ignore index, `shift` leading label positions left out; float targets:
@@ -232,7 +233,10 @@ def _evaluate(trainer: Trainer, data: Iterable[tuple[Batch, torch.Tensor]], loss
     nothing, its NaN included); :func:`accuracy` likewise by the targets it counts, other metrics by
     rows. Local: every rank holds each
     batch's full outputs (``eval_step``) and targets, so no message is needed beyond the eval steps'; the
-    same floats on every rank."""
+    same floats on every rank. With `check` (the communicator, the 0-based epoch) the first batch is
+    checked to be the same on every rank (:func:`check_same_first_batch`), as training's is: a rank
+    evaluating other rows than the others (a DataLoader shuffling with unseeded global RNGs) would make a
+    mean of no one batch's, and a different one per rank."""
     ignore = ignore_index_of(loss_fn)
     sums: dict[str, float] = {}
     weights: dict[str, int] = {}
@@ -243,8 +247,10 @@ def _evaluate(trainer: Trainer, data: Iterable[tuple[Batch, torch.Tensor]], loss
         if weight:  # a batch counting nothing: its mean is 0/0, left out
             sums[name] += float(fn(outputs, targets)) * weight
 
-    for batch in data:
+    for i, batch in enumerate(data):
         inputs, targets = split_batch(columns(batch))  # a BatchEncoding: its dict
+        if i == 0 and check is not None:
+            check_same_first_batch(check[0], (inputs, targets), check[1], data, "eval_data")
         outputs = trainer.eval_step(inputs, targets)
         n = samples(inputs, targets)
         with torch.no_grad():
@@ -640,7 +646,8 @@ class _Loop:
             if scaler is not None:  # fp16: the scale after the epoch, the steps skipped since the run began
                 record.update(loss_scale=scaler.scale, skipped_steps=scaler.skipped)
             if eval_data is not None:
-                record.update(_evaluate(self.trainer, eval_data, loss_fn, metrics, s.columns, shift))
+                record.update(_evaluate(self.trainer, eval_data, loss_fn, metrics, s.columns, shift,
+                                        (self.comm, self.pos.epoch)))
             self.history.append(record)
             if self.show:
                 print("  ".join(f"{k}={v:.4g}" for k, v in record.items()), flush=True)
