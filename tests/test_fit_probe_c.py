@@ -119,6 +119,19 @@ def test_dataloader_keywords_given_to_fit_name_what_fit_takes(comm, keyword):
     assert_all_ranks(comm, all(w in message for w in wanted), f"message {message!r} lacks one of {wanted}")
 
 
+def test_distributed_sampler_of_one_replica_reads_every_row_alike_and_trains_as_one_process(comm):
+    """``num_replicas=1`` (a one-process DDP script): the loader yields every row, shuffled by its seed and
+    epoch, the same on every rank; it is not refused."""
+    ds = dataset()
+    loader = DataLoader(ds, batch_size=BATCH, sampler=DistributedSampler(ds, num_replicas=1, rank=0, seed=2))
+    result = fit(net(), loader, nn.CrossEntropyLoss(), sgd, strategy="data", progress=False)
+    want = one_process(net(), DataLoader(ds, batch_size=BATCH, sampler=DistributedSampler(ds, num_replicas=1, rank=0,
+                                                                                         seed=2)), epochs=1)
+    got = dict(result.model.named_parameters())
+    for name, p in want.named_parameters():
+        assert_close_all_ranks(comm, got[name].detach(), p.detach(), atol=1e-12, what=name)
+
+
 def one_process(model: nn.Module, loader: DataLoader, epochs: int) -> nn.Module:
     opt = sgd(model.parameters())
     for _ in range(epochs):

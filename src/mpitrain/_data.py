@@ -73,11 +73,12 @@ def _samplers(data: object) -> list[object]:
 
 def check_global_loader(data: object, name: str) -> None:
     """FitError (local, every rank alike) for a DataLoader `data` (fit's argument `name`) over a
-    ``DistributedSampler``, as a DDP script builds one per rank: fit takes global batches, the same on
-    every rank, and gives each rank its rows itself, so each rank's shard would be split again (and its
-    first batch differ between ranks). The message names the replacements, with the global batch size."""
-    sampler = next((s for s in _samplers(data) if isinstance(s, DistributedSampler)), None)
-    if sampler is None:
+    ``DistributedSampler`` of more than one replica, as a DDP script builds one per rank: fit takes global
+    batches, the same on every rank, and gives each rank its rows itself, so each rank's shard would be
+    split again (and its first batch differ between ranks). The message names the replacements, with the
+    global batch size."""
+    sampler = next((s for s in _samplers(data) if isinstance(s, DistributedSampler) and s.num_replicas > 1), None)
+    if sampler is None:  # num_replicas=1: every row, seeded by its own seed + epoch, alike on every rank
         return
     assert isinstance(data, DataLoader)
     ranks = sampler.num_replicas
