@@ -20,13 +20,14 @@ from typing import Any
 
 import torch
 from torch.utils._pytree import tree_leaves
-from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, RandomSampler, default_collate
 
 from .comm.base import Communicator
 from .strategies import ACCEPTED, EVERY_COLUMN, Columns, samples, split_batch
 from .strategies.base import Batch, BatchShare, FitError, Share
 
-__all__ = ["ACCEPTED", "split_batch", "check_first_item", "check_not_iterable_dataset", "split_first_batch",
+__all__ = ["ACCEPTED", "split_batch", "check_first_item", "check_not_iterable_dataset", "check_global_loader",
+           "split_first_batch",
            "eval_loader",
            "DataPlan", "epoch_order", "global_batches", "batch_count", "is_map_dataset", "read_shares", "read_global",
            "check_same_first_batch", "batch_checksum"]
@@ -60,6 +61,48 @@ def check_not_iterable_dataset(data: object) -> None:
     if isinstance(data, IterableDataset):
         raise FitError(f"fit: a {type(data).__name__} (an IterableDataset) has no index, so fit cannot give each "
                        f"rank its rows: {ITERABLE_RECIPE}")
+
+
+def _samplers(data: object) -> list[object]:
+    """The samplers a DataLoader `data` draws its rows from (``sampler=``, or a ``batch_sampler=``'s own
+    ``sampler``); none for anything else."""
+    if not isinstance(data, DataLoader):
+        return []
+    return [data.sampler, getattr(data.batch_sampler, "sampler", None)]
+
+
+def check_global_loader(data: object, name: str) -> None:
+    """FitError (local, every rank alike) for a DataLoader `data` (fit's argument `name`) over a
+    ``DistributedSampler`` of more than one replica, as a DDP script builds one per rank: fit takes global
+    batches, the same on every rank, and gives each rank its rows itself, so each rank's shard would be
+    split again (and its first batch differ between ranks). The message names the replacements, with the
+    global batch size."""
+    sampler = next((s for s in _samplers(data) if isinstance(s, DistributedSampler) and s.num_replicas > 1), None)
+    if sampler is None:  # num_replicas=1: every row, seeded by its own seed + epoch, alike on every rank
+        return
+    assert isinstance(data, DataLoader)
+    ranks = sampler.num_replicas
+    per_rank = data.batch_size if data.batch_size is not None else getattr(data.batch_sampler, "batch_size", None)
+    size = "B" if per_rank is None else str(per_rank * ranks)
+    why = "" if per_rank is None else f" ({per_rank} per rank x {ranks} ranks)"
+    raise FitError(f"fit: {name} is a DataLoader over a DistributedSampler (a different shard on each rank, as "
+                   f"DDP reads), but fit takes GLOBAL batches, the same on every rank, and gives each rank its rows "
+                   f"itself. Drop the DistributedSampler: pass the Dataset itself with the GLOBAL batch size, "
+                   f"fit(model, dataset, ..., batch_size={size}{why}, shuffle=True, seed=0) (each rank then reads "
+                   f"only its rows), or DataLoader(dataset, batch_size={size}, shuffle=True, "
+                   f"generator=torch.Generator().manual_seed(0)) (every rank reads every row)")
+
+
+def _first_batch_hint(data: object) -> str:
+    """What to change when the first batches of the iterable `data` differ between ranks: a DataLoader
+    shuffling without ``generator=`` draws its order from torch's global RNG, which the ranks need not
+    share (unseeded, or moved apart by random draws of their own: dropout in different pipeline stages)."""
+    if any(isinstance(s, RandomSampler) and s.generator is None for s in _samplers(data)):
+        return ("The DataLoader shuffles (shuffle=True or a RandomSampler) without generator=, so its order comes "
+                "from torch's global RNG, which is not the same on every rank: pass it generator=torch.Generator()"
+                ".manual_seed(0), or pass the Dataset with batch_size= (the GLOBAL batch) and shuffle=True, seed=")
+    return ("Every rank must yield the same global batches (seed a shuffling DataLoader alike on every rank: "
+            "generator=torch.Generator().manual_seed(0)), or pass a map-style Dataset with batch_size=")
 
 
 def split_first_batch(data: object, batch: Any) -> tuple[Batch, Any]:
@@ -304,18 +347,21 @@ def batch_checksum(batch: object) -> tuple[int, tuple[tuple[object, ...], ...]]:
     return crc, tuple(shapes)
 
 
-def check_same_first_batch(comm: Communicator, batch: object, epoch: int) -> None:
+def check_same_first_batch(comm: Communicator, batch: object, epoch: int, data: object = None,
+                           name: str = "data") -> None:
     """Collective: FitError on every rank unless every rank's `batch` (the first global batch of epoch
-    `epoch`, 0-based) has the fingerprint of rank 0's (:func:`batch_checksum`). One small pickled
-    allgather per epoch; nothing at all in a world of one rank."""
+    `epoch`, 0-based, of the iterable `data`, fit's argument `name`) has the fingerprint of rank 0's
+    (:func:`batch_checksum`);
+    the message says what to change in `data` (:func:`_first_batch_hint`). One small pickled allgather per
+    epoch; nothing at all in a world of one rank."""
     if comm.size == 1:
         return
     sums = comm.allgather_object(batch_checksum(batch))
     bad = [r for r, s in enumerate(sums) if s != sums[0]]
     if bad:
-        raise FitError(f"the first global batch of epoch {epoch + 1} differs between ranks: ranks {bad} disagree "
-                       f"with rank 0. Every rank must yield the same global batches (seed a shuffling "
-                       f"DataLoader alike on every rank), or pass a map-style Dataset with batch_size=")
+        where = f"epoch {epoch + 1}" if name == "data" else f"{name} (after epoch {epoch + 1})"
+        raise FitError(f"the first global batch of {where} differs between ranks: ranks {bad} disagree "
+                       f"with rank 0. {_first_batch_hint(data)}")
 
 
 def take(it: Iterator[Any], k: int) -> list[Any]:

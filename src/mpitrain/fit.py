@@ -17,6 +17,7 @@ from . import _registry, checkpoint
 from . import timeline as _timeline
 from ._data import (
     DataPlan,
+    check_global_loader,
     check_not_iterable_dataset,
     check_plan,
     check_same_first_batch,
@@ -223,7 +224,8 @@ def _progress(total: int | None, desc: str, enabled: bool) -> _Bar | None:
 
 
 def _evaluate(trainer: Trainer, data: Iterable[tuple[Batch, torch.Tensor]], loss_fn: LossFn,
-              metrics: dict[str, Metric], columns: Columns, shift: int = 0) -> dict[str, float]:
+              metrics: dict[str, Metric], columns: Columns, shift: int = 0,
+              check: tuple[Communicator, int] | None = None) -> dict[str, float]:
     """The eval record over every batch of `data`, as one process computes it on all of them together:
     ``eval_loss`` weighs each batch's (mean) loss by the target elements it counts (:func:`counted`: integer
     targets other than the loss's ignore index, `shift` leading label positions left out; float targets:
@@ -231,7 +233,10 @@ def _evaluate(trainer: Trainer, data: Iterable[tuple[Batch, torch.Tensor]], loss
     nothing, its NaN included); :func:`accuracy` likewise by the targets it counts, other metrics by
     rows. Local: every rank holds each
     batch's full outputs (``eval_step``) and targets, so no message is needed beyond the eval steps'; the
-    same floats on every rank."""
+    same floats on every rank. With `check` (the communicator, the 0-based epoch) the first batch is
+    checked to be the same on every rank (:func:`check_same_first_batch`), as training's is: a rank
+    evaluating other rows than the others (a DataLoader shuffling with unseeded global RNGs) would make a
+    mean of no one batch's, and a different one per rank."""
     ignore = ignore_index_of(loss_fn)
     sums: dict[str, float] = {}
     weights: dict[str, int] = {}
@@ -244,8 +249,10 @@ def _evaluate(trainer: Trainer, data: Iterable[tuple[Batch, torch.Tensor]], loss
         # a batch counting nothing: its mean is 0/0 (NaN), left out
         return float(fn(outputs, targets)) * weight if weight else 0.0
 
-    for batch in data:
+    for i, batch in enumerate(data):
         inputs, targets = split_batch(columns(batch))  # a BatchEncoding: its dict
+        if i == 0 and check is not None:
+            check_same_first_batch(check[0], (inputs, targets), check[1], data, "eval_data")
         outputs = trainer.eval_step(inputs, targets)
         n = samples(inputs, targets)
         with torch.no_grad():
@@ -361,6 +368,24 @@ def _strategy_of(strategy: str | StrategyOptions, options: dict[str, object], pa
         raise FitError(f"fit: strategy must be a name ({sorted(STRATEGIES)}) or a strategy's options dataclass "
                        f"(mpitrain.DataOptions, ...), got {strategy!r}")
     return strategy, options
+
+
+#: torch DataLoader keywords fit has no keyword of its own for (its Dataset ones: batch_size, shuffle,
+#: drop_last, num_workers, pin_memory, collate_fn): a user copying a DataLoader's arguments into fit
+#: is told what to do instead of that a strategy does not take them
+LOADER_KEYWORDS = frozenset({"sampler", "batch_sampler", "persistent_workers", "prefetch_factor", "worker_init_fn",
+                             "timeout", "multiprocessing_context", "generator", "pin_memory_device", "in_order"})
+
+
+def _check_loader_keywords(options: Mapping[str, object]) -> None:
+    """FitError (local, every rank alike) for :data:`LOADER_KEYWORDS` among fit's leftover keywords."""
+    found = sorted(LOADER_KEYWORDS.intersection(options))
+    if found:
+        raise FitError(f"fit: {found} are DataLoader keywords, which fit does not take: from a Dataset fit builds "
+                       f"each rank's loader itself from batch_size= (the GLOBAL batch), shuffle=, seed=, drop_last=, "
+                       f"num_workers=, pin_memory= and collate_fn=. For other DataLoader options pass your own "
+                       f"DataLoader(dataset, batch_size=GLOBAL, shuffle=True, generator=torch.Generator()"
+                       f".manual_seed(0), ...) as data, without batch_size= (every rank then reads every row)")
 
 
 def _partitions_of(name: str, partitions: int | None, replicas: int | None, size: int) -> int:
@@ -550,7 +575,7 @@ class _Loop:
             # a tokenizer's BatchEncoding: its dict; the first batch's FitError names an IterableDataset's fix
             inputs, targets = split_first_batch(self.data, batch) if i == 0 else split_batch(batch)
             if i == 0:
-                check_same_first_batch(self.comm, (inputs, targets), epoch)
+                check_same_first_batch(self.comm, (inputs, targets), epoch, self.data)
             if stepper is not None:
                 yield slice_share(inputs, targets, stepper.share(samples(inputs, targets)))
             else:
@@ -627,7 +652,8 @@ class _Loop:
             if scaler is not None:  # fp16: the scale after the epoch, the steps skipped since the run began
                 record.update(loss_scale=scaler.scale, skipped_steps=scaler.skipped)
             if eval_data is not None:
-                record.update(_evaluate(self.trainer, eval_data, loss_fn, metrics, s.columns, shift))
+                record.update(_evaluate(self.trainer, eval_data, loss_fn, metrics, s.columns, shift,
+                                        (self.comm, self.pos.epoch)))
             self.history.append(record)
             if self.show:
                 print("  ".join(f"{k}={v:.4g}" for k, v in record.items()), flush=True)
@@ -825,7 +851,10 @@ def fit(model: nn.Module, data: Any, loss_fn: LossFn | None,
       (``DataCollatorForLanguageModeling(mlm=True)``) masks alike on every run of the same seed and
       world size, differently on each rank's rows, and leaves the training's RNG streams alone.
     * Iterable: the first batch of each epoch is checksummed across ranks (FitError naming the ranks
-      that differ from rank 0).
+      that differ from rank 0, and for a DataLoader shuffling without ``generator=``, that fix). A
+      DataLoader over a ``DistributedSampler`` (a DDP script's, one shard per rank) as `data` or
+      `eval_data` is refused (FitError on every rank before any message, naming the Dataset with the
+      global ``batch_size=``).
 
     Each step's loss is the mean over its global batch (``accumulate=k``: over its k batches, one
     optimizer step); a batch that does not split evenly is split as evenly as possible. Each share's
@@ -902,10 +931,13 @@ def fit(model: nn.Module, data: Any, loss_fn: LossFn | None,
         rest = renamed_options(options, STALL_ALIASES, "fit")
     except TypeError as e:
         raise FitError(str(e)) from None
+    _check_loader_keywords(rest)
     stall = stall_policy(warn_after, abort_after, rest)
     name, strategy_options = _strategy_of(strategy, rest, partitions, replicas, comm.size)
     partitions = _partitions_of(name, partitions, replicas, comm.size)
     sharded = _require(name, s, data)
+    check_global_loader(data, "data")
+    check_global_loader(eval_data, "eval_data")
     _check_first_batch(data, columns)
     if eval_data is not None and is_map_dataset(eval_data):
         eval_data = eval_loader(eval_data, batch_size or 1, collate_fn, seed, columns)

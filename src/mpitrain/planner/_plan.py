@@ -271,7 +271,9 @@ def plan(model: nn.Module, sample_batch: tuple[Batch, torch.Tensor] | Mapping[st
     signature) in `cache` (True: ``~/.cache/mpitrain/planner``; False: not cached). Every rank
     returns the same plans in the same order. Every wait of the calibration's trial steps and of the
     spatial layouts' trial forwards is bounded as fit's are: a line on stderr after `warn_after` seconds,
-    the job ended after `abort_after` (None: never), naming what the rank waited for."""
+    the job ended after `abort_after` (None: never), naming what the rank waited for. Torch's global
+    (CPU) RNG is left as it was, measured or cached alike: a ``DataLoader(shuffle=True)`` without
+    ``generator=`` shuffles with it, and a run's order must not depend on the planner's cache."""
     comm = comm or world()
     try:  # fit's one rule (a mapping holding "labels", "k inputs + target", a BatchEncoding as its dict)
         columns = used_columns(model, remove_unused_columns)
@@ -295,7 +297,8 @@ def plan(model: nn.Module, sample_batch: tuple[Batch, torch.Tensor] | Mapping[st
     if comm.size > 1:
         data = comm.broadcast_object(data, 0)
     if data is None:
-        data = _measure(model, loss_fn, sample_batch, comm, hosts, W, stall)
+        with torch.random.fork_rng(devices=[]):  # torch's global RNG is the user's: its draws here are the planner's
+            data = _measure(model, loss_fn, sample_batch, comm, hosts, W, stall)
         if comm.rank == 0:
             store(path, data)
     prof, net, intra, cal, over = _restore(data)
@@ -309,7 +312,8 @@ def plan(model: nn.Module, sample_batch: tuple[Batch, torch.Tensor] | Mapping[st
         hosts = tuple(r // max(hosts.count(h) for h in hosts) for r in range(W)) if len(set(hosts)) > 1 else ()
         net, cal = extrapolate_network(net, W), extrapolate_calibration(cal, comm.size, W)
         intra = intra if hosts else net
-    check = _spatial_check(model, comm, sample_batch, loss_fn, W == comm.size, stall)
+    with torch.random.fork_rng(devices=[]):
+        check = _spatial_check(model, comm, sample_batch, loss_fn, W == comm.size, stall)
     measured = Measured(prof, net, cal, W, sum(isinstance(m, nn.BatchNorm2d) for m in model.modules()),
                         check, over, float(spare[0]), intra, hosts)
     plans, dropped = candidates(measured, names, limit, exact)

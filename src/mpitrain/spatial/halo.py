@@ -89,8 +89,10 @@ def plan_grid(size: Sequence[int], grid: Sequence[int], windows: Sequence[Any]) 
         sizes = "x".join(map(str, size))
         raise SpatialError(f"input {sizes} -> output {'x'.join(map(str, outs_n))} of a window layer {tuple(windows)} "
                            f"cannot be split over a {'x'.join(map(str, grid))} grid: every rank needs at least "
-                           f"one input and output row and column; use a smaller grid or redistribute before "
-                           f"this layer")
+                           f"one input and output row and column; use a smaller grid or larger inputs, or run "
+                           f"the model sample-parallel from the submodule holding this layer on (see the traceback; "
+                           f"a ResNet's 'layer4'): fit(strategy='spatial', switch_at=NAME), parallelize(..., "
+                           f"switch_at=NAME), or redistribute before this layer")
     coords = list(itertools.product(*(range(p) for p in grid)))
     blocks = [ranges(n, p) for n, p in zip(size, grid)]
     oblocks = [ranges(o, p) for o, p in zip(outs_n, grid)]

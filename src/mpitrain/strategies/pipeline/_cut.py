@@ -306,9 +306,12 @@ def _map_weight_sized_blocks(parts: list[Partition]) -> None:
 def _stand_in(meta: ValueMeta | None, device: torch.device) -> torch.Tensor:
     """A tensor shaped like a received activation, to time a partition alone: random floats (a
     non-leaf when differentiable, so in-place ops on it are allowed, as on a received copy), zeros
-    otherwise."""
+    otherwise. The floats come from a generator of their own: torch's global one is the user's (a
+    ``DataLoader(shuffle=True)`` without ``generator=`` shuffles with it), and only the ranks that receive
+    activations draw stand-ins, so drawing from it would leave the ranks' streams apart after set-up."""
     assert meta is not None  # a boundary only ever carries tensors (cut_points)
     if not meta.dtype.is_floating_point:
         return torch.zeros(meta.shape, dtype=meta.dtype, device=device)
-    x = torch.randn(meta.shape, dtype=meta.dtype, device=device, requires_grad=meta.requires_grad)
+    own = None if device.type == "meta" else torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(meta.shape, dtype=meta.dtype, device=device, requires_grad=meta.requires_grad, generator=own)
     return x.clone() if meta.requires_grad else x
