@@ -152,7 +152,9 @@ def test_a_step_with_unequal_forwards_is_refused_on_every_rank(comm, kw):
     collectives unmatched: FitError on every rank, naming the layer."""
     n = comm.size - 1 if kw.get("micro_batches", 1) == 1 else 3 * comm.size - 1
     with pytest.raises(FitError, match=r"SyncBatchNorm '1': every rank must run the same training forwards"):
-        fit(net(True), batches(n), nn.CrossEntropyLoss(), lambda p: torch.optim.SGD(p, lr=LR), progress=False, **kw)
+        # short stall limits: were the refusal missing, the unmatched collectives would end the job soon
+        fit(net(True), batches(n), nn.CrossEntropyLoss(), lambda p: torch.optim.SGD(p, lr=LR), progress=False,
+            warn_after=5.0, abort_after=20.0, **kw)
 
 
 @mpi
