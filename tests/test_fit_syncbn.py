@@ -197,7 +197,8 @@ class Late(nn.Module):
 
 
 torch.manual_seed(0)
-model = nn.SyncBatchNorm.convert_sync_batchnorm(nn.Sequential(Late(), nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 1)))
+model = nn.Sequential(Late(), nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 1))
+model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
 g = torch.Generator().manual_seed(0)
 data = [(torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)) for _ in range(3)]
 fit(model, data, nn.MSELoss(), lambda p: torch.optim.SGD(p, lr=0.1), strategy="{strategy}", progress=False,

@@ -116,7 +116,7 @@ class SyncedNorms:
         self._comm, bound = private, _StallBoundComm(private, stall)
         for m in model.modules():
             if isinstance(m, nn.SyncBatchNorm):
-                m.forward = _synced_forward(m, bound)  # type: ignore[method-assign]
+                m.forward = _synced_forward(m, bound)  # type: ignore[method-assign, assignment]
                 self.modules.append(m)
 
     def __bool__(self) -> bool:

@@ -17,9 +17,9 @@ from ..comm.place import Place
 from ..runtime import world
 from ._batching import batch_size, call_model, even_share, label_shift, split_pairs
 from ._broadcast import (
+    ReplicaBuffers,
     broadcast_optimizer_state,
     broadcast_parameters,
-    ReplicaBuffers,
     broadcast_tensors,
     check_same_everywhere,
     module_tensors,
