@@ -128,7 +128,7 @@ class SyncedNorms:
         ranks would not run the same training forwards: each forward of a SyncBatchNorm is a collective, and
         its statistics are those of every rank's j-th forward. ``pieces(n, r)`` is rank r's number of
         forwards on a global batch of `n` rows; `what` says how to avoid the refusal."""
-        if not self:
+        if not any(m.training for m in self.modules):  # none synchronises (eval mode): no collective
             return
         counts = [tuple(pieces(b.n, r) for b in batches) for r in range(size)]
         if len(set(counts)) > 1:

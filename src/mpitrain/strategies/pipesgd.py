@@ -238,6 +238,10 @@ class PipeSGDTrainer(StepTrainer):
     gradient of t-K: the communication that was NOT hidden), and the comm thread's comm/codec/emulated.
     The step is :class:`~.step.StepTrainer`'s, staleness its hooks: :meth:`begin_step` applies the gradient
     of t-K, :meth:`finish_gradients` hands this one to the communication thread.
+
+    BatchNorm statistics are each rank's own during training and rank 0's on every rank after the last
+    step and before evaluation (:class:`~._broadcast.ReplicaBuffers`); ``nn.SyncBatchNorm``'s are over
+    every rank's rows of each forward (:mod:`._sync_bn`; each rank must have rows of every batch).
     """
 
     label = "pipe-sgd"
