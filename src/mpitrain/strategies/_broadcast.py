@@ -16,7 +16,7 @@ from ..runtime import world
 from ._buckets import plan_buckets
 
 __all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_tensors", "check_same_everywhere",
-           "module_tensors"]
+           "module_tensors", "ReplicaBuffers"]
 
 
 def check_same_everywhere(comm: Communicator, what: str, signature: object,
@@ -44,6 +44,27 @@ def check_same_everywhere(comm: Communicator, what: str, signature: object,
 #: flat buffer is a transient copy, and fusing a whole 268 MB model cost every rank 268 MB more than
 #: the model at DataParallel's start (measured with ``bench memory --zero``, docs/data-parallel.md).
 FUSE_BYTES = 16 << 20
+
+
+class ReplicaBuffers:
+    """The buffers of a replica strategy's model (BatchNorm statistics), which each rank's training forwards
+    move by its own rows: :meth:`moved` marks that they may differ, :meth:`agree` makes them rank 0's on
+    every rank once after such steps (a broadcast; nothing when nothing moved since). So the evaluated and
+    the returned model are the same on every rank (data: DDP's broadcast_buffers state; pipe-sgd)."""
+
+    def __init__(self, buffers: list[torch.Tensor], comm: Communicator) -> None:
+        self.buffers, self.comm, self._moved = buffers, comm, False
+
+    def moved(self) -> None:
+        """A training forward ran since the last agreement (or broadcast): the ranks' buffers may differ."""
+        self._moved = bool(self.buffers)
+
+    def agree(self) -> None:
+        """Rank 0's buffers on every rank if they moved since the last call. Collective on the communicator
+        (every rank calls it at the same point; each knows alike whether they moved: every rank runs a step)."""
+        if self._moved:
+            broadcast_tensors(self.buffers, self.comm, 0)
+            self._moved = False
 
 
 def broadcast_tensors(tensors: list[torch.Tensor], comm: Communicator, root: int = 0) -> None:

@@ -11,11 +11,13 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from .._utils.stall import DEFAULT_POLICY, StallPolicy
 from ..comm.base import Communicator
 from ..comm.place import Place
 from ..runtime import world
-from ._batching import batch_size, call_model, label_shift, split_pairs
+from ._batching import batch_size, call_model, even_share, label_shift, split_pairs
 from ._broadcast import (
+    ReplicaBuffers,
     broadcast_optimizer_state,
     broadcast_parameters,
     broadcast_tensors,
@@ -26,6 +28,7 @@ from ._buckets import MB, Bucket, adopt, plan_buckets
 from ._device import CPU, autocast, model_device, to_device
 from ._grad_allreduce import allreduce_gradients, start_allreduce_gradients
 from ._reshard import NAMED, Held, load_named, optimizer_entries, tensor_entries, whole, written_elsewhere
+from ._sync_bn import check_sync_norms, sync_batch_norms
 from ._zero import ModuleGathers, Zero, check_optimizer, check_stage, module_units, storage_bytes
 from .base import (
     DEFAULT_LOOP,
@@ -510,7 +513,9 @@ class DataTrainer(StepTrainer):
     ``split_sizes(n, size)``; a rank may get none), ``micro_batches`` > 1 splits each rank's rows further
     and accumulates under ``no_sync`` (one reduction per step). Each piece's mean loss is weighted by its
     share of the step's samples, so the averaged gradient is that of the mean loss over the step's
-    samples: the step equals one process's (BatchNorm statistics are per rank, as in DDP). With
+    samples: the step equals one process's (BatchNorm statistics are per rank, as in DDP;
+    ``nn.SyncBatchNorm``'s are over every rank's rows of each forward, as DDP + SyncBatchNorm:
+    :mod:`._sync_bn`, each rank running the same number of forwards, else FitError). With
     ``broadcast_buffers`` rank 0's buffers are broadcast once per step, before its first forward. The
     returned loss is the step's mean, equal on every rank. Inputs and targets are moved to the model's
     device; :meth:`eval_step` returns its outputs on the CPU (where fit's targets are). The step is
@@ -520,7 +525,8 @@ class DataTrainer(StepTrainer):
     label = "data-parallel"
 
     def __init__(self, model: nn.Module, loss_fn: LossFn, optimizer: OptimizerFactory, comm: Communicator,
-                 micro_batches: int, opts: DataOptions, loop: LoopSpec = DEFAULT_LOOP) -> None:
+                 micro_batches: int, opts: DataOptions, loop: LoopSpec = DEFAULT_LOOP,
+                 stall: StallPolicy = DEFAULT_POLICY) -> None:
         # built first, so that an optimizer ZeRO cannot shard is refused before any message
         built = optimizer(model.parameters())
         if opts.zero:
@@ -532,8 +538,10 @@ class DataTrainer(StepTrainer):
                                broadcast_buffers=opts.broadcast_buffers, overlap=opts.overlap, zero=opts.zero)
         # buffers go once per step (train_shares), so ranks may run different numbers of forwards
         self.dp.broadcast_buffers = False
-        self._buffers = [b for _, b in model.named_buffers()] if opts.broadcast_buffers else []
-        self._buffers_moved = False  # a step's forwards moved each rank's buffers its own way since the broadcast
+        # a step's forwards move each rank's buffers its own way after the step's broadcast
+        self._buffers = ReplicaBuffers([b for _, b in model.named_buffers()] if opts.broadcast_buffers else [], comm)
+        # nn.SyncBatchNorm: statistics over every rank's rows of each forward (restored in trained_model)
+        self.sync_norms = sync_batch_norms(model, comm, stall)
         self.loss_fn, self.comm, self.micro_batches, self.loop = loss_fn, comm, micro_batches, loop
         self.label_shift = label_shift(model, loss_fn)
         #: every rank a replica of the whole model (ZeRO's shard group, when sharding, is the world)
@@ -550,9 +558,13 @@ class DataTrainer(StepTrainer):
         """Clear the gradients, broadcast rank 0's buffers once per step; zero=3: check every rank runs
         as many passes."""
         self.optimizer.zero_grad()
-        if self._buffers and self.dp.training:
-            broadcast_tensors(self._buffers, self.comm, 0)
-            self._buffers_moved = True
+        m = self.micro_batches
+        self.sync_norms.check_forwards(
+            batches, self.comm.size, lambda n, r: min(even_share(n, self.comm.size, r).rows, m),
+            f"use batches of at least {self.comm.size * m} samples (drop_last=True for a short last one)")
+        if self._buffers.buffers and self.dp.training:
+            broadcast_tensors(self._buffers.buffers, self.comm, 0)
+            self._buffers.moved()
         if self.dp.stage == 3:
             self._check_passes(batches)
 
@@ -675,6 +687,7 @@ class DataTrainer(StepTrainer):
         so it also closes the KVStore (its comm thread); the trainer takes no more steps after it (with
         ``zero`` its optimizer state is freed first: zero=3 gathers the whole parameters here)."""
         self._agree_buffers()
+        self.sync_norms.restore()
         if self.dp.zero is not None:
             self.dp.zero.drop_state(self.optimizer)
         self.dp.close()
@@ -684,9 +697,7 @@ class DataTrainer(StepTrainer):
         """Rank 0's buffers on every rank, once after a step: the step's forwards left each rank's BatchNorm
         statistics moved by its own rows (DDP's state after a step too); the next step would broadcast rank
         0's, so the evaluated and the returned model take those now, the same on every rank. Collective."""
-        if self._buffers_moved:
-            broadcast_tensors(self._buffers, self.comm, 0)
-            self._buffers_moved = False
+        self._buffers.agree()
 
 
 def make_trainer(model: nn.Module, loss_fn: LossFn, optimizer: OptimizerFactory, comm: Communicator,
@@ -700,6 +711,7 @@ def make_trainer(model: nn.Module, loss_fn: LossFn, optimizer: OptimizerFactory,
         _check_args(model, opts.kvstore, opts.bucket_mb, opts.first_bucket_mb, comm)
     except (TypeError, ValueError) as e:
         raise FitError(f"strategy 'data': {e}") from None
-    trainer = DataTrainer(model, loss_fn, optimizer, comm, spec.micro_batches, opts, spec.loop)
+    check_sync_norms(model)
+    trainer = DataTrainer(model, loss_fn, optimizer, comm, spec.micro_batches, opts, spec.loop, spec.stall)
     trainer.stall = spec.stall  # bounds the wait for each step's weight
     return trainer

@@ -35,10 +35,11 @@ from ..comm.place import Place
 from ..comm.reducer import Bucket, Handle, ReduceError, ReducePolicy, Reducer
 from ..comm.ring import DEFAULT_CHUNK_BYTES
 from ..timeline import span
-from ._batching import call_model, label_shift
-from ._broadcast import broadcast_parameters, check_same_everywhere
+from ._batching import call_model, even_share, label_shift
+from ._broadcast import ReplicaBuffers, broadcast_parameters, check_same_everywhere
 from ._device import autocast, model_device, to_device
 from ._reshard import NAMED, load_replica, replica_entries, tensor_entries, whole
+from ._sync_bn import check_sync_norms, sync_batch_norms
 from .base import (
     DEFAULT_LOOP,
     Batch,
@@ -237,6 +238,10 @@ class PipeSGDTrainer(StepTrainer):
     gradient of t-K: the communication that was NOT hidden), and the comm thread's comm/codec/emulated.
     The step is :class:`~.step.StepTrainer`'s, staleness its hooks: :meth:`begin_step` applies the gradient
     of t-K, :meth:`finish_gradients` hands this one to the communication thread.
+
+    BatchNorm statistics are each rank's own during training and rank 0's on every rank after the last
+    step and before evaluation (:class:`~._broadcast.ReplicaBuffers`); ``nn.SyncBatchNorm``'s are over
+    every rank's rows of each forward (:mod:`._sync_bn`; each rank must have rows of every batch).
     """
 
     label = "pipe-sgd"
@@ -252,6 +257,10 @@ class PipeSGDTrainer(StepTrainer):
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.device = model_device(model)  # batches go here; the flat gradients live here
         broadcast_parameters(model.state_dict(), comm=comm)  # w[0] is the same on every rank
+        # each rank's forwards move its BatchNorm statistics by its own rows: rank 0's after the last step
+        self._buffers = ReplicaBuffers([b for _, b in model.named_buffers()], comm)
+        # nn.SyncBatchNorm: statistics over every rank's rows of each forward (restored in trained_model)
+        self.sync_norms = sync_batch_norms(model, comm, stall)
         self.optimizer = optimizer(model.parameters())
         n = sum(p.numel() for p in self.params)
         self._free = collections.deque(torch.zeros(n, dtype=self.params[0].dtype, device=self.params[0].device)
@@ -301,6 +310,9 @@ class PipeSGDTrainer(StepTrainer):
     def begin_step(self, batches: Sequence[BatchShare]) -> None:
         """Algorithm 1, lines 3-5: w[t] = w[t-1] - step(g[t-K]) once the gradient of t-K is due (not during
         the D-Sync warm-up, where each step applies its own); then a fresh gradient buffer, bound."""
+        size = self.comm.size
+        self.sync_norms.check_forwards(batches, size, lambda n, r: int(even_share(n, size, r).rows > 0),
+                                       f"use batches of at least {size} samples (drop_last=True for a short last one)")
         self._sync = self.K == 1 or self.t < self.warmup
         if not self._sync and self._pending and self._pending[0].iteration <= self.t + 1 - self.K:
             self._take(self._pending.popleft())
@@ -322,6 +334,8 @@ class PipeSGDTrainer(StepTrainer):
                 out = call_model(self.model, b.inputs, self.device)
                 loss = self.loss_fn(out, to_device(b.targets, self.device))
             local += self.backward(loss, weight, total, out)
+            if self.model.training:
+                self._buffers.moved()
         self.stats["compute_s"] += time.perf_counter() - t0
         return local
 
@@ -344,6 +358,9 @@ class PipeSGDTrainer(StepTrainer):
         torch.nn.utils.clip_grad_norm_(self.params, max_norm)
 
     def eval_step(self, inputs: Batch, targets: torch.Tensor) -> Any:
+        """The model's outputs for the whole batch on every rank (:func:`~.step.replica_eval`), with rank 0's
+        buffers on every rank (:class:`~._broadcast.ReplicaBuffers`): those of the model fit returns."""
+        self._buffers.agree()
         return replica_eval(self.model, self.comm, self.place, inputs, targets, self.device, self.loop.precision,
                             loss_fn=self.loss_fn,
                             shift=self.label_shift)
@@ -423,8 +440,10 @@ class PipeSGDTrainer(StepTrainer):
         load_replica(self.model, self.optimizer, shard, [first, *(r for r in range(world) if r != first)], extra)
 
     def trained_model(self) -> nn.Module:
-        """The model holding w[T] (same on every rank). Collective: completes the allreduces still in
-        flight WITHOUT applying them, stops the communication thread; no more steps afterwards."""
+        """The model holding w[T] (same on every rank) and rank 0's buffers (each rank's forwards moved its
+        BatchNorm statistics by its own rows; as data's). Collective: completes the allreduces still in
+        flight WITHOUT applying them, stops the communication thread, gives the SyncBatchNorm modules their
+        own forward back; no more steps afterwards."""
         if not self._closed:
             self._closed = True
             for handle in self._pending:
@@ -433,6 +452,8 @@ class PipeSGDTrainer(StepTrainer):
             self.comm_thread.close()
             for p in self.params:
                 p.grad = None
+            self._buffers.agree()
+            self.sync_norms.restore()
         return self.model
 
 
@@ -458,6 +479,7 @@ def make_trainer(model: nn.Module, loss_fn: LossFn, optimizer: OptimizerFactory,
     except CommError as e:
         raise FitError(f"strategy 'pipe-sgd': {e}") from None
     signature = (opts.signature(), [(tuple(p.shape), str(p.dtype)) for p in params])
+    check_sync_norms(model)
     check_same_everywhere(comm, "pipe-sgd options and parameter shapes", signature, error=FitError)
     trainer = PipeSGDTrainer(model, loss_fn, optimizer, comm, opts, spec.stall, spec.loop)
     trainer.stall = spec.stall  # bounds the wait for each step's weight

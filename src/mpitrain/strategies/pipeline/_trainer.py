@@ -33,6 +33,7 @@ from ...comm.base import Communicator, split_sizes
 from .._batching import counted_rows, even_share, ignore_index_of, label_shift, per_sample, samples
 from .._device import LOW, as_float
 from .._reshard import NAMED, Held, assemble, load_named, optimizer_entries, tensor_entries, whole, written_elsewhere
+from .._sync_bn import sync_norm_names
 from .._zero import check_optimizer
 from ..base import (
     DEFAULT_LOOP,
@@ -98,10 +99,26 @@ def _check_spec(spec: FitSpec, size: int) -> PipelineOptions:
     return PipelineOptions.from_spec(spec)
 
 
+def _refuse_sync_norms_across_replicas(model: nn.Module, spec: FitSpec, size: int) -> None:
+    """Refuse ``nn.SyncBatchNorm`` under hybrid with more than one replica (FitError, local: before any
+    message). The pipeline captures it as plain batch norm per micro-batch (statistics of one replica's
+    micro-batch), while a DDP user expects them synchronised over the replicas: rather than silently differ,
+    name the layer and the choices. One replica (model, hybrid R=1) has no replicas to sync: allowed, per
+    micro-batch as BatchNorm."""
+    replicas = spec.replicas if spec.replicas is not None else size // max(spec.partitions, 1)
+    names = sync_norm_names(model) if replicas > 1 else []
+    if names:
+        raise FitError(f"strategy 'hybrid' with {replicas} replicas: SyncBatchNorm {names[0]!r} would not combine "
+                       f"statistics over the replicas (the pipeline computes batch norm per micro-batch of one "
+                       f"replica); use strategy='data' or 'pipe-sgd' (statistics over every rank's rows), or "
+                       f"nn.BatchNorm (per micro-batch statistics), or replicas=1")
+
+
 def make_trainer(model: nn.Module, loss_fn: LossFn, optimizer: OptimizerFactory, comm: Communicator,
                  spec: FitSpec) -> PipelineTrainer:
     """Validate `spec` locally (same verdict on every rank) and create the pipeline's communicators."""
     opts = _check_spec(spec, comm.size)
+    _refuse_sync_norms_across_replicas(model, spec, comm.size)
     built = optimizer(model.parameters())  # first: an optimizer ZeRO cannot shard is refused before any message
     if opts.zero:
         try:
