@@ -170,6 +170,19 @@ def test_dataset_with_uneven_batches_equals_one_process_and_each_rank_reads_only
 
 
 @pytest.mark.parametrize("which", [0, 1], ids=["spatial", "hybrid"])
+def test_sync_batchnorm_trains_as_batchnorm_over_the_global_batch_like_one_process(comm, which):
+    """A DDP user's model (``convert_sync_batchnorm``): its SyncBatchNorm layers take global statistics, as the
+    grid's BatchNorm does, so the run equals one process with plain BatchNorm (it was refused)."""
+    grid, samples = hybrid_layouts(comm.size)[which]
+    model = nn.SyncBatchNorm.convert_sync_batchnorm(cnn())
+    result = fit(model, dataset("plain"), F.cross_entropy, sgd, strategy="spatial", grid=grid, samples=samples,
+                 batch_size=B, epochs=1, progress=False)
+    ref, _ = reference(cnn(), 1)
+    assert_all_ranks(comm, isinstance(result.model[1], nn.SyncBatchNorm), "the user's module came back")
+    same_state(comm, result.model.state_dict(), ref.state_dict(), 1e-10, f"grid {grid} x {samples}")
+
+
+@pytest.mark.parametrize("which", [0, 1], ids=["spatial", "hybrid"])
 def test_clip_scheduler_and_accumulate_equal_one_process(comm, which):
     grid, samples = hybrid_layouts(comm.size)[which]
     result = fit(cnn(), dataset("plain"), F.cross_entropy, sgd, strategy="spatial", grid=grid, samples=samples,

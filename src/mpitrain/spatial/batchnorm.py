@@ -205,7 +205,8 @@ class SpatialBatchNorm2d(nn.Module):
     so the original module holds the trained statistics). Eval mode normalises locally with the running
     statistics. The local dL/dw, dL/db are this rank's partial sums (:func:`parallelize` sums them)."""
 
-    def __init__(self, bn: nn.BatchNorm2d | nn.BatchNorm3d, dist: Distribution, stats: str = "global") -> None:
+    def __init__(self, bn: nn.BatchNorm2d | nn.BatchNorm3d | nn.SyncBatchNorm, dist: Distribution,
+                 stats: str = "global") -> None:
         super().__init__()
         if stats not in STATS:
             raise SpatialError(f"BatchNorm stats must be one of {STATS}, got {stats!r}")

@@ -29,13 +29,13 @@ __all__ = ["parallelize", "SpatialParallel", "SpatialSequential", "convert", "sw
 _SPATIAL = (WindowLayer, SpatialBatchNorm2d, SpatialAdaptiveAvgPool2d, SpatialUpsample, Redistribute, SampleSwitch)
 _REFUSED = (nn.Conv1d, nn.ConvTranspose1d, nn.ConvTranspose3d,
             nn.AdaptiveMaxPool2d, nn.MaxPool1d,
-            nn.LPPool2d, nn.FractionalMaxPool2d, nn.SyncBatchNorm, nn.GroupNorm, nn.InstanceNorm2d,
+            nn.LPPool2d, nn.FractionalMaxPool2d, nn.GroupNorm, nn.InstanceNorm2d,
             nn.LocalResponseNorm)
 
 
 #: The torch layers :func:`convert` swaps for their spatial forms (subclasses too, unless :func:`_own_forward`).
-_SWAPPED = (nn.Conv2d, nn.BatchNorm2d, nn.MaxPool2d, nn.AvgPool2d, nn.AdaptiveAvgPool2d, nn.Conv3d, nn.BatchNorm3d,
-            nn.MaxPool3d, nn.AvgPool3d, nn.AdaptiveAvgPool3d, nn.ConvTranspose2d, nn.Upsample)
+_SWAPPED = (nn.Conv2d, nn.BatchNorm2d, nn.SyncBatchNorm, nn.MaxPool2d, nn.AvgPool2d, nn.AdaptiveAvgPool2d, nn.Conv3d,
+            nn.BatchNorm3d, nn.MaxPool3d, nn.AvgPool3d, nn.AdaptiveAvgPool3d, nn.ConvTranspose2d, nn.Upsample)
 
 
 def _own_forward(m: nn.Module) -> bool:
@@ -80,6 +80,8 @@ def _spatial_form(m: nn.Module, dist: Distribution, bn_stats: str, overlap: bool
         return SpatialConv2d(m, dist, overlap)
     if isinstance(m, nn.BatchNorm2d):
         return SpatialBatchNorm2d(m, dist, bn_stats)
+    if isinstance(m, nn.SyncBatchNorm):  # a DDP user's: its statistics over the job are "global"'s
+        return (SpatialBatchNorm3d if len(dist.grid) == 3 else SpatialBatchNorm2d)(m, dist, bn_stats)
     if isinstance(m, nn.MaxPool2d):
         return SpatialMaxPool2d(m, dist)
     if isinstance(m, nn.AvgPool2d):
@@ -185,7 +187,8 @@ def parallelize(module: nn.Module, dist: Distribution, *, bn_stats: str = "globa
     """The spatially parallel form of `module` over `dist`, sharing its weights and BN buffers.
 
     Conv2d, ConvTranspose2d, MaxPool2d, AvgPool2d, AdaptiveAvgPool2d, BatchNorm2d and Upsample — and on a
-    3-D grid Conv3d, MaxPool3d, AvgPool3d, BatchNorm3d, AdaptiveAvgPool3d — become their spatial forms (see
+    3-D grid Conv3d, MaxPool3d, AvgPool3d, BatchNorm3d, AdaptiveAvgPool3d; SyncBatchNorm on either, as the
+    grid's BatchNorm — become their spatial forms (see
     those classes); every other op runs on the blocks by the rules of
     :mod:`mpitrain.spatial.tensor` (element-wise ops keep the layout, global pools replicate the pooled
     vectors, any other op redistributes to whole samples first, visibly, or is refused). `bn_stats`:
