@@ -270,3 +270,17 @@ def test_ranks_that_capture_different_graphs_are_refused_together_not_inside_mpi
     with pytest.raises(PlanError) as e:
         plan(BranchesOnRank(comm.rank), (x, y), CE, comm=comm, cache=False, strategies={"data"})
     assert_all_ranks(comm, "different graphs" in str(e.value), str(e.value))
+
+
+def test_a_model_with_sync_batchnorm_gets_no_hybrid_plan_with_replicas_and_is_told_why():
+    from mpitrain.planner._plan import _without_synced_replicas
+    from mpitrain.planner._types import Plan
+
+    plans = [Plan("data", {}, 1.0, 1), Plan("hybrid", {"partitions": 2, "replicas": 2}, 0.5, 1),
+             Plan("hybrid", {"partitions": 4}, 0.7, 1)]
+    synced = nn.Sequential(nn.Conv2d(3, 4, 3), nn.SyncBatchNorm(4))
+    kept, dropped = _without_synced_replicas(synced, plans, [])
+    assert [p.options for p in kept] == [{}, {"partitions": 4}]
+    assert [(d.strategy, d.options) for d in dropped] == [("hybrid", {"partitions": 2, "replicas": 2})]
+    assert "SyncBatchNorm" in dropped[0].reason
+    assert _without_synced_replicas(tiny_cnn(), plans, []) == (plans, [])

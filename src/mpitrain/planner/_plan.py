@@ -39,7 +39,7 @@ from ._profile import (
     profile_to_dict,
     store,
 )
-from ._types import Plan, PlanError, Plans
+from ._types import Dropped, Plan, PlanError, Plans
 
 __all__ = ["plan", "available_memory", "parse_bytes"]
 
@@ -233,6 +233,18 @@ def _restore(data: dict[str, Any]) -> tuple[Any, Network, Network, Calibration, 
     return profile_from_dict(data["profile"]), net, intra, Calibration(**data["calibration"]), over
 
 
+def _without_synced_replicas(model: nn.Module, plans: list[Plan],
+                             dropped: list[Dropped]) -> tuple[list[Plan], list[Dropped]]:
+    """`plans` less the hybrid ones with replicas when `model` has an ``nn.SyncBatchNorm``, which fit refuses
+    (the pipeline cannot synchronise its statistics over replicas: docs/training-runs.md), moved to `dropped`
+    saying so."""
+    if not any(isinstance(m, nn.SyncBatchNorm) for m in model.modules()):
+        return plans, dropped
+    refused = [p for p in plans if p.strategy == "hybrid" and int(p.options.get("replicas", 1)) > 1]
+    why = "fit refuses nn.SyncBatchNorm with pipeline replicas (their statistics would not be synchronised)"
+    return [p for p in plans if p not in refused], dropped + [Dropped(p.strategy, p.options, why) for p in refused]
+
+
 def plan(model: nn.Module, sample_batch: tuple[Batch, torch.Tensor] | Mapping[str, Any], loss_fn: LossFn, *,
          comm: Communicator | None = None, world_size: int | None = None, memory_limit: float | str | None = None,
          strategies: Iterable[str] | None = None, exact: bool = False, explain: bool = False,
@@ -316,7 +328,7 @@ def plan(model: nn.Module, sample_batch: tuple[Batch, torch.Tensor] | Mapping[st
         check = _spatial_check(model, comm, sample_batch, loss_fn, W == comm.size, stall)
     measured = Measured(prof, net, cal, W, sum(isinstance(m, nn.BatchNorm2d) for m in model.modules()),
                         check, over, float(spare[0]), intra, hosts)
-    plans, dropped = candidates(measured, names, limit, exact)
+    plans, dropped = _without_synced_replicas(model, *candidates(measured, names, limit, exact))
     if W != comm.size:
         plans = [replace(p, measured=False) for p in plans]
     out = Plans(plans, dropped)
