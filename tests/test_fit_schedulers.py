@@ -22,7 +22,7 @@ from torch.optim import lr_scheduler as sched
 
 from mpitrain.fit import FitError, fit
 from mpitrain.spatial.mesh import mesh_batch, mesh_model
-from tests.helpers import assert_all_ranks, assert_close_all_ranks, bitwise_equal
+from tests.helpers import assert_all_ranks, assert_close_all_ranks, bitwise_equal, calls_recorded
 
 EPOCHS = 3
 
@@ -210,10 +210,12 @@ BAD: list[tuple[dict[str, object], str]] = [
 @pytest.mark.mpi
 @pytest.mark.parametrize("strategy", ["data", "model"])
 def test_bad_schedule_keywords_are_refused_on_every_rank_before_any_message(comm, strategy):
+    sent = []
     for kwargs, match in BAD:
-        with pytest.raises(FitError, match=match):
+        with calls_recorded() as names, pytest.raises(FitError, match=match):
             fit(mlp(), batches(), F.cross_entropy, sgd, progress=False, **STRATEGIES[strategy], **kwargs)
-    assert_all_ranks(comm, True)  # every rank got here: nothing was sent before the refusals
+        sent += [(match, name) for name in names]
+    assert_all_ranks(comm, not sent, f"messages before the refusal: {sent[:4]}")
 
 
 # -- one process ------------------------------------------------------------------------------------------
