@@ -251,3 +251,19 @@ def test_an_instance_optimizer_is_probed_without_its_state_and_left_alone():
     fit(model, batches(), F.cross_entropy, opt, epochs=1, lr_scheduler=SCHEDULERS["StepLR"][0], lr_interval="epoch",
         progress=False)
     assert opt.state_dict() == before and opt.param_groups[0]["lr"] == 0.2
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("interval", ["step", "epoch"])
+def test_fp16_skipped_steps_are_not_scheduler_steps_per_step_and_change_nothing_per_epoch(comm, interval):
+    """An init scale of 2**24 overflows the first step(s) (skipped on every rank): "step" does not step the
+    schedule after them, "epoch" steps it once per epoch all the same."""
+    data = [(x.float(), y) for x, y in batches()]
+    factory, made = recording(SCHEDULERS["StepLR"][0])
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 24, backoff_factor=2.0 ** -8)
+    result = fit(mlp().float(), data, F.cross_entropy, sgd, strategy="data", epochs=EPOCHS, lr_scheduler=factory,
+                 lr_interval=interval, precision="fp16", grad_scaler=scaler, progress=False)
+    skipped = result.history[-1]["skipped_steps"]
+    expected = EPOCHS if interval == "epoch" else EPOCHS * len(data) - skipped
+    assert_all_ranks(comm, skipped > 0 and made[-1].last_epoch == expected,
+                     f"{interval}: {skipped} skipped, scheduler stepped {made[-1].last_epoch}, expected {expected}")
