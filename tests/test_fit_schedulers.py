@@ -2,7 +2,7 @@
 scheduler once per epoch (after its evaluation), and a ReduceLROnPlateau is stepped per epoch with the
 epoch record's ``lr_monitor`` value. Each run is checked against ONE process running the torchvision loop
 (``for epoch: for batch: step; sched.step()`` / ``sched.step(value)``) in float64: the LR history and the
-parameters after 3 epochs, under data (zero 0 and 1), model, pipe-sgd K=1 (D-Sync: plain SGD) and
+parameters after 3 epochs, under data (zero 0 and 1), model, hybrid, pipe-sgd K=1 (D-Sync: plain SGD) and
 spatial, over real MPI at 2, 3 and 4 ranks; the plateau's monitored value and state are the same on every
 rank; a run stopped mid-epoch and resumed ends bit-identical (scheduler state included); bad lr_interval /
 lr_monitor are refused with FitError on every rank before any message."""
@@ -120,7 +120,16 @@ STRATEGIES: dict[str, dict[str, object]] = {
     "data-zero1": {"strategy": "data", "zero": 1},
     "model": {"strategy": "model", "micro_batches": 2, "balance": "params", "profile_passes": 1},
     "pipe-sgd-K1": {"strategy": "pipe-sgd", "staleness": 1},
+    "hybrid": {"strategy": "hybrid", "micro_batches": 2, "balance": "params", "profile_passes": 1},
 }
+
+
+def layout(strategy: str, size: int) -> dict[str, object]:
+    """fit's keywords for `strategy` on `size` ranks (hybrid: 2 x size/2, or 1 x size on an odd count)."""
+    if strategy != "hybrid":
+        return STRATEGIES[strategy]
+    partitions, replicas = (2, size // 2) if size % 2 == 0 else (1, size)
+    return {**STRATEGIES[strategy], "partitions": partitions, "replicas": replicas}
 
 
 # -- MPI: every strategy equals the torchvision loop in one process -----------------------------------
@@ -133,7 +142,7 @@ def test_epoch_schedule_equals_the_torchvision_loop_in_one_process(comm, strateg
     eval_data = batches(seed=7) if plateau_eval else None
     factory, made = recording(make)
     result = fit(mlp(), batches(), F.cross_entropy, sgd, epochs=EPOCHS, lr_scheduler=factory, lr_interval=interval,
-                 lr_monitor=monitor, eval_data=eval_data, progress=False, **STRATEGIES[strategy])
+                 lr_monitor=monitor, eval_data=eval_data, progress=False, **layout(strategy, comm.size))
     ref, lrs, ref_sched = one_process(mlp(), batches(), make, "eval_loss" if plateau_eval else monitor, eval_data)
     _check_run(comm, result, made, ref, lrs, ref_sched, f"{strategy} {name}")
     assert_all_ranks(comm, len(set(lrs)) > 1, f"{name}: the schedule never changed the LR ({lrs}): no test")
@@ -204,6 +213,7 @@ BAD: list[tuple[dict[str, object], str]] = [
     ({"lr_scheduler": SCHEDULERS["ReduceLROnPlateau"][0], "lr_monitor": "eval_loss"}, "eval_loss needs eval_data"),
     ({"lr_scheduler": SCHEDULERS["ReduceLROnPlateau"][0], "lr_monitor": "val_loss"}, "Lightning's 'val_loss'"),
     ({"lr_scheduler": SCHEDULERS["ReduceLROnPlateau"][0], "lr_monitor": "samples_per_s"}, r"hold \['loss'\]"),
+    ({"lr_scheduler": SCHEDULERS["StepLR"][0], "interval": "epoch"}, r"fit's keywords are \['lr_interval'\]"),
 ]
 
 

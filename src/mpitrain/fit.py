@@ -377,8 +377,17 @@ LOADER_KEYWORDS = frozenset({"sampler", "batch_sampler", "persistent_workers", "
                              "timeout", "multiprocessing_context", "generator", "pin_memory_device", "in_order"})
 
 
+#: Lightning's lr_scheduler config keys given to fit as keywords -> fit's names for them
+SCHEDULER_KEYWORDS = {"interval": "lr_interval", "monitor": "lr_monitor"}
+
+
 def _check_loader_keywords(options: Mapping[str, object]) -> None:
-    """FitError (local, every rank alike) for :data:`LOADER_KEYWORDS` among fit's leftover keywords."""
+    """FitError (local, every rank alike) for :data:`LOADER_KEYWORDS` or :data:`SCHEDULER_KEYWORDS` among
+    fit's leftover keywords (else refused as options the strategy does not take, which says less)."""
+    lightning = sorted(SCHEDULER_KEYWORDS.keys() & options.keys())
+    if lightning:
+        raise FitError(f"fit: {lightning} are Lightning's lr_scheduler config keys; fit's keywords are "
+                       f"{[SCHEDULER_KEYWORDS[k] for k in lightning]} (docs/training-runs.md, 'Loop features')")
     found = sorted(LOADER_KEYWORDS.intersection(options))
     if found:
         raise FitError(f"fit: {found} are DataLoader keywords, which fit does not take: from a Dataset fit builds "
