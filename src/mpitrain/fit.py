@@ -45,6 +45,7 @@ from .strategies import (
     ignore_index_of,
     label_shift,
     optimizer_factory,
+    probe_optimizer,
     samples,
     slice_share,
     used_columns,
@@ -323,6 +324,11 @@ class _Settings:
     columns: Columns = EVERY_COLUMN
     #: the keys dropped from a Dataset's item 0 (shown once on rank 0)
     dropped: tuple[str, ...] = ()
+    #: lr_interval and lr_monitor as given (None: the scheduler's kind decides, :meth:`_Schedule.of`)
+    lr_interval: str | None = None
+    lr_monitor: str | None = None
+    #: the epoch record's keys lr_monitor may name (:func:`_monitors`)
+    lr_monitors: tuple[str, ...] = ("loss",)
 
 
 _FEATURE_WORDS = {"checkpoint": "checkpointing (checkpoint_dir=)", "lr_scheduler": "lr_scheduler=",
@@ -377,8 +383,17 @@ LOADER_KEYWORDS = frozenset({"sampler", "batch_sampler", "persistent_workers", "
                              "timeout", "multiprocessing_context", "generator", "pin_memory_device", "in_order"})
 
 
+#: Lightning's lr_scheduler config keys given to fit as keywords -> fit's names for them
+SCHEDULER_KEYWORDS = {"interval": "lr_interval", "monitor": "lr_monitor"}
+
+
 def _check_loader_keywords(options: Mapping[str, object]) -> None:
-    """FitError (local, every rank alike) for :data:`LOADER_KEYWORDS` among fit's leftover keywords."""
+    """FitError (local, every rank alike) for :data:`LOADER_KEYWORDS` or :data:`SCHEDULER_KEYWORDS` among
+    fit's leftover keywords (else refused as options the strategy does not take, which says less)."""
+    lightning = sorted(SCHEDULER_KEYWORDS.keys() & options.keys())
+    if lightning:
+        raise FitError(f"fit: {lightning} are Lightning's lr_scheduler config keys; fit's keywords are "
+                       f"{[SCHEDULER_KEYWORDS[k] for k in lightning]} (docs/training-runs.md, 'Loop features')")
     found = sorted(LOADER_KEYWORDS.intersection(options))
     if found:
         raise FitError(f"fit: {found} are DataLoader keywords, which fit does not take: from a Dataset fit builds "
@@ -420,7 +435,8 @@ def _settings(data: object, epochs: int, steps: int | None, batch_size: int | No
               checkpoint_every: int | None, resume: bool, lr_scheduler: SchedulerFactory | None,
               grad_clip: float | None, accumulate: int, precision: str, on_step_end: Callback | None,
               on_epoch_end: Callback | None, collate_fn: Callable[[list[Any]], Any] | None = None,
-              columns: Columns | None = None, grad_scaler: torch.amp.GradScaler | None = None) -> _Settings:
+              columns: Columns | None = None, grad_scaler: torch.amp.GradScaler | None = None,
+              lr_interval: str | None = None, lr_monitor: str | None = None) -> _Settings:
     """fit's loop keywords checked locally (FitError: the same verdict on every rank)."""
     if not is_int(epochs) or epochs < 1 or (steps is not None and (not is_int(steps) or steps < 1)):
         raise FitError(f"epochs must be >= 1 and steps None or >= 1, got epochs={epochs}, steps={steps}")
@@ -453,9 +469,75 @@ def _settings(data: object, epochs: int, steps: int | None, batch_size: int | No
     for name, fn in (("lr_scheduler", lr_scheduler), ("on_step_end", on_step_end), ("on_epoch_end", on_epoch_end)):
         if fn is not None and not callable(fn):
             raise FitError(f"{name} must be callable, got {fn!r}")
+    _check_schedule_words(lr_scheduler, lr_interval, lr_monitor)
     return _Settings(epochs, steps, accumulate, plan, None if checkpoint_dir is None else Path(checkpoint_dir),
                      checkpoint_every, bool(resume), lr_scheduler,
-                     loop, on_step_end, on_epoch_end, columns, tuple(dropped))
+                     loop, on_step_end, on_epoch_end, columns, tuple(dropped), lr_interval, lr_monitor)
+
+
+#: lr_interval's values (Lightning's ``interval``): when fit steps the LR scheduler
+LR_INTERVALS = ("step", "epoch")
+
+
+def _check_schedule_words(lr_scheduler: SchedulerFactory | None, lr_interval: object, lr_monitor: object) -> None:
+    """FitError (local, every rank alike) for an lr_interval other than :data:`LR_INTERVALS`, an lr_monitor
+    that is not a name, or either without an lr_scheduler (they would change nothing)."""
+    if lr_interval is not None and lr_interval not in LR_INTERVALS:
+        raise FitError(f"lr_interval must be 'step' (the scheduler stepped after every optimizer step) or 'epoch' "
+                       f"(once after every epoch, as torchvision's scripts and Lightning's default interval step it); "
+                       f"got {lr_interval!r}")
+    if lr_monitor is not None and not isinstance(lr_monitor, str):
+        raise FitError(f"lr_monitor must be the name of a value in fit's epoch record (e.g. 'eval_loss'), "
+                       f"got {lr_monitor!r}")
+    if lr_scheduler is None and (lr_interval is not None or lr_monitor is not None):
+        raise FitError(f"lr_interval={lr_interval!r} and lr_monitor={lr_monitor!r} say when and with what fit "
+                       f"steps lr_scheduler=, which was not given")
+
+
+def _monitors(eval_data: object, metrics: Iterable[str], precision: str) -> tuple[str, ...]:
+    """The keys of fit's epoch record that lr_monitor may name: every value the same on every rank
+    (``samples_per_s`` is timed per rank: a schedule stepped on it would differ between the ranks)."""
+    keys = ["loss"]
+    if eval_data is not None:
+        keys += ["eval_loss", *(f"eval_{name}" for name in metrics)]
+    if precision == "fp16":
+        keys += ["loss_scale", "skipped_steps"]
+    return tuple(keys)
+
+
+@dataclass(frozen=True)
+class _Schedule:
+    """When fit steps the LR scheduler (`interval`, one of :data:`LR_INTERVALS`) and with what: `monitor`,
+    the epoch record's value a ReduceLROnPlateau is stepped with (None: ``step()`` without one)."""
+
+    interval: str
+    monitor: str | None
+
+    @staticmethod
+    def of(scheduler: object, s: _Settings) -> _Schedule:
+        """`s`'s lr_interval and lr_monitor resolved for `scheduler`'s kind; FitError (local: every rank
+        builds the same kind) for what that kind refuses. A ReduceLROnPlateau needs a value per step: one
+        of the epoch record's, so it runs per epoch ("step" refused) on ``s.lr_monitor`` (default
+        "eval_loss" with eval_data, else "loss"); any other scheduler steps without a value (lr_monitor
+        refused), per step unless lr_interval="epoch"."""
+        kind = type(scheduler).__name__
+        if not isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            if s.lr_monitor is not None:
+                raise FitError(f"lr_monitor={s.lr_monitor!r} is the value a ReduceLROnPlateau is stepped with; "
+                               f"a {kind} steps without one: leave lr_monitor out")
+            return _Schedule(s.lr_interval or "step", None)
+        if s.lr_interval == "step":
+            raise FitError("a ReduceLROnPlateau is stepped with a value of fit's epoch record (lr_monitor=), which "
+                           "exists once per epoch: pass lr_interval='epoch' or leave it out (its default then)")
+        monitor = s.lr_monitor or ("eval_loss" if "eval_loss" in s.lr_monitors else "loss")
+        if monitor not in s.lr_monitors:
+            hint = " (eval_loss needs eval_data=)" if monitor.startswith("eval_") and \
+                "eval_loss" not in s.lr_monitors else ""
+            if monitor.startswith("val_"):
+                hint = f" (Lightning's {monitor!r} is fit's 'eval_{monitor[4:]}', with eval_data=)"
+            raise FitError(f"lr_monitor={monitor!r} is not a value of fit's epoch record{hint}: this run's "
+                           f"records hold {list(s.lr_monitors)}")
+        return _Schedule("epoch", monitor)
 
 
 #: fit's precisions by every accepted spelling (Lightning's "32-true", "bf16-mixed", "16-mixed" included)
@@ -542,6 +624,7 @@ class _Loop:
         # history is the same
         self.optimizer: torch.optim.Optimizer | None = None if self.stepper is None else self.stepper.optimizer
         self.scheduler = s.lr_scheduler(self.optimizer) if s.lr_scheduler is not None and self.optimizer else None
+        self.schedule = None if self.scheduler is None else _Schedule.of(self.scheduler, s)
         # what this rank's DataLoader reads: a trainer may view the Dataset (spatial: its block of each sample)
         self.read_plan: DataPlan | None = s.plan
         if self.stepper is not None and s.plan is not None:
@@ -628,7 +711,8 @@ class _Loop:
                 skipped = self._skipped()
                 with _timeline.span("step", epoch=self.pos.epoch, step=self.pos.step):
                     loss, n = self._step(group)
-                if self.scheduler is not None and self._skipped() == skipped:  # fp16: not after a skipped update
+                if self._per_step() and self._skipped() == skipped:  # fp16: not after a skipped update
+                    assert self.scheduler is not None
                     self.scheduler.step()
                 p = self.pos
                 p.batch, p.epoch_steps, p.step = p.batch + len(group), p.epoch_steps + 1, p.step + 1
@@ -654,6 +738,7 @@ class _Loop:
             if eval_data is not None:
                 record.update(_evaluate(self.trainer, eval_data, loss_fn, metrics, s.columns, shift,
                                         (self.comm, self.pos.epoch)))
+            self._epoch_schedule(record)
             self.history.append(record)
             if self.show:
                 print("  ".join(f"{k}={v:.4g}" for k, v in record.items()), flush=True)
@@ -688,6 +773,29 @@ class _Loop:
         if count is not None:
             count = -(-count // s.accumulate)
         return min(count, s.steps) if (count is not None and s.steps is not None) else (count or s.steps)
+
+    def _per_step(self) -> bool:
+        """Whether the LR scheduler steps after every optimizer step (lr_interval "step")."""
+        return self.schedule is not None and self.schedule.interval == "step"
+
+    def _epoch_schedule(self, record: dict[str, Any]) -> None:
+        """lr_interval "epoch": step the scheduler once at the end of the epoch (a partial one too: stopped,
+        or cut by `steps`), after its evaluation, with ``record[monitor]`` for a ReduceLROnPlateau: the
+        same float on every rank (the record's losses are the job's), so every rank's schedule is alike.
+        Not saved in a checkpoint written during the epoch (also at a stop): a resume ends the epoch again
+        and steps it then, as the uninterrupted run did."""
+        sch = self.schedule
+        if sch is None or sch.interval != "epoch":
+            return
+        assert self.scheduler is not None
+        if sch.monitor is None:
+            self.scheduler.step()
+            return
+        value = record.get(sch.monitor)
+        if value is None:  # eval_data gave no batch this epoch: every rank alike (each reads it whole)
+            raise FitError(f"lr_monitor={sch.monitor!r}: epoch {self.pos.epoch + 1}'s record has no such value "
+                           f"(eval_data gave no batch?); it holds {sorted(record)}")
+        self.scheduler.step(value)
 
     def _scaler(self) -> LossScaler | None:
         """fp16's loss scaler (None: another precision, or a trainer without one)."""
@@ -768,6 +876,15 @@ class _Loop:
         self.saved_step = self.pos.step
 
 
+def _probe_schedule(s: _Settings, factory: OptimizerFactory, model: nn.Module) -> None:
+    """FitError, before any message, for an lr_interval or lr_monitor that the scheduler's kind refuses
+    (:meth:`_Schedule.of`). The kind is known only from a built scheduler: when either was given, the
+    scheduler factory is called once here on a throwaway optimizer (:func:`probe_optimizer`), as an
+    optimizer instance is rebuilt once at entry. Without them no kind is refused: nothing is built."""
+    if s.lr_scheduler is not None and (s.lr_interval is not None or s.lr_monitor is not None):
+        _Schedule.of(s.lr_scheduler(probe_optimizer(factory, model)), s)
+
+
 def _find_resume(comm: Communicator, s: _Settings) -> tuple[Path, dict[str, Any]] | None:
     """Collective (one broadcast from rank 0): the checkpoint to resume from, None to start fresh.
     FitError on every rank for a checkpoint_dir that holds checkpoints when resume=False."""
@@ -801,7 +918,8 @@ def fit(model: nn.Module, data: Any, loss_fn: LossFn | None,
         eval_data: Iterable[tuple[Batch, torch.Tensor]] | None = None,
         metrics: Iterable[str | Metric] | Mapping[str, Metric] | None = None,
         checkpoint_dir: str | os.PathLike[str] | None = None, checkpoint_every: int | None = None,
-        resume: bool = False, lr_scheduler: SchedulerFactory | None = None, grad_clip: float | None = None,
+        resume: bool = False, lr_scheduler: SchedulerFactory | None = None, lr_interval: str | None = None,
+        lr_monitor: str | None = None, grad_clip: float | None = None,
         accumulate: int = 1, precision: str = "fp32", grad_scaler: torch.amp.GradScaler | None = None,
         on_step_end: Callback | None = None, on_epoch_end: Callback | None = None,
         comm: Communicator | None = None, progress: bool = True, balance: Balance = "time",
@@ -872,7 +990,14 @@ def fit(model: nn.Module, data: Any, loss_fn: LossFn | None,
     rank holds: same class, each group's hyperparameters, its state if it holds any; the instance
     itself is never stepped, ``FitResult.optimizer`` is the one that trained (FitError for parameters
     not the model's or trainable ones in no group). `lr_scheduler` a callable ``optimizer -> scheduler``
-    (not a scheduler instance) stepped after every optimizer step; `grad_clip` clips the global
+    (not a scheduler instance) built on the optimizer that trains, stepped per `lr_interval`: "step" after
+    every optimizer step (the default), "epoch" once after each epoch's evaluation, a partial epoch's too
+    (torchvision's scripts and Lightning's default: ``StepLR(opt, step_size=30)`` in epochs). A
+    ``ReduceLROnPlateau`` runs per epoch (lr_interval="step" refused), stepped with the epoch record's
+    value `lr_monitor` (default ``"eval_loss"`` with `eval_data`, else ``"loss"``; the same float on every
+    rank); lr_monitor with another scheduler, or either keyword without `lr_scheduler`, is refused (FitError,
+    before any message; to learn the kind fit builds the scheduler once on a throwaway optimizer when
+    either keyword is given). `grad_clip` clips the global
     gradient norm as ``clip_grad_norm_`` in one process;
     ``precision="bf16"`` runs forward and loss under bf16 autocast on the model's device (Lightning's "bf16-mixed").
     ``precision="fp16"`` (Lightning's "16-mixed") runs them under float16 autocast with dynamic loss scaling:
@@ -918,7 +1043,7 @@ def fit(model: nn.Module, data: Any, loss_fn: LossFn | None,
     columns = used_columns(model, remove_unused_columns)
     s = _settings(data, epochs, steps, batch_size, shuffle, seed, drop_last, num_workers, pin_memory, checkpoint_dir,
                   checkpoint_every, resume, lr_scheduler, grad_clip, accumulate, precision, on_step_end,
-                  on_epoch_end, collate_fn, columns, grad_scaler)
+                  on_epoch_end, collate_fn, columns, grad_scaler, lr_interval, lr_monitor)
     if loss_fn is None:
         loss_fn = model_loss
     elif not callable(loss_fn):
@@ -936,6 +1061,8 @@ def fit(model: nn.Module, data: Any, loss_fn: LossFn | None,
     name, strategy_options = _strategy_of(strategy, rest, partitions, replicas, comm.size)
     partitions = _partitions_of(name, partitions, replicas, comm.size)
     sharded = _require(name, s, data)
+    s = replace(s, lr_monitors=_monitors(eval_data, named, s.loop.precision))
+    _probe_schedule(s, factory, model)
     check_global_loader(data, "data")
     check_global_loader(eval_data, "eval_data")
     _check_first_batch(data, columns)

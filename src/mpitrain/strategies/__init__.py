@@ -25,7 +25,7 @@ from ._batching import (
 from ._broadcast import broadcast_optimizer_state, broadcast_tensors
 from ._buckets import MB, Bucket, plan_buckets
 from ._device import as_float, autocast, model_device, to_device
-from ._optimizer import optimizer_factory
+from ._optimizer import optimizer_factory, probe_optimizer
 from ._reshard import NAMED, assemble, load_replica, replica_entries
 from ._scaler import LossScaler
 from .base import FitError, FitSpec, StrategyOptions, Trainer
@@ -36,4 +36,4 @@ __all__ = ["FitError", "FitSpec", "StrategyOptions", "Trainer", "StepTrainer", "
            "ignore_index_of", "label_shift",
            "rows", "samples", "slice_share", "target_rows", "broadcast_optimizer_state", "broadcast_tensors",
            "MB", "Bucket", "plan_buckets", "as_float", "autocast", "model_device", "to_device", "NAMED", "assemble",
-           "replica_entries", "load_replica", "optimizer_factory", "LossScaler"]
+           "replica_entries", "load_replica", "optimizer_factory", "probe_optimizer", "LossScaler"]

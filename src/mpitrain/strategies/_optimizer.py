@@ -19,7 +19,7 @@ from torch import nn
 
 from .base import FitError, OptimizerFactory
 
-__all__ = ["optimizer_factory", "InstanceFactory"]
+__all__ = ["optimizer_factory", "InstanceFactory", "probe_optimizer"]
 
 
 def optimizer_factory(optimizer: object, model: nn.Module) -> OptimizerFactory:
@@ -120,3 +120,13 @@ class InstanceFactory:
             if name in by_name:
                 built.state[by_name[name]] = {k: _copied(v) for k, v in st.items()}
         return built
+
+
+def probe_optimizer(factory: OptimizerFactory, model: nn.Module) -> torch.optim.Optimizer:
+    """A throwaway optimizer as `factory` builds it over all of `model`'s parameters, as the strategies call
+    it, for a check before any message (fit builds its LR scheduler on it to learn the scheduler's kind).
+    An :class:`InstanceFactory`'s leaves the instance's state out (a model-sized copy for nothing). It is
+    never stepped; the parameters are not changed."""
+    if isinstance(factory, InstanceFactory):
+        return factory.build(model.parameters(), carry_state=False)
+    return factory(model.parameters())

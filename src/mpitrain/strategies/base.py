@@ -69,7 +69,7 @@ OptimizerFactory: TypeAlias = Callable[[Iterable[nn.Parameter]], torch.optim.Opt
 #:   ``train_step`` (read on every rank) and ``accumulate`` must be 1.
 #: * ``"checkpoint"``: :class:`CheckpointTrainer` (``checkpoint_dir``, ``resume``).
 #: * ``"lr_scheduler"``: an ``optimizer`` attribute (this rank's optimizer, stepped once per step),
-#:   which fit hands to ``lr_scheduler``.
+#:   which fit hands to ``lr_scheduler`` and steps the scheduler on per step or per epoch (``lr_interval``).
 #: * ``"grad_clip"``: clipping by ``spec.loop.grad_clip``: the norm of the WHOLE model's gradient (all
 #:   partitions, after averaging over replicas), so it equals one process's ``clip_grad_norm_``, applied
 #:   right before each optimizer step.
