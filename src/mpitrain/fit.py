@@ -30,6 +30,14 @@ from ._data import (
     split_first_batch,
     take,
 )
+from ._schedule import (
+    SCHEDULER_KEYWORDS,
+    Schedule,
+    SchedulerFactory,
+    check_schedule_words,
+    monitors,
+    probe_schedule,
+)
 from ._utils.deprecation import renamed_options
 from ._utils.stall import StallPolicy
 from .comm.base import Communicator
@@ -45,7 +53,6 @@ from .strategies import (
     ignore_index_of,
     label_shift,
     optimizer_factory,
-    probe_optimizer,
     samples,
     slice_share,
     used_columns,
@@ -289,7 +296,6 @@ class LoopState:
 
 
 Callback = Callable[[LoopState], object]
-SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
 
 
 @dataclass
@@ -324,10 +330,10 @@ class _Settings:
     columns: Columns = EVERY_COLUMN
     #: the keys dropped from a Dataset's item 0 (shown once on rank 0)
     dropped: tuple[str, ...] = ()
-    #: lr_interval and lr_monitor as given (None: the scheduler's kind decides, :meth:`_Schedule.of`)
+    #: lr_interval and lr_monitor as given (None: the scheduler's kind decides, :meth:`Schedule.of`)
     lr_interval: str | None = None
     lr_monitor: str | None = None
-    #: the epoch record's keys lr_monitor may name (:func:`_monitors`)
+    #: the epoch record's keys lr_monitor may name (:func:`monitors`)
     lr_monitors: tuple[str, ...] = ("loss",)
 
 
@@ -381,10 +387,6 @@ def _strategy_of(strategy: str | StrategyOptions, options: dict[str, object], pa
 #: is told what to do instead of that a strategy does not take them
 LOADER_KEYWORDS = frozenset({"sampler", "batch_sampler", "persistent_workers", "prefetch_factor", "worker_init_fn",
                              "timeout", "multiprocessing_context", "generator", "pin_memory_device", "in_order"})
-
-
-#: Lightning's lr_scheduler config keys given to fit as keywords -> fit's names for them
-SCHEDULER_KEYWORDS = {"interval": "lr_interval", "monitor": "lr_monitor"}
 
 
 def _check_loader_keywords(options: Mapping[str, object]) -> None:
@@ -469,75 +471,10 @@ def _settings(data: object, epochs: int, steps: int | None, batch_size: int | No
     for name, fn in (("lr_scheduler", lr_scheduler), ("on_step_end", on_step_end), ("on_epoch_end", on_epoch_end)):
         if fn is not None and not callable(fn):
             raise FitError(f"{name} must be callable, got {fn!r}")
-    _check_schedule_words(lr_scheduler, lr_interval, lr_monitor)
+    check_schedule_words(lr_scheduler, lr_interval, lr_monitor)
     return _Settings(epochs, steps, accumulate, plan, None if checkpoint_dir is None else Path(checkpoint_dir),
                      checkpoint_every, bool(resume), lr_scheduler,
                      loop, on_step_end, on_epoch_end, columns, tuple(dropped), lr_interval, lr_monitor)
-
-
-#: lr_interval's values (Lightning's ``interval``): when fit steps the LR scheduler
-LR_INTERVALS = ("step", "epoch")
-
-
-def _check_schedule_words(lr_scheduler: SchedulerFactory | None, lr_interval: object, lr_monitor: object) -> None:
-    """FitError (local, every rank alike) for an lr_interval other than :data:`LR_INTERVALS`, an lr_monitor
-    that is not a name, or either without an lr_scheduler (they would change nothing)."""
-    if lr_interval is not None and lr_interval not in LR_INTERVALS:
-        raise FitError(f"lr_interval must be 'step' (the scheduler stepped after every optimizer step) or 'epoch' "
-                       f"(once after every epoch, as torchvision's scripts and Lightning's default interval step it); "
-                       f"got {lr_interval!r}")
-    if lr_monitor is not None and not isinstance(lr_monitor, str):
-        raise FitError(f"lr_monitor must be the name of a value in fit's epoch record (e.g. 'eval_loss'), "
-                       f"got {lr_monitor!r}")
-    if lr_scheduler is None and (lr_interval is not None or lr_monitor is not None):
-        raise FitError(f"lr_interval={lr_interval!r} and lr_monitor={lr_monitor!r} say when and with what fit "
-                       f"steps lr_scheduler=, which was not given")
-
-
-def _monitors(eval_data: object, metrics: Iterable[str], precision: str) -> tuple[str, ...]:
-    """The keys of fit's epoch record that lr_monitor may name: every value the same on every rank
-    (``samples_per_s`` is timed per rank: a schedule stepped on it would differ between the ranks)."""
-    keys = ["loss"]
-    if eval_data is not None:
-        keys += ["eval_loss", *(f"eval_{name}" for name in metrics)]
-    if precision == "fp16":
-        keys += ["loss_scale", "skipped_steps"]
-    return tuple(keys)
-
-
-@dataclass(frozen=True)
-class _Schedule:
-    """When fit steps the LR scheduler (`interval`, one of :data:`LR_INTERVALS`) and with what: `monitor`,
-    the epoch record's value a ReduceLROnPlateau is stepped with (None: ``step()`` without one)."""
-
-    interval: str
-    monitor: str | None
-
-    @staticmethod
-    def of(scheduler: object, s: _Settings) -> _Schedule:
-        """`s`'s lr_interval and lr_monitor resolved for `scheduler`'s kind; FitError (local: every rank
-        builds the same kind) for what that kind refuses. A ReduceLROnPlateau needs a value per step: one
-        of the epoch record's, so it runs per epoch ("step" refused) on ``s.lr_monitor`` (default
-        "eval_loss" with eval_data, else "loss"); any other scheduler steps without a value (lr_monitor
-        refused), per step unless lr_interval="epoch"."""
-        kind = type(scheduler).__name__
-        if not isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
-            if s.lr_monitor is not None:
-                raise FitError(f"lr_monitor={s.lr_monitor!r} is the value a ReduceLROnPlateau is stepped with; "
-                               f"a {kind} steps without one: leave lr_monitor out")
-            return _Schedule(s.lr_interval or "step", None)
-        if s.lr_interval == "step":
-            raise FitError("a ReduceLROnPlateau is stepped with a value of fit's epoch record (lr_monitor=), which "
-                           "exists once per epoch: pass lr_interval='epoch' or leave it out (its default then)")
-        monitor = s.lr_monitor or ("eval_loss" if "eval_loss" in s.lr_monitors else "loss")
-        if monitor not in s.lr_monitors:
-            hint = " (eval_loss needs eval_data=)" if monitor.startswith("eval_") and \
-                "eval_loss" not in s.lr_monitors else ""
-            if monitor.startswith("val_"):
-                hint = f" (Lightning's {monitor!r} is fit's 'eval_{monitor[4:]}', with eval_data=)"
-            raise FitError(f"lr_monitor={monitor!r} is not a value of fit's epoch record{hint}: this run's "
-                           f"records hold {list(s.lr_monitors)}")
-        return _Schedule("epoch", monitor)
 
 
 #: fit's precisions by every accepted spelling (Lightning's "32-true", "bf16-mixed", "16-mixed" included)
@@ -624,7 +561,8 @@ class _Loop:
         # history is the same
         self.optimizer: torch.optim.Optimizer | None = None if self.stepper is None else self.stepper.optimizer
         self.scheduler = s.lr_scheduler(self.optimizer) if s.lr_scheduler is not None and self.optimizer else None
-        self.schedule = None if self.scheduler is None else _Schedule.of(self.scheduler, s)
+        self.schedule = None if self.scheduler is None else \
+            Schedule.of(self.scheduler, s.lr_interval, s.lr_monitor, s.lr_monitors)
         # what this rank's DataLoader reads: a trainer may view the Dataset (spatial: its block of each sample)
         self.read_plan: DataPlan | None = s.plan
         if self.stepper is not None and s.plan is not None:
@@ -876,15 +814,6 @@ class _Loop:
         self.saved_step = self.pos.step
 
 
-def _probe_schedule(s: _Settings, factory: OptimizerFactory, model: nn.Module) -> None:
-    """FitError, before any message, for an lr_interval or lr_monitor that the scheduler's kind refuses
-    (:meth:`_Schedule.of`). The kind is known only from a built scheduler: when either was given, the
-    scheduler factory is called once here on a throwaway optimizer (:func:`probe_optimizer`), as an
-    optimizer instance is rebuilt once at entry. Without them no kind is refused: nothing is built."""
-    if s.lr_scheduler is not None and (s.lr_interval is not None or s.lr_monitor is not None):
-        _Schedule.of(s.lr_scheduler(probe_optimizer(factory, model)), s)
-
-
 def _find_resume(comm: Communicator, s: _Settings) -> tuple[Path, dict[str, Any]] | None:
     """Collective (one broadcast from rank 0): the checkpoint to resume from, None to start fresh.
     FitError on every rank for a checkpoint_dir that holds checkpoints when resume=False."""
@@ -1061,8 +990,9 @@ def fit(model: nn.Module, data: Any, loss_fn: LossFn | None,
     name, strategy_options = _strategy_of(strategy, rest, partitions, replicas, comm.size)
     partitions = _partitions_of(name, partitions, replicas, comm.size)
     sharded = _require(name, s, data)
-    s = replace(s, lr_monitors=_monitors(eval_data, named, s.loop.precision))
-    _probe_schedule(s, factory, model)
+    s = replace(s, lr_monitors=monitors(eval_data, named, s.loop.precision))
+    if s.lr_scheduler is not None and (s.lr_interval is not None or s.lr_monitor is not None):
+        probe_schedule(s.lr_scheduler, s.lr_interval, s.lr_monitor, s.lr_monitors, factory, model)
     check_global_loader(data, "data")
     check_global_loader(eval_data, "eval_data")
     _check_first_batch(data, columns)
