@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 from torch import fx, nn
+from torch.nn import functional as F
 
 from ..._utils.flat import group_by
 from .._batching import call_args
@@ -677,19 +678,24 @@ def _scratch_grads(gm: nn.Module) -> None:
 
 @contextmanager
 def _undisturbed(gm: nn.Module, train: bool) -> Iterator[None]:
-    """Run `gm` in train/eval mode and put back its modes, buffers, parameter gradients and RNG state."""
+    """Run `gm` in train/eval mode (its graph's mode flags too: :func:`set_training`) and put back its
+    modes, buffers, parameter gradients and RNG state."""
     modes = {m: m.training for m in gm.modules()}
     buffers = [(b, b.detach().clone()) for b in gm.buffers()]
     grads = [(p, p.grad) for p in gm.parameters()]
     for p, _ in grads:
         p.grad = None  # backward would accumulate into the saved tensors in place
     gm.train(train)
+    if isinstance(gm, fx.GraphModule):
+        set_training(gm, train)
     try:
         with torch.random.fork_rng(devices=[]):
             yield
     finally:
         for m, training in modes.items():
             m.train(training)
+        if isinstance(gm, fx.GraphModule):
+            set_training(gm, modes[gm])
         with torch.no_grad():
             for b, saved in buffers:
                 b.copy_(saved)
@@ -851,16 +857,29 @@ _MODE_ARGS = {"aten::dropout": 2, "aten::feature_dropout": 2, "aten::alpha_dropo
 #: (transformers' attention: ``dropout_p=self.attention_dropout if self.training else 0.0``): the index and
 #: name of that argument; 0 in eval mode, the captured value in training mode
 _DROPOUT_P_ARGS = {"aten::scaled_dot_product_attention": (4, "dropout_p")}
+#: Python-level calls an fx graph records with the mode flag the forward passed while it was traced
+#: (``F.dropout(x, p, self.training)`` becomes ``training=True`` for good): the index and name of that flag
+_FX_MODE_ARGS: dict[Any, tuple[int, str]] = {
+    **{f: (2, "training") for f in (F.dropout, F.alpha_dropout, F.feature_alpha_dropout, F.dropout1d,
+                                     F.dropout2d, F.dropout3d)},
+    **{f: (2, "train") for f in (torch.dropout, torch.alpha_dropout, torch.feature_dropout,
+                                  torch.feature_alpha_dropout)},
+    F.batch_norm: (5, "training"), torch.batch_norm: (5, "training"), F.rrelu: (3, "training"),
+}
 
 
 def set_training(gm: fx.GraphModule, train: bool) -> None:
     """Switch the mode flag of the dropout and batch-norm ops of an exported (ATen) graph, which
-    ``module.train()``/``eval()`` cannot reach (export bakes the mode into the op's arguments), and the
-    attention's dropout probability (:data:`_DROPOUT_P_ARGS`, kept in the node's meta to be put back).
-    Other Python branches on ``self.training`` stay as they were when the model was captured."""
+    ``module.train()``/``eval()`` cannot reach (export bakes the mode into the op's arguments), the
+    attention's dropout probability (:data:`_DROPOUT_P_ARGS`, kept in the node's meta to be put back),
+    and the training flag of an fx graph's functional dropout / batch-norm calls (:data:`_FX_MODE_ARGS`:
+    False in eval mode, the captured value in training mode). Other Python branches on ``self.training``
+    stay as they were when the model was captured."""
     changed = False
     for n in gm.graph.nodes:
-        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
+        if n.op == "call_function" and n.target in _FX_MODE_ARGS:
+            changed |= _set_mode_arg(n, *_FX_MODE_ARGS[n.target], train)
+        elif n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
             i = _MODE_ARGS.get(n.target._schema.name)
             if i is not None and len(n.args) > i and n.args[i] is not train:
                 n.update_arg(i, train)
@@ -868,6 +887,25 @@ def set_training(gm: fx.GraphModule, train: bool) -> None:
             changed |= _set_dropout_p(n, train)
     if changed:
         gm.recompile()
+
+
+def _set_mode_arg(n: fx.Node, i: int, name: str, train: bool) -> bool:
+    """Set the mode flag of an fx graph's functional call (argument `i` or keyword `name`, its default
+    when absent: True, as ``F.dropout``'s) to its captured value in training mode and to False in eval
+    mode; whether it changed. A flag computed by the graph (a node) is left alone."""
+    by_position = len(n.args) > i
+    now = n.args[i] if by_position else n.kwargs.get(name, True)
+    if not isinstance(now, bool):
+        return False
+    captured = n.meta.setdefault("mpitrain_train_flag", now)
+    want = captured and train
+    if now is want:
+        return False
+    if by_position:
+        n.update_arg(i, want)
+    else:
+        n.update_kwarg(name, want)
+    return True
 
 
 def _set_dropout_p(n: fx.Node, train: bool) -> bool:

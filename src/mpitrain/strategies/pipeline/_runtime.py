@@ -332,11 +332,11 @@ class PipelineRuntime:
                         t.data.copy_(buf)
 
     def mode(self, train: bool) -> None:
-        """Train or eval mode for this rank's partitions: submodules (fx) and ATen mode flags (export)."""
+        """Train or eval mode for this rank's partitions: submodules, and the mode flags either capture
+        baked into the graph (ATen ops for export, functional dropout / batch-norm calls for fx)."""
         for s in self.stages:
             s.part.module.train(train)
-            if self.cut.traced.how == "export":
-                set_training(s.part.module, train)
+            set_training(s.part.module, train)
 
     def _sync_buffers(self) -> None:
         """Give every replica replica 0's buffers (BatchNorm statistics), as DDP's broadcast_buffers
