@@ -3,11 +3,18 @@
 An fx-traced forward calling ``F.dropout(x, p, self.training)`` or ``F.batch_norm(..., training=self.training)``
 records the flag it saw while tracing (True) as a constant: fit's eval under "model" still dropped out and
 normalized with the batch's statistics (and updated the running ones). The partitions' eval switch now sets
-those calls' flag too; fit's eval_loss equals one process's ``model.eval()`` loss of the trained model."""
+those calls' flag too; fit's eval_loss equals one process's ``model.eval()`` loss of the trained model.
+
+fx also ran ``self.count += 1`` / ``self.ema.mul_(0.9)`` (a buffer changed in place from no input) once while
+tracing and recorded nothing: the captured model never counted (count 1 after 2 steps and 2 evals, one
+process 4). Such a forward is now captured by torch.export, which keeps the update. A Python branch on
+``self.training`` beyond the mode flags is computed in its training branch in eval too: fit warns (rank 0).
+Forward hooks on a non-leaf submodule, weight_norm and spectral_norm train as one process (guards)."""
 
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -15,7 +22,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from mpitrain.fit import fit
-from tests.helpers import assert_all_ranks
+from tests.helpers import assert_all_ranks, assert_close_all_ranks
 
 pytestmark = pytest.mark.mpi
 
@@ -74,3 +81,109 @@ def test_eval_of_functional_dropout_and_batch_norm_under_model_equals_model_eval
     got = result.history[-1]["eval_loss"]
     want = one_process_eval_loss(result.model, eval_data)
     assert_all_ranks(comm, abs(got - want) < 1e-12, f"{make.__name__}: eval_loss {got} vs model.eval() {want}")
+
+
+class Base(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.c = nn.Linear(6, 16), nn.Linear(16, 3)
+        self.blk = nn.Sequential(nn.Linear(16, 16), nn.Tanh())  # a non-leaf submodule
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(self.blk(torch.tanh(self.a(x))))
+
+
+class Counting(Base):
+    """A step counter and an EMA of an activation, updated in place in forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("count", torch.zeros(()))
+        self.register_buffer("ema", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        self.count += 1
+        self.ema.mul_(0.9).add_(h.mean().detach())
+        return self.c(self.blk(h)) + 0.0 * self.ema
+
+
+class TrainingBranch(Base):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        if self.training:
+            h = h + 0.5
+        return self.c(self.blk(h))
+
+
+def forward_hook() -> nn.Module:
+    model = Base()
+    model.blk.register_forward_hook(lambda module, args, out: out * 2.0)
+    return model
+
+
+def forward_pre_hook() -> nn.Module:
+    model = Base()
+    model.blk.register_forward_pre_hook(lambda module, args: (args[0] + 1.0,))
+    return model
+
+
+def weight_norm() -> nn.Module:
+    model = Base()
+    nn.utils.parametrizations.weight_norm(model.a)
+    return model
+
+
+def spectral_norm() -> nn.Module:
+    model = Base()
+    nn.utils.parametrizations.spectral_norm(model.blk[0])  # its u/v buffers advance in every training forward
+    return model
+
+
+def one_process(model: nn.Module, data, eval_data) -> nn.Module:
+    """The training in one process (one SGD step per batch), then the eval forwards, as fit runs them."""
+    model = copy.deepcopy(model).train()
+    opt = sgd(model.parameters())
+    for x, y in data:
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+    model.eval()
+    with torch.no_grad():
+        for x, _ in eval_data:
+            model(x)
+    return model
+
+
+@pytest.mark.parametrize("make", [Counting, forward_hook, forward_pre_hook, weight_norm, spectral_norm])
+def test_state_changed_in_forward_trains_and_evaluates_as_one_process(comm, make):
+    """One micro-batch per step: a buffer updated per forward advances once per step as in one process
+    (with M micro-batches it advances M times a step, as BatchNorm's statistics do: docs/pipeline.md)."""
+    torch.manual_seed(0)
+    model = make().double()
+    data, eval_data = batches(2, seed=1), batches(2, seed=2)
+    want = one_process(model, data, eval_data)
+    result = fit(model, data, F.mse_loss, sgd, strategy="model", partitions=comm.size, micro_batches=1,
+                 eval_data=eval_data, progress=False)
+    got = result.model.state_dict()
+    for name, t in want.state_dict().items():
+        assert_close_all_ranks(comm, got[name], t, atol=1e-12, what=f"{make.__name__}.{name}")
+    want_eval = one_process_eval_loss(want, eval_data)
+    got_eval = result.history[-1]["eval_loss"]
+    assert_all_ranks(comm, abs(got_eval - want_eval) < 1e-12, f"eval_loss {got_eval} vs one process {want_eval}")
+
+
+def test_a_branch_on_self_training_warns_on_rank_0(comm):
+    """The graph keeps the captured (training) branch in eval: fit says so once, on rank 0."""
+    torch.manual_seed(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(TrainingBranch().double(), batches(1, seed=1), F.mse_loss, sgd, strategy="model", partitions=comm.size,
+            progress=False)
+    said = [w for w in caught if "branches on self.training" in str(w.message)]
+    assert_all_ranks(comm, len(said) == (comm.rank == 0), f"rank {comm.rank} warned {len(said)} times")
+    with warnings.catch_warnings(record=True) as caught:  # a model without one: no warning
+        warnings.simplefilter("always")
+        fit(Base().double(), batches(1, seed=1), F.mse_loss, sgd, strategy="model", partitions=comm.size,
+            progress=False)
+    assert_all_ranks(comm, not [w for w in caught if "self.training" in str(w.message)], "warned for Base")

@@ -81,6 +81,9 @@ class Traced:
     in_spec: pytree.TreeSpec | None = None
     how: str = "fx"
     fixed_kwargs: dict[str, Any] = field(default_factory=dict)
+    #: the forward branches on ``self.training`` beyond the mode flags :func:`set_training` switches (fx
+    #: only: :func:`_mode_branch`): the graph computes the captured mode's branch in both modes
+    mode_branch: bool = False
 
 
 @dataclass
@@ -167,16 +170,40 @@ class _ModeTracer(fx.Tracer):
         return super().create_node(*args, **kwargs)
 
 
+@contextmanager
+def _eager_mutations(model: nn.Module) -> Iterator[list[str]]:
+    """The names of `model`'s parameters and buffers changed in place inside the block, each buffer put
+    back as it was. fx proxies a tensor attribute only once an op mixes it with a traced value: ``self.count
+    += 1`` or ``self.ema.mul_(0.9)`` runs on the real buffer while tracing (once), and the graph has no
+    node for it (every step of the captured model would skip it). The version counter tells."""
+    tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    versions = {k: t._version for k, t in tensors.items()}
+    saved = {k: b.detach().clone() for k, b in model.named_buffers()}
+    mutated: list[str] = []
+    try:
+        yield mutated
+    finally:
+        mutated += [k for k, t in tensors.items() if t._version != versions[k]]
+        with torch.no_grad():
+            for k in mutated:
+                if k in saved:
+                    tensors[k].copy_(saved[k])
+
+
 def trace(model: nn.Module) -> Traced:
     """Symbolically trace `model` (unmodified). Raises :class:`TraceFailure` naming what stopped fx, or
     that the forward switches gradients or autocast inside (:class:`_ModeTracer`)."""
     tracer = _ModeTracer()
     try:
-        graph = tracer.trace(model)
+        with _eager_mutations(model) as mutated:
+            graph = tracer.trace(model)
         gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
         if tracer.switched:
             raise RuntimeError("the forward switches gradients or autocast inside (torch.no_grad, "
                                "torch.autocast, reentrant checkpointing), which fx does not record")
+        if mutated:
+            raise RuntimeError(f"the forward changes {', '.join(mutated)} in place from no input (a step counter, "
+                               f"an EMA), which fx runs once while tracing and does not record")
     except Exception as e:  # TraceError, TypeError, NotImplementedError...: depends on the construct
         raise TraceFailure(
             f"cannot split {type(model).__name__} into partitions: torch.fx could not trace it "
@@ -187,7 +214,41 @@ def trace(model: nn.Module) -> Traced:
     nodes = list(gm.graph.nodes)
     output = next(n for n in nodes if n.op == "output")
     flat, spec = pytree.tree_flatten(output.args[0])
-    return _traced(model, gm, flat, spec, None, "fx")
+    traced = _traced(model, gm, flat, spec, None, "fx")
+    traced.mode_branch = _mode_branch(model, graph)
+    return traced
+
+
+def _mode_branch(model: nn.Module, graph: fx.Graph) -> bool:
+    """Whether fx traces `model` with every module in the other mode to another graph than `graph`, the
+    mode flags of :data:`_FX_MODE_ARGS` aside (:func:`set_training` switches those): a Python branch on
+    ``self.training`` (``if self.training: x = x + noise``) that the captured graph keeps in both modes.
+    The modes are set as attributes (a ``train()`` override is not run) and put back."""
+    modes = {m: m.training for m in model.modules()}
+    try:
+        for m, training in modes.items():
+            m.training = not training
+        with _eager_mutations(model):
+            other = fx.Tracer().trace(model)
+    except Exception:  # noqa: BLE001 - the other mode does not even trace: it surely differs
+        return True
+    finally:
+        for m, training in modes.items():
+            m.training = training
+    return _signature(other) != _signature(graph)
+
+
+def _signature(graph: fx.Graph) -> list[str]:
+    """`graph`'s nodes as text, without the mode flag of an :data:`_FX_MODE_ARGS` call."""
+    out = []
+    for n in graph.nodes:
+        args, kwargs = list(n.args), dict(n.kwargs)
+        if n.op == "call_function" and n.target in _FX_MODE_ARGS:
+            i, name = _FX_MODE_ARGS[n.target]
+            kwargs.pop(name, None)
+            args = args[:i] + args[i + 1:]
+        out.append(f"{n.op} {n.name} {n.target} {args} {kwargs}")
+    return out
 
 
 def export(model: nn.Module, sample: Any) -> Traced:
