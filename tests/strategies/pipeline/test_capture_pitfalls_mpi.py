@@ -9,7 +9,10 @@ fx also ran ``self.count += 1`` / ``self.ema.mul_(0.9)`` (a buffer changed in pl
 tracing and recorded nothing: the captured model never counted (count 1 after 2 steps and 2 evals, one
 process 4). Such a forward is now captured by torch.export, which keeps the update. A Python branch on
 ``self.training`` beyond the mode flags is computed in its training branch in eval too: fit warns (rank 0).
-Forward hooks on a non-leaf submodule, weight_norm and spectral_norm train as one process (guards)."""
+A ``torch.jit.script``-ed submodule was called by fx as an opaque object whose parameters no partition
+held: they never trained (2e-3 off after 2 steps), silently; it is refused (FitError on every rank). Forward
+hooks on a non-leaf submodule, weight_norm, spectral_norm and ``torch.compile(model)`` train as one
+process (guards)."""
 
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from mpitrain.fit import fit
+from mpitrain.fit import FitError, fit
 from tests.helpers import assert_all_ranks, assert_close_all_ranks
 
 pytestmark = pytest.mark.mpi
@@ -155,7 +158,11 @@ def one_process(model: nn.Module, data, eval_data) -> nn.Module:
     return model
 
 
-@pytest.mark.parametrize("make", [Counting, forward_hook, forward_pre_hook, weight_norm, spectral_norm])
+def compiled() -> nn.Module:
+    return torch.compile(Base().double())
+
+
+@pytest.mark.parametrize("make", [Counting, forward_hook, forward_pre_hook, weight_norm, spectral_norm, compiled])
 def test_state_changed_in_forward_trains_and_evaluates_as_one_process(comm, make):
     """One micro-batch per step: a buffer updated per forward advances once per step as in one process
     (with M micro-batches it advances M times a step, as BatchNorm's statistics do: docs/pipeline.md)."""
@@ -187,3 +194,15 @@ def test_a_branch_on_self_training_warns_on_rank_0(comm):
         fit(Base().double(), batches(1, seed=1), F.mse_loss, sgd, strategy="model", partitions=comm.size,
             progress=False)
     assert_all_ranks(comm, not [w for w in caught if "self.training" in str(w.message)], "warned for Base")
+
+
+def test_a_scripted_submodule_is_refused_on_every_rank(comm):
+    torch.manual_seed(0)
+    model = Base().double()
+    model.blk = torch.jit.script(model.blk)
+    try:
+        fit(model, batches(1, seed=1), F.mse_loss, sgd, strategy="model", partitions=comm.size, progress=False)
+        said = "trained"
+    except FitError as e:
+        said = str(e)
+    assert_all_ranks(comm, "torch.jit.script" in said, f"rank {comm.rank}: {said[:300]}")

@@ -201,6 +201,10 @@ def trace(model: nn.Module) -> Traced:
         if tracer.switched:
             raise RuntimeError("the forward switches gradients or autocast inside (torch.no_grad, "
                                "torch.autocast, reentrant checkpointing), which fx does not record")
+        scripted = [name for name, m in model.named_modules() if isinstance(m, torch.jit.ScriptModule)]
+        if scripted:
+            raise RuntimeError(f"{', '.join(scripted)} is torch.jit.script-ed: fx calls its compiled forward as an "
+                               f"opaque object, whose parameters the graph does not hold")
         if mutated:
             raise RuntimeError(f"the forward changes {', '.join(mutated)} in place from no input (a step counter, "
                                f"an EMA), which fx runs once while tracing and does not record")
