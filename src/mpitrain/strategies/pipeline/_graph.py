@@ -44,7 +44,7 @@ from ._backward import input_gradients
 __all__ = ["TraceFailure", "ValueMeta", "Traced", "Partition", "capture", "trace", "export", "model_args",
            "profile", "measure", "measure_module", "check_shapes", "training_kwargs", "reference_seconds",
            "measure_loss", "measure_plain", "param_counts", "cut_points", "split", "mutated_placeholders",
-           "local_nodes", "tied_groups", "set_training", "retarget", "Clock", "work_clock"]
+           "local_nodes", "tied_groups", "set_training", "mutated_attrs", "retarget", "Clock", "work_clock"]
 
 #: A clock read before and after a timed piece of work: seconds as a float (wall or CPU time)
 Clock = Callable[[], float]
@@ -806,22 +806,42 @@ def cut_points(traced: Traced, meta: dict[str, ValueMeta | None]) -> list[int]:
     """Positions c (1 <= c < len(nodes)) where the graph may be cut: every non-local value defined
     before c and read at or after c is a tensor (a shape such as ``h.size(0)`` of an activation never
     crosses a boundary) whose shape follows from the inputs' shapes alone (not the rows that
-    ``x[x > 0]`` selects: a receive buffer is sized from the shapes)."""
+    ``x[x > 0]`` selects: a receive buffer is sized from the shapes), and none is a parameter or
+    buffer written in place read back from the write (:func:`_written_attrs`)."""
     from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
     local = local_nodes(traced, meta)
     last = _last_use(traced, local)
     sized = {n.name for n in traced.nodes
              if not (isinstance(n.meta.get("val"), torch.Tensor) and free_unbacked_symbols(n.meta["val"]))}
+    written = _written_attrs(traced)
     live: set[str] = set()
     out = []
     for c, n in enumerate(traced.nodes[:-1], start=1):
         if n.name not in local:
             live.add(n.name)
         live = {v for v in live if last.get(v, -1) >= c}
-        if all(meta.get(v) is not None and v in sized for v in live):
+        if all(meta.get(v) is not None and v in sized and v not in written for v in live):
             out.append(c)
     return out
+
+
+def _written_attrs(traced: Traced) -> set[str]:
+    """Values that are a parameter or buffer the graph writes in place, read back from the write
+    (``ema.mul_(0.9)``, whose result ``.add_(...)`` writes again): one sent to a later partition would
+    arrive as a copy, and the writes made there would be lost (the EMA never moved)."""
+    written: set[str] = set()
+    for n in traced.nodes:
+        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
+            targets = [a for a, arg in zip(n.args, n.target._schema.arguments)
+                       if arg.alias_info is not None and arg.alias_info.is_write]
+        elif n.op == "call_method" and str(n.target).endswith("_") and n.args:
+            targets = [n.args[0]]
+        else:
+            continue
+        if any(isinstance(a, fx.Node) and (a.op == "get_attr" or a.name in written) for a in targets):
+            written.add(n.name)
+    return written
 
 
 def split(traced: Traced, bounds: Sequence[int], meta: dict[str, ValueMeta | None],
@@ -1006,6 +1026,13 @@ def tied_groups(parts: list[Partition]) -> list[tuple[tuple[int, ...], list[nn.P
         if len(ks) > 1:
             groups.setdefault(tuple(ks), []).append(first[key])
     return sorted(groups.items())
+
+
+def mutated_attrs(gm: fx.GraphModule) -> list[torch.Tensor]:
+    """The parameters and buffers `gm`'s graph writes in place (a step counter, an EMA, BatchNorm's
+    statistics): the partition holding such a write holds their current value, every other partition
+    reading them a copy it never updates."""
+    return [_get_attr(gm, str(n.target)) for n in gm.graph.nodes if n.op == "get_attr" and _mutated(n)]
 
 
 def mutated_placeholders(gm: fx.GraphModule) -> set[str]:
