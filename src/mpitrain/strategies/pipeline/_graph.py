@@ -806,30 +806,50 @@ def cut_points(traced: Traced, meta: dict[str, ValueMeta | None]) -> list[int]:
     """Positions c (1 <= c < len(nodes)) where the graph may be cut: every non-local value defined
     before c and read at or after c is a tensor (a shape such as ``h.size(0)`` of an activation never
     crosses a boundary) whose shape follows from the inputs' shapes alone (not the rows that
-    ``x[x > 0]`` selects: a receive buffer is sized from the shapes), and none is a parameter or
-    buffer written in place read back from the write (:func:`_written_attrs`)."""
+    ``x[x > 0]`` selects: a receive buffer is sized from the shapes), and not between two reads of a
+    parameter or buffer the graph writes in place (:func:`_written_spans`)."""
     from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
     local = local_nodes(traced, meta)
     last = _last_use(traced, local)
     sized = {n.name for n in traced.nodes
              if not (isinstance(n.meta.get("val"), torch.Tensor) and free_unbacked_symbols(n.meta["val"]))}
-    written = _written_attrs(traced)
+    spans = _written_spans(traced)
     live: set[str] = set()
     out = []
     for c, n in enumerate(traced.nodes[:-1], start=1):
         if n.name not in local:
             live.add(n.name)
         live = {v for v in live if last.get(v, -1) >= c}
-        if all(meta.get(v) is not None and v in sized and v not in written for v in live):
+        if all(meta.get(v) is not None and v in sized for v in live) and not any(a < c <= b for a, b in spans):
             out.append(c)
     return out
 
 
+def _written_spans(traced: Traced) -> list[tuple[int, int]]:
+    """For each parameter or buffer the graph writes in place (a step counter, an EMA), the positions
+    of the first and last node reading it or a value read back from a write (``ema.mul_(0.9)``, whose
+    result ``.add_(...)`` writes again). A cut inside would leave a partition reading its own copy that
+    another partition's writes never reach, or writing into a copy it received (the EMA never moved)."""
+    written = _written_attrs(traced)
+    index = {n.name: i for i, n in enumerate(traced.nodes)}
+    spans = []
+    for n in traced.nodes:
+        if n.op == "get_attr" and _mutated(n):
+            group, stack = {n.name}, [n]
+            while stack:  # the buffer and the writes' results that alias it
+                for u in stack.pop().users:
+                    if u.name in written and u.name not in group:
+                        group.add(u.name)
+                        stack.append(u)
+            at = [index[u.name] for v in traced.nodes if v.name in group for u in v.users if u.name in index]
+            if at:
+                spans.append((min(at), max(at)))
+    return spans
+
+
 def _written_attrs(traced: Traced) -> set[str]:
-    """Values that are a parameter or buffer the graph writes in place, read back from the write
-    (``ema.mul_(0.9)``, whose result ``.add_(...)`` writes again): one sent to a later partition would
-    arrive as a copy, and the writes made there would be lost (the EMA never moved)."""
+    """Values that are a parameter or buffer the graph writes in place, read back from a write."""
     written: set[str] = set()
     for n in traced.nodes:
         if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
