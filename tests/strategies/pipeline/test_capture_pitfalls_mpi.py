@@ -12,7 +12,8 @@ process 4). Such a forward is now captured by torch.export, which keeps the upda
 A ``torch.jit.script``-ed submodule was called by fx as an opaque object whose parameters no partition
 held: they never trained (2e-3 off after 2 steps), silently; it is refused (FitError on every rank). A
 buffer read by one partition and updated by another (at 3-4 partitions a.weight 7e-4 off, the EMA 0.16):
-the cut keeps its reads and writes in one partition. Forward hooks on a non-leaf submodule, weight_norm, spectral_norm and ``torch.compile(model)`` train as one
+the cut keeps its reads and writes in one partition. Forward hooks on a non-leaf submodule,
+weight_norm, spectral_norm and ``torch.compile(model)`` train as one
 process (guards)."""
 
 from __future__ import annotations
