@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 from torch import fx, nn
+from torch.nn import functional as F
 
 from ..._utils.flat import group_by
 from .._batching import call_args
@@ -43,7 +44,7 @@ from ._backward import input_gradients
 __all__ = ["TraceFailure", "ValueMeta", "Traced", "Partition", "capture", "trace", "export", "model_args",
            "profile", "measure", "measure_module", "check_shapes", "training_kwargs", "reference_seconds",
            "measure_loss", "measure_plain", "param_counts", "cut_points", "split", "mutated_placeholders",
-           "local_nodes", "tied_groups", "set_training", "retarget", "Clock", "work_clock"]
+           "local_nodes", "tied_groups", "set_training", "mutated_attrs", "retarget", "Clock", "work_clock"]
 
 #: A clock read before and after a timed piece of work: seconds as a float (wall or CPU time)
 Clock = Callable[[], float]
@@ -80,6 +81,9 @@ class Traced:
     in_spec: pytree.TreeSpec | None = None
     how: str = "fx"
     fixed_kwargs: dict[str, Any] = field(default_factory=dict)
+    #: the forward branches on ``self.training`` beyond the mode flags :func:`set_training` switches (fx
+    #: only: :func:`_mode_branch`): the graph computes the captured mode's branch in both modes
+    mode_branch: bool = False
 
 
 @dataclass
@@ -166,16 +170,44 @@ class _ModeTracer(fx.Tracer):
         return super().create_node(*args, **kwargs)
 
 
+@contextmanager
+def _eager_mutations(model: nn.Module) -> Iterator[list[str]]:
+    """The names of `model`'s parameters and buffers changed in place inside the block, each buffer put
+    back as it was. fx proxies a tensor attribute only once an op mixes it with a traced value: ``self.count
+    += 1`` or ``self.ema.mul_(0.9)`` runs on the real buffer while tracing (once), and the graph has no
+    node for it (every step of the captured model would skip it). The version counter tells."""
+    tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    versions = {k: t._version for k, t in tensors.items()}
+    saved = {k: b.detach().clone() for k, b in model.named_buffers()}
+    mutated: list[str] = []
+    try:
+        yield mutated
+    finally:
+        mutated += [k for k, t in tensors.items() if t._version != versions[k]]
+        with torch.no_grad():
+            for k in mutated:
+                if k in saved:
+                    tensors[k].copy_(saved[k])
+
+
 def trace(model: nn.Module) -> Traced:
     """Symbolically trace `model` (unmodified). Raises :class:`TraceFailure` naming what stopped fx, or
     that the forward switches gradients or autocast inside (:class:`_ModeTracer`)."""
     tracer = _ModeTracer()
     try:
-        graph = tracer.trace(model)
+        with _eager_mutations(model) as mutated:
+            graph = tracer.trace(model)
         gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
         if tracer.switched:
             raise RuntimeError("the forward switches gradients or autocast inside (torch.no_grad, "
                                "torch.autocast, reentrant checkpointing), which fx does not record")
+        scripted = [name for name, m in model.named_modules() if isinstance(m, torch.jit.ScriptModule)]
+        if scripted:
+            raise RuntimeError(f"{', '.join(scripted)} is torch.jit.script-ed: fx calls its compiled forward as an "
+                               f"opaque object, whose parameters the graph does not hold")
+        if mutated:
+            raise RuntimeError(f"the forward changes {', '.join(mutated)} in place from no input (a step counter, "
+                               f"an EMA), which fx runs once while tracing and does not record")
     except Exception as e:  # TraceError, TypeError, NotImplementedError...: depends on the construct
         raise TraceFailure(
             f"cannot split {type(model).__name__} into partitions: torch.fx could not trace it "
@@ -186,7 +218,41 @@ def trace(model: nn.Module) -> Traced:
     nodes = list(gm.graph.nodes)
     output = next(n for n in nodes if n.op == "output")
     flat, spec = pytree.tree_flatten(output.args[0])
-    return _traced(model, gm, flat, spec, None, "fx")
+    traced = _traced(model, gm, flat, spec, None, "fx")
+    traced.mode_branch = _mode_branch(model, graph)
+    return traced
+
+
+def _mode_branch(model: nn.Module, graph: fx.Graph) -> bool:
+    """Whether fx traces `model` with every module in the other mode to another graph than `graph`, the
+    mode flags of :data:`_FX_MODE_ARGS` aside (:func:`set_training` switches those): a Python branch on
+    ``self.training`` (``if self.training: x = x + noise``) that the captured graph keeps in both modes.
+    The modes are set as attributes (a ``train()`` override is not run) and put back."""
+    modes = {m: m.training for m in model.modules()}
+    try:
+        for m, training in modes.items():
+            m.training = not training
+        with _eager_mutations(model):
+            other = fx.Tracer().trace(model)
+    except Exception:  # noqa: BLE001 - the other mode does not even trace: it surely differs
+        return True
+    finally:
+        for m, training in modes.items():
+            m.training = training
+    return _signature(other) != _signature(graph)
+
+
+def _signature(graph: fx.Graph) -> list[str]:
+    """`graph`'s nodes as text, without the mode flag of an :data:`_FX_MODE_ARGS` call."""
+    out = []
+    for n in graph.nodes:
+        args, kwargs = list(n.args), dict(n.kwargs)
+        if n.op == "call_function" and n.target in _FX_MODE_ARGS:
+            i, name = _FX_MODE_ARGS[n.target]
+            kwargs.pop(name, None)
+            args = args[:i] + args[i + 1:]
+        out.append(f"{n.op} {n.name} {n.target} {args} {kwargs}")
+    return out
 
 
 def export(model: nn.Module, sample: Any) -> Traced:
@@ -677,19 +743,24 @@ def _scratch_grads(gm: nn.Module) -> None:
 
 @contextmanager
 def _undisturbed(gm: nn.Module, train: bool) -> Iterator[None]:
-    """Run `gm` in train/eval mode and put back its modes, buffers, parameter gradients and RNG state."""
+    """Run `gm` in train/eval mode (its graph's mode flags too: :func:`set_training`) and put back its
+    modes, buffers, parameter gradients and RNG state."""
     modes = {m: m.training for m in gm.modules()}
     buffers = [(b, b.detach().clone()) for b in gm.buffers()]
     grads = [(p, p.grad) for p in gm.parameters()]
     for p, _ in grads:
         p.grad = None  # backward would accumulate into the saved tensors in place
     gm.train(train)
+    if isinstance(gm, fx.GraphModule):
+        set_training(gm, train)
     try:
         with torch.random.fork_rng(devices=[]):
             yield
     finally:
         for m, training in modes.items():
             m.train(training)
+        if isinstance(gm, fx.GraphModule):
+            set_training(gm, modes[gm])
         with torch.no_grad():
             for b, saved in buffers:
                 b.copy_(saved)
@@ -735,22 +806,62 @@ def cut_points(traced: Traced, meta: dict[str, ValueMeta | None]) -> list[int]:
     """Positions c (1 <= c < len(nodes)) where the graph may be cut: every non-local value defined
     before c and read at or after c is a tensor (a shape such as ``h.size(0)`` of an activation never
     crosses a boundary) whose shape follows from the inputs' shapes alone (not the rows that
-    ``x[x > 0]`` selects: a receive buffer is sized from the shapes)."""
+    ``x[x > 0]`` selects: a receive buffer is sized from the shapes), and not between two reads of a
+    parameter or buffer the graph writes in place (:func:`_written_spans`)."""
     from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
     local = local_nodes(traced, meta)
     last = _last_use(traced, local)
     sized = {n.name for n in traced.nodes
              if not (isinstance(n.meta.get("val"), torch.Tensor) and free_unbacked_symbols(n.meta["val"]))}
+    spans = _written_spans(traced)
     live: set[str] = set()
     out = []
     for c, n in enumerate(traced.nodes[:-1], start=1):
         if n.name not in local:
             live.add(n.name)
         live = {v for v in live if last.get(v, -1) >= c}
-        if all(meta.get(v) is not None and v in sized for v in live):
+        if all(meta.get(v) is not None and v in sized for v in live) and not any(a < c <= b for a, b in spans):
             out.append(c)
     return out
+
+
+def _written_spans(traced: Traced) -> list[tuple[int, int]]:
+    """For each parameter or buffer the graph writes in place (a step counter, an EMA), the positions
+    of the first and last node reading it or a value read back from a write (``ema.mul_(0.9)``, whose
+    result ``.add_(...)`` writes again). A cut inside would leave a partition reading its own copy that
+    another partition's writes never reach, or writing into a copy it received (the EMA never moved)."""
+    written = _written_attrs(traced)
+    index = {n.name: i for i, n in enumerate(traced.nodes)}
+    spans = []
+    for n in traced.nodes:
+        if n.op == "get_attr" and _mutated(n):
+            group, stack = {n.name}, [n]
+            while stack:  # the buffer and the writes' results that alias it
+                for u in stack.pop().users:
+                    if u.name in written and u.name not in group:
+                        group.add(u.name)
+                        stack.append(u)
+            at = [index[u.name] for v in traced.nodes if v.name in group for u in v.users if u.name in index]
+            if at:
+                spans.append((min(at), max(at)))
+    return spans
+
+
+def _written_attrs(traced: Traced) -> set[str]:
+    """Values that are a parameter or buffer the graph writes in place, read back from a write."""
+    written: set[str] = set()
+    for n in traced.nodes:
+        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
+            targets = [a for a, arg in zip(n.args, n.target._schema.arguments)
+                       if arg.alias_info is not None and arg.alias_info.is_write]
+        elif n.op == "call_method" and str(n.target).endswith("_") and n.args:
+            targets = [n.args[0]]
+        else:
+            continue
+        if any(isinstance(a, fx.Node) and (a.op == "get_attr" or a.name in written) for a in targets):
+            written.add(n.name)
+    return written
 
 
 def split(traced: Traced, bounds: Sequence[int], meta: dict[str, ValueMeta | None],
@@ -851,16 +962,29 @@ _MODE_ARGS = {"aten::dropout": 2, "aten::feature_dropout": 2, "aten::alpha_dropo
 #: (transformers' attention: ``dropout_p=self.attention_dropout if self.training else 0.0``): the index and
 #: name of that argument; 0 in eval mode, the captured value in training mode
 _DROPOUT_P_ARGS = {"aten::scaled_dot_product_attention": (4, "dropout_p")}
+#: Python-level calls an fx graph records with the mode flag the forward passed while it was traced
+#: (``F.dropout(x, p, self.training)`` becomes ``training=True`` for good): the index and name of that flag
+_FX_MODE_ARGS: dict[Any, tuple[int, str]] = {
+    **{f: (2, "training") for f in (F.dropout, F.alpha_dropout, F.feature_alpha_dropout, F.dropout1d,
+                                     F.dropout2d, F.dropout3d)},
+    **{f: (2, "train") for f in (torch.dropout, torch.alpha_dropout, torch.feature_dropout,
+                                  torch.feature_alpha_dropout)},
+    F.batch_norm: (5, "training"), torch.batch_norm: (5, "training"), F.rrelu: (3, "training"),
+}
 
 
 def set_training(gm: fx.GraphModule, train: bool) -> None:
     """Switch the mode flag of the dropout and batch-norm ops of an exported (ATen) graph, which
-    ``module.train()``/``eval()`` cannot reach (export bakes the mode into the op's arguments), and the
-    attention's dropout probability (:data:`_DROPOUT_P_ARGS`, kept in the node's meta to be put back).
-    Other Python branches on ``self.training`` stay as they were when the model was captured."""
+    ``module.train()``/``eval()`` cannot reach (export bakes the mode into the op's arguments), the
+    attention's dropout probability (:data:`_DROPOUT_P_ARGS`, kept in the node's meta to be put back),
+    and the training flag of an fx graph's functional dropout / batch-norm calls (:data:`_FX_MODE_ARGS`:
+    False in eval mode, the captured value in training mode). Other Python branches on ``self.training``
+    stay as they were when the model was captured."""
     changed = False
     for n in gm.graph.nodes:
-        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
+        if n.op == "call_function" and n.target in _FX_MODE_ARGS:
+            changed |= _set_mode_arg(n, *_FX_MODE_ARGS[n.target], train)
+        elif n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
             i = _MODE_ARGS.get(n.target._schema.name)
             if i is not None and len(n.args) > i and n.args[i] is not train:
                 n.update_arg(i, train)
@@ -868,6 +992,25 @@ def set_training(gm: fx.GraphModule, train: bool) -> None:
             changed |= _set_dropout_p(n, train)
     if changed:
         gm.recompile()
+
+
+def _set_mode_arg(n: fx.Node, i: int, name: str, train: bool) -> bool:
+    """Set the mode flag of an fx graph's functional call (argument `i` or keyword `name`, its default
+    when absent: True, as ``F.dropout``'s) to its captured value in training mode and to False in eval
+    mode; whether it changed. A flag computed by the graph (a node) is left alone."""
+    by_position = len(n.args) > i
+    now = n.args[i] if by_position else n.kwargs.get(name, True)
+    if not isinstance(now, bool):
+        return False
+    captured = n.meta.setdefault("mpitrain_train_flag", now)
+    want = captured and train
+    if now is want:
+        return False
+    if by_position:
+        n.update_arg(i, want)
+    else:
+        n.update_kwarg(name, want)
+    return True
 
 
 def _set_dropout_p(n: fx.Node, train: bool) -> bool:
@@ -903,6 +1046,13 @@ def tied_groups(parts: list[Partition]) -> list[tuple[tuple[int, ...], list[nn.P
         if len(ks) > 1:
             groups.setdefault(tuple(ks), []).append(first[key])
     return sorted(groups.items())
+
+
+def mutated_attrs(gm: fx.GraphModule) -> list[torch.Tensor]:
+    """The parameters and buffers `gm`'s graph writes in place (a step counter, an EMA, BatchNorm's
+    statistics): the partition holding such a write holds their current value, every other partition
+    reading them a copy it never updates."""
+    return [_get_attr(gm, str(n.target)) for n in gm.graph.nodes if n.op == "get_attr" and _mutated(n)]
 
 
 def mutated_placeholders(gm: fx.GraphModule) -> set[str]:

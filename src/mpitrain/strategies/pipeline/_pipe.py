@@ -24,6 +24,7 @@ first batch (:meth:`Pipeline.build`).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -380,6 +381,12 @@ class Pipeline:
         inputs = plain_inputs(inputs)  # a tokenizer's BatchEncoding: its dict (keyword arguments)
         if self.traced is None:
             self.traced = capture_model(self.model, inputs, self.R * self.M)
+            if self.traced.mode_branch and self.comm.rank == 0:
+                warnings.warn(f"{type(self.model).__name__}'s forward branches on self.training beyond dropout and "
+                              f"batch norm (`if self.training: ...`): the captured graph computes the training "
+                              f"branch in eval too (fit's eval_data, evaluate); move that code into a torch.nn "
+                              f"module (fx calls those as they are) or use strategy='data' (docs/pipeline.md)",
+                              UserWarning, stacklevel=2)
         try:
             return model_args(self.traced, inputs)
         except ValueError as e:

@@ -31,7 +31,7 @@ from .._grad_allreduce import allreduce_gradients
 from .._zero import Zero
 from ..base import FitError
 from ._cut import Cut, mine
-from ._graph import Partition, ValueMeta, set_training, tied_groups
+from ._graph import Partition, ValueMeta, mutated_attrs, set_training, tied_groups
 from ._layout import Groups, Layout
 from ._shapes import rows
 from ._stage import Stage, make_edges, run
@@ -317,9 +317,13 @@ class PipelineRuntime:
         return ids([s.part for s in self.stages]), ids(self.cut.parts)
 
     def gather_model(self, model: nn.Module) -> None:
-        """Every tensor of `model` broadcast from the first partition holding it (replica 0's copy), in
-        place (collective over `comm`)."""
+        """Every tensor of `model` broadcast from the first partition writing it in place in its graph
+        (a buffer the forward updates: :func:`mutated_attrs`), else the first holding it (replica 0's
+        copy), in place (collective over `comm`)."""
         owner: dict[int, int] = {}
+        for k, part in enumerate(self.cut.parts):
+            for t in mutated_attrs(part.module):
+                owner.setdefault(id(t), self.layout.rank_of(k))
         for k, part in enumerate(self.cut.parts):
             for t in [*part.module.parameters(), *part.module.buffers()]:
                 owner.setdefault(id(t), self.layout.rank_of(k))
@@ -332,11 +336,11 @@ class PipelineRuntime:
                         t.data.copy_(buf)
 
     def mode(self, train: bool) -> None:
-        """Train or eval mode for this rank's partitions: submodules (fx) and ATen mode flags (export)."""
+        """Train or eval mode for this rank's partitions: submodules, and the mode flags either capture
+        baked into the graph (ATen ops for export, functional dropout / batch-norm calls for fx)."""
         for s in self.stages:
             s.part.module.train(train)
-            if self.cut.traced.how == "export":
-                set_training(s.part.module, train)
+            set_training(s.part.module, train)
 
     def _sync_buffers(self) -> None:
         """Give every replica replica 0's buffers (BatchNorm statistics), as DDP's broadcast_buffers
