@@ -997,32 +997,27 @@ def set_training(gm: fx.GraphModule, train: bool) -> None:
 def _set_mode_arg(n: fx.Node, i: int, name: str, train: bool) -> bool:
     """Set the mode flag of an fx graph's functional call (argument `i` or keyword `name`, its default
     when absent: True, as ``F.dropout``'s) to its captured value in training mode and to False in eval
-    mode; whether it changed. A flag computed by the graph (a node) is left alone."""
-    by_position = len(n.args) > i
-    now = n.args[i] if by_position else n.kwargs.get(name, True)
-    if not isinstance(now, bool):
-        return False
-    captured = n.meta.setdefault("mpitrain_train_flag", now)
-    want = captured and train
-    if now is want:
-        return False
-    if by_position:
-        n.update_arg(i, want)
-    else:
-        n.update_kwarg(name, want)
-    return True
+    mode; whether it changed."""
+    return _set_captured_arg(n, i, name, True, "mpitrain_train_flag", train, False)
 
 
 def _set_dropout_p(n: fx.Node, train: bool) -> bool:
     """Set `n`'s dropout probability (:data:`_DROPOUT_P_ARGS`) for the mode; whether it changed."""
     where = _DROPOUT_P_ARGS.get(n.target._schema.name)  # type: ignore[union-attr]
-    if where is None:
-        return False
-    i, name = where
+    return where is not None and _set_captured_arg(n, *where, 0.0, "mpitrain_train_dropout_p", train, 0.0)
+
+
+def _set_captured_arg(n: fx.Node, i: int, name: str, default: bool | float, key: str, train: bool,
+                      eval_value: bool | float) -> bool:
+    """Set `n`'s argument `i` or keyword `name` (`default` when absent) to the value it was captured with
+    (kept in ``n.meta[key]``) in training mode and to `eval_value` in eval mode; whether it changed. A
+    value computed by the graph (a node) is left alone."""
     by_position = len(n.args) > i
-    now = n.args[i] if by_position else n.kwargs.get(name, 0.0)
-    captured = n.meta.setdefault("mpitrain_train_dropout_p", now)
-    want = captured if train else 0.0
+    now = n.args[i] if by_position else n.kwargs.get(name, default)
+    if isinstance(now, fx.Node):
+        return False
+    captured = n.meta.setdefault(key, now)
+    want: Any = captured if train else eval_value  # the captured one: a bool or a float
     if now == want:
         return False
     if by_position:
