@@ -59,6 +59,13 @@ class ReplicaBuffers:
         """A training forward ran since the last agreement (or broadcast): the ranks' buffers may differ."""
         self._moved = bool(self.buffers)
 
+    def broadcast_before_forwards(self) -> None:
+        """Rank 0's buffers on every rank now, before training forwards that will move them again (DDP's
+        ``broadcast_buffers`` once per step). Collective on the communicator."""
+        if self.buffers:
+            broadcast_tensors(self.buffers, self.comm, 0)
+            self.moved()
+
     def agree(self) -> None:
         """Rank 0's buffers on every rank if they moved since the last call. Collective on the communicator
         (every rank calls it at the same point; each knows alike whether they moved: every rank runs a step)."""

@@ -562,9 +562,8 @@ class DataTrainer(StepTrainer):
         self.sync_norms.check_forwards(
             batches, self.comm.size, lambda n, r: min(even_share(n, self.comm.size, r).rows, m),
             f"use batches of at least {self.comm.size * m} samples (drop_last=True for a short last one)")
-        if self._buffers.buffers and self.dp.training:
-            broadcast_tensors(self._buffers.buffers, self.comm, 0)
-            self._buffers.moved()
+        if self.dp.training:
+            self._buffers.broadcast_before_forwards()
         if self.dp.stage == 3:
             self._check_passes(batches)
 
@@ -612,8 +611,9 @@ class DataTrainer(StepTrainer):
     def eval_step(self, inputs: Batch, targets: torch.Tensor) -> Any:
         """The model's outputs for the whole batch on every rank, in the model's own structure (a
         tensor, tuple, ModelOutput: every tensor leaf gathered along dim 0). Every rank evaluates with rank
-        0's buffers (:meth:`_agree_buffers`), so the outputs are those of the model fit returns."""
-        self._agree_buffers()
+        0's buffers (:meth:`~._broadcast.ReplicaBuffers.agree`: the step's forwards moved each rank's by its
+        own rows), so the outputs are those of the model fit returns."""
+        self._buffers.agree()
         return replica_eval(self.dp.module, self.comm, self.place, inputs, targets, self.device, self.loop.precision,
                             self.loss_fn, self.label_shift)
 
@@ -686,19 +686,12 @@ class DataTrainer(StepTrainer):
         """The wrapped module (same weights on every rank). Collective: fit calls it last, on every rank,
         so it also closes the KVStore (its comm thread); the trainer takes no more steps after it (with
         ``zero`` its optimizer state is freed first: zero=3 gathers the whole parameters here)."""
-        self._agree_buffers()
+        self._buffers.agree()
         self.sync_norms.restore()
         if self.dp.zero is not None:
             self.dp.zero.drop_state(self.optimizer)
         self.dp.close()
         return self.dp.module
-
-    def _agree_buffers(self) -> None:
-        """Rank 0's buffers on every rank, once after a step: the step's forwards left each rank's BatchNorm
-        statistics moved by its own rows (DDP's state after a step too); the next step would broadcast rank
-        0's, so the evaluated and the returned model take those now, the same on every rank. Collective."""
-        self._buffers.agree()
-
 
 def make_trainer(model: nn.Module, loss_fn: LossFn, optimizer: OptimizerFactory, comm: Communicator,
                  spec: FitSpec) -> DataTrainer:
